@@ -1,0 +1,81 @@
+# dsv4 — quick start on a fresh machine (Rust, gcc, make, python3):
+#   make demo    the memory plans of a V4-Flash prefill node, HiCache by ratio and by size
+#   make test    everything: fmt, clippy, Rust tests, header freshness, install + CMake/ctest,
+#                pkg-config build, pytest
+# Other targets: lib, header, install PREFIX=..., clean.
+
+CARGO   ?= cargo
+PREFIX  ?= /usr/local
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+MAJOR   := $(firstword $(subst ., ,$(VERSION)))
+REL     := target/release
+STAGE   := $(CURDIR)/build/prefix
+VENV    := $(CURDIR)/.venv
+CC      ?= cc
+
+.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean
+
+all: lib
+
+deps:
+	@./scripts/deps.sh
+
+venv: deps
+	@./scripts/venv.sh $(VENV)
+
+lib: deps
+	@CARGO=$(CARGO) ./scripts/build-lib.sh
+
+# Regenerates include/dsv4.h from src/ffi (commit the result).
+header:
+	DSV4_UPDATE_HEADER=1 $(CARGO) build --lib
+
+install: lib
+	install -d $(PREFIX)/lib $(PREFIX)/include $(PREFIX)/bin $(PREFIX)/share/dsv4
+	install -m 755 $(REL)/libdsv4.so $(PREFIX)/lib/libdsv4.so.$(VERSION)
+	ln -sf libdsv4.so.$(VERSION) $(PREFIX)/lib/libdsv4.so.$(MAJOR)
+	ln -sf libdsv4.so.$(MAJOR) $(PREFIX)/lib/libdsv4.so
+	install -m 644 $(REL)/libdsv4.a $(PREFIX)/lib/libdsv4.a
+	install -m 644 include/dsv4.h bindings/cpp/dsv4.hpp $(PREFIX)/include/
+	cmake -DPREFIX=$(PREFIX) -DDSV4_VERSION=$(VERSION) \
+	      -DNATIVE_LIBS="$$(cat $(REL)/native-static-libs.txt)" -P cmake/write-package.cmake
+	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/c/plan.c \
+	      -L$(PREFIX)/lib -ldsv4 '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-plan
+	cp -r configs $(PREFIX)/share/dsv4/
+
+demo: lib
+	@$(MAKE) --no-print-directory install PREFIX=$(STAGE) >/dev/null
+	@echo "== DeepSeek V4-Flash on a PD prefill node (4 GiB device KV): HiCache by ratio vs by size =="
+	@$(STAGE)/bin/dsv4-plan examples/params/flash-prefill-ratio.json examples/params/flash-prefill-size.json
+
+test: deps test-rust test-c test-pkgconfig test-python
+	@echo "make test: all passed"
+
+test-rust: deps
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) test   # includes the header freshness test (include/dsv4.h vs src/ffi)
+
+test-c: lib
+	rm -rf $(STAGE) build/ctest
+	$(MAKE) --no-print-directory install PREFIX=$(STAGE)
+	cmake -S tests/c -B build/ctest -DCMAKE_PREFIX_PATH=$(STAGE) -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build/ctest -j2
+	ctest --test-dir build/ctest --output-on-failure --no-tests=error
+
+# Builds the C example through pkg-config alone and runs it.
+test-pkgconfig: test-c
+	mkdir -p build/pkgconfig
+	$(CC) -std=c11 -Wall -Wextra -Werror examples/c/plan.c \
+	      $$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --cflags --libs dsv4) \
+	      -Wl,-rpath,$$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --variable=libdir dsv4) \
+	      -o build/pkgconfig/dsv4-plan
+	build/pkgconfig/dsv4-plan examples/params/flash-prefill-size.json | grep -q "hicache: size 150,000,000,000 B"
+	@echo "pkg-config build: ok"
+
+test-python: venv test-c
+	DSV4_LIBRARY=$(STAGE)/lib/libdsv4.so.$(MAJOR) $(VENV)/bin/python -m pytest -q tests/python
+
+clean:
+	$(CARGO) clean
+	rm -rf build

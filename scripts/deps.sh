@@ -1,0 +1,21 @@
+#!/bin/sh
+# Installs what `make` needs on a fresh Debian/Ubuntu machine that has only Rust, gcc, make and
+# python3: the C libraries hwlocality links (hwloc, udev), cmake and pkg-config for the
+# packaging tests, and g++ for the C++ example. Does nothing when everything is present.
+set -eu
+
+missing=""
+command -v cmake >/dev/null 2>&1 || missing="$missing cmake"
+command -v pkg-config >/dev/null 2>&1 || missing="$missing pkg-config"
+command -v g++ >/dev/null 2>&1 || missing="$missing g++"
+pkg-config --exists hwloc 2>/dev/null || missing="$missing libhwloc-dev"
+pkg-config --exists libudev 2>/dev/null || missing="$missing libudev-dev"
+
+if [ -n "$missing" ]; then
+    echo "deps: installing$missing"
+    if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get update -qq
+    # shellcheck disable=SC2086
+    $sudo apt-get install -y -qq --no-install-recommends $missing >/dev/null
+fi

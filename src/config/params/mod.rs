@@ -1,0 +1,545 @@
+//! Engine parameters: one JSON document, merged over the defaults, validated in full.
+//!
+//! [`Params::from_json`] is the only way in: it rejects invalid UTF-8 and JSON, unknown keys
+//! (with a "did you mean"), wrong types, bad units and out-of-range values, and cross-key
+//! conflicts, all in one [`ErrorKind::Config`] error.
+
+pub mod schema;
+mod validate;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
+
+use crate::config::size::{describe, parse_size};
+use crate::error::{Error, ErrorKind, Result};
+use schema::KEYS;
+use validate::Problems;
+
+pub use validate::closest;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Unified,
+    Prefill,
+    Decode,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+}
+
+/// `kv.dtype`: the format of compressed and window KV rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    /// f32 on the CPU backend, fp8 on CUDA.
+    Auto,
+    F32,
+    Bf16,
+    Fp8,
+}
+
+/// `kv.indexer_dtype`: the format of CSA indexer key rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexerDtype {
+    /// f32 on the CPU backend, fp8 on CUDA.
+    Auto,
+    F32,
+    Bf16,
+    Fp8,
+    Fp4,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WritePolicy {
+    WriteThrough,
+    WriteThroughSelective,
+    WriteBack,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulerPolicy {
+    Fcfs,
+    Lpm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NumericsMode {
+    Exact,
+    Official,
+}
+
+/// A size in bytes; reads integers and unit strings, writes integers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Bytes(pub u64);
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = Value::deserialize(deserializer)?;
+        parse_size(&value)
+            .map(Bytes)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for Bytes {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u64(self.0)
+    }
+}
+
+/// `hicache.numa_node`: the GPU's node, or a fixed one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumaNode {
+    Auto,
+    Index(u32),
+}
+
+impl<'de> Deserialize<'de> for NumaNode {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match Value::deserialize(deserializer)? {
+            Value::String(s) if s == "auto" => Ok(Self::Auto),
+            v => v
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .map(Self::Index)
+                .ok_or_else(|| serde::de::Error::custom(format!("bad numa node {v}"))),
+        }
+    }
+}
+
+impl Serialize for NumaNode {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => serializer.serialize_str("auto"),
+            Self::Index(n) => serializer.serialize_u32(*n),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Parallel {
+    pub tp: u32,
+    pub ep: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelParams {
+    pub weight_dtype: WeightDtype,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvParams {
+    pub dtype: KvDtype,
+    pub indexer_dtype: IndexerDtype,
+    pub page_size: u32,
+    pub device_memory_bytes: Option<Bytes>,
+    pub device_memory_fraction: Option<f64>,
+    pub device_total_bytes: Option<Bytes>,
+    pub max_running_requests: u32,
+    pub max_context_tokens: Option<u64>,
+    pub snapshot_interval_tokens: Option<u64>,
+    pub snapshot_fraction: f64,
+}
+
+impl KvParams {
+    /// `snapshot_interval_tokens`, defaulting to 16 pages.
+    pub fn snapshot_interval(&self) -> u64 {
+        self.snapshot_interval_tokens
+            .unwrap_or(16 * u64::from(self.page_size))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HiCacheParams {
+    pub enabled: bool,
+    pub ratio: Option<f64>,
+    pub size_bytes: Option<Bytes>,
+    pub write_policy: WritePolicy,
+    pub numa_node: NumaNode,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdmissionParams {
+    pub max_queued_requests: u32,
+    pub max_queued_tokens: u64,
+    pub queue_timeout_ms: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerParams {
+    pub chunked_prefill_tokens: u32,
+    pub max_batch_tokens: u32,
+    pub policy: SchedulerPolicy,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NumericsParams {
+    pub mode: NumericsMode,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricsParams {
+    /// Added to every exported series, in the caller's order.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Validated engine parameters. docs/params.md describes every field.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Params {
+    pub model_path: Option<String>,
+    pub backend: Backend,
+    pub devices: Vec<u32>,
+    pub threads: u32,
+    pub role: Role,
+    pub parallel: Parallel,
+    pub model: ModelParams,
+    pub kv: KvParams,
+    pub hicache: HiCacheParams,
+    pub admission: AdmissionParams,
+    pub scheduler: SchedulerParams,
+    pub numerics: NumericsParams,
+    pub metrics: MetricsParams,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        serde_json::from_value(Value::Object(defaults_document()))
+            .expect("the schema's defaults form a valid document")
+    }
+}
+
+impl Params {
+    /// Parses a params document (a partial one is merged over the defaults).
+    pub fn from_json(text: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(text).map_err(|e| {
+            Error::config(format!(
+                "params are not valid JSON (line {}, column {}): {e}",
+                e.line(),
+                e.column()
+            ))
+        })?;
+        Self::from_value(&value)
+    }
+
+    /// Like [`Self::from_json`], for raw bytes from a C caller: invalid UTF-8 is a config error.
+    pub fn from_json_bytes(bytes: &[u8]) -> Result<Self> {
+        let text = std::str::from_utf8(bytes).map_err(|e| {
+            Error::config(format!(
+                "params are not valid UTF-8: invalid byte at offset {}; pass UTF-8 JSON text",
+                e.valid_up_to()
+            ))
+        })?;
+        Self::from_json(text)
+    }
+
+    pub fn from_value(value: &Value) -> Result<Self> {
+        let Value::Object(doc) = value else {
+            return Err(Error::config(format!(
+                "params must be a JSON object such as {{\"model_path\": \"…\"}}, got {}",
+                describe(value)
+            )));
+        };
+        let mut problems = Problems::default();
+        validate::check_document(doc, &mut problems);
+        let mut merged = defaults_document();
+        merge(&mut merged, doc);
+        // Cross-key checks read the merged document and skip values that already failed, so
+        // one pass reports both kinds of problems.
+        check_cross_keys(&merged, &mut problems);
+        if !problems.0.is_empty() {
+            return Err(Error::from_problems(
+                ErrorKind::Config,
+                "params",
+                &problems.0,
+            ));
+        }
+        serde_json::from_value(Value::Object(merged))
+            .map_err(|e| Error::internal(format!("validated params failed to deserialize: {e}")))
+    }
+
+    /// The full document with every default filled in and sizes in bytes.
+    pub fn to_json_value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+
+    /// `kv.dtype` with `auto` resolved for the backend.
+    pub fn kv_dtype(&self) -> KvDtype {
+        match (self.kv.dtype, self.backend) {
+            (KvDtype::Auto, Backend::Cpu) => KvDtype::F32,
+            (KvDtype::Auto, Backend::Cuda) => KvDtype::Fp8,
+            (other, _) => other,
+        }
+    }
+
+    /// `kv.indexer_dtype` with `auto` resolved for the backend.
+    pub fn indexer_dtype(&self) -> IndexerDtype {
+        match (self.kv.indexer_dtype, self.backend) {
+            (IndexerDtype::Auto, Backend::Cpu) => IndexerDtype::F32,
+            (IndexerDtype::Auto, Backend::Cuda) => IndexerDtype::Fp8,
+            (other, _) => other,
+        }
+    }
+}
+
+/// Checks between keys, on the merged document. A value that failed its own check is skipped.
+fn check_cross_keys(doc: &Map<String, Value>, problems: &mut Problems) {
+    let get = |path: &str| -> Option<&Value> {
+        let mut value = doc.get(path.split('.').next()?)?;
+        for part in path.split('.').skip(1) {
+            value = value.get(part)?;
+        }
+        (!value.is_null()).then_some(value)
+    };
+    let valid = |path: &str| -> Option<&Value> {
+        let value = get(path)?;
+        let spec = schema::find(path)?;
+        validate::check_value(spec, value).ok().map(|_| value)
+    };
+    let uint = |path: &str| valid(path).and_then(Value::as_u64);
+    let size = |path: &str| valid(path).and_then(|v| parse_size(v).ok());
+
+    if let Some(page) = uint("kv.page_size") {
+        if page % 128 != 0 {
+            let (lower, upper) = (page / 128 * 128, page.div_ceil(128) * 128);
+            let choices = if lower == 0 {
+                upper.to_string()
+            } else {
+                format!("{lower} or {upper}")
+            };
+            problems.push(format!(
+                "`kv.page_size` = {page} is not a multiple of 128: use {choices} (an HCA row \
+                 covers 128 tokens and must not straddle pages)"
+            ));
+        }
+        if let Some(interval) = uint("kv.snapshot_interval_tokens") {
+            if interval % page != 0 {
+                problems.push(format!(
+                    "`kv.snapshot_interval_tokens` = {interval} is not a multiple of \
+                     `kv.page_size` = {page}: use {} (snapshots are taken at page boundaries)",
+                    (interval / page).max(1) * page
+                ));
+            }
+        }
+    }
+    if get("kv.device_memory_bytes").is_some() && get("kv.device_memory_fraction").is_some() {
+        problems.push(
+            "both `kv.device_memory_bytes` and `kv.device_memory_fraction` are set: keep one",
+        );
+    }
+    if let (Some(total), Some(budget)) = (
+        size("kv.device_total_bytes"),
+        size("kv.device_memory_bytes"),
+    ) {
+        if budget > total {
+            problems.push(format!(
+                "`kv.device_memory_bytes` = {budget} exceeds `kv.device_total_bytes` = {total}: \
+                 lower it"
+            ));
+        }
+    }
+    if get("hicache.ratio").is_some() && get("hicache.size_bytes").is_some() {
+        problems.push(
+            "both `hicache.ratio` and `hicache.size_bytes` are set: keep one (DeepSeek V4 \
+             accepts either; the plan shows what the other amounts to)",
+        );
+    }
+    if let (Some(chunk), Some(batch)) = (
+        uint("scheduler.chunked_prefill_tokens"),
+        uint("scheduler.max_batch_tokens"),
+    ) {
+        if chunk > batch {
+            problems.push(format!(
+                "`scheduler.chunked_prefill_tokens` = {chunk} exceeds \
+                 `scheduler.max_batch_tokens` = {batch}: a prefill chunk must fit in one batch; \
+                 lower the first or raise the second"
+            ));
+        }
+    }
+    let no_devices = valid("devices")
+        .and_then(Value::as_array)
+        .is_some_and(|d| d.is_empty());
+    if valid("backend").and_then(Value::as_str) == Some("cuda") && no_devices {
+        problems.push("`devices` is empty but `backend` is cuda: list the GPUs, e.g. [0]");
+    }
+}
+
+/// The defaults, as a JSON object in document order.
+pub fn defaults_document() -> Map<String, Value> {
+    let mut doc = Map::new();
+    for spec in KEYS {
+        let value: Value =
+            serde_json::from_str(spec.default).expect("schema defaults are JSON literals");
+        let target = match spec.section() {
+            "" => &mut doc,
+            section => doc
+                .entry(section.to_string())
+                .or_insert_with(|| Value::Object(Map::new()))
+                .as_object_mut()
+                .expect("sections are objects"),
+        };
+        target.insert(spec.leaf().to_string(), value);
+    }
+    doc
+}
+
+/// Objects merge key by key; everything else (including arrays) replaces.
+fn merge(base: &mut Map<String, Value>, over: &Map<String, Value>) {
+    for (key, value) in over {
+        match (base.get_mut(key), value) {
+            (Some(Value::Object(b)), Value::Object(o)) if key != "labels" => merge(b, o),
+            _ => {
+                base.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn err(doc: Value) -> Error {
+        Params::from_value(&doc).expect_err("should be rejected")
+    }
+
+    #[test]
+    fn empty_document_gives_the_defaults() {
+        let p = Params::from_json("{}").unwrap();
+        assert_eq!(p, Params::default());
+        assert_eq!(p.backend, Backend::Cpu);
+        assert_eq!(p.kv.page_size, 256);
+        assert_eq!(p.kv.snapshot_interval(), 4096);
+        assert_eq!(p.kv_dtype(), KvDtype::F32);
+        assert!(!p.hicache.enabled);
+        assert_eq!(p.hicache.numa_node, NumaNode::Auto);
+    }
+
+    #[test]
+    fn partial_documents_merge_over_defaults() {
+        let p = Params::from_value(&json!({
+            "backend": "cuda",
+            "kv": {"page_size": 128, "device_memory_bytes": "60GiB"},
+            "hicache": {"enabled": true, "size_bytes": "150GB", "numa_node": 1},
+            "metrics": {"labels": {"cluster": "eu-1"}}
+        }))
+        .unwrap();
+        assert_eq!(p.kv.page_size, 128);
+        assert_eq!(p.kv.max_running_requests, 32);
+        assert_eq!(p.kv.device_memory_bytes, Some(Bytes(60 << 30)));
+        assert_eq!(p.hicache.size_bytes, Some(Bytes(150_000_000_000)));
+        assert_eq!(p.hicache.numa_node, NumaNode::Index(1));
+        assert_eq!(p.kv_dtype(), KvDtype::Fp8);
+        assert_eq!(p.metrics.labels["cluster"], "eu-1");
+        // The resolved document round-trips with sizes in bytes.
+        let resolved = p.to_json_value();
+        assert_eq!(resolved["hicache"]["size_bytes"], json!(150_000_000_000u64));
+        assert_eq!(Params::from_value(&resolved).unwrap(), p);
+    }
+
+    #[test]
+    fn invalid_json_and_utf8_are_config_errors() {
+        let e = Params::from_json("{\"kv\": ").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("not valid JSON (line 1"), "{e}");
+        let e = Params::from_json_bytes(b"{\"model_path\": \"\xff\"}").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(
+            e.message()
+                .contains("not valid UTF-8: invalid byte at offset 16"),
+            "{e}"
+        );
+        let e = Params::from_json("[1, 2]").unwrap_err();
+        assert!(e.message().contains("must be a JSON object"), "{e}");
+    }
+
+    #[test]
+    fn every_problem_is_reported_in_one_error() {
+        let e = err(json!({
+            "backend": "gpu",
+            "threads": -2,
+            "kv": {"page_size": "256", "max_running_requests": 0,
+                   "device_memory_bytes": "2 GBs"},
+            "hicache": {"write_polcy": "write_back", "ratio": 0,
+                        "size_bytes": -5, "enabled": "yes"},
+            "admission": {"max_queued_requests": 1.5},
+            "metrics": {"labels": {"bad-name": "x"}},
+            "page_size": 256
+        }));
+        assert_eq!(e.kind(), ErrorKind::Config);
+        let m = e.message();
+        for needle in [
+            "13 problems in params",
+            "both `hicache.ratio` and `hicache.size_bytes` are set",
+            "`backend` = \"gpu\" is not one of cpu, cuda",
+            "`threads` = -2 is negative",
+            "`kv.page_size` must be an integer, got string \"256\": write 256 without quotes",
+            "`kv.max_running_requests` = 0 is below the minimum 1 requests",
+            "`kv.device_memory_bytes`: unknown unit `GBs`",
+            "unknown key `hicache.write_polcy` — did you mean `hicache.write_policy`?",
+            "`hicache.ratio` = 0 is out of range: it must be > 0",
+            "`hicache.size_bytes`: -5 is negative",
+            "`hicache.enabled` must be true or false, got string \"yes\"",
+            "`admission.max_queued_requests` must be an integer, got number 1.5",
+            "label name \"bad-name\"",
+            "unknown key `page_size` — did you mean `kv.page_size`?",
+        ] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+    }
+
+    #[test]
+    fn cross_key_conflicts_name_both_keys() {
+        let m = err(json!({
+            "kv": {"page_size": 200, "device_memory_bytes": "1GiB",
+                   "device_memory_fraction": 0.5, "snapshot_interval_tokens": 1100},
+            "hicache": {"ratio": 2.0, "size_bytes": "150GB"},
+            "scheduler": {"chunked_prefill_tokens": 9000, "max_batch_tokens": 8192}
+        }))
+        .to_string();
+        for needle in [
+            "`kv.page_size` = 200 is not a multiple of 128: use 128 or 256",
+            "`kv.snapshot_interval_tokens` = 1100 is not a multiple of `kv.page_size` = 200: use 1000",
+            "both `kv.device_memory_bytes` and `kv.device_memory_fraction` are set",
+            "both `hicache.ratio` and `hicache.size_bytes` are set",
+            "`scheduler.chunked_prefill_tokens` = 9000 exceeds `scheduler.max_batch_tokens`",
+        ] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+    }
+
+    #[test]
+    fn sections_must_be_objects_and_devices_distinct() {
+        let m = err(json!({"kv": 5, "model": "/models/x", "devices": [0, 0]})).to_string();
+        assert!(
+            m.contains("`kv` must be an object with keys dtype, indexer_dtype"),
+            "{m}"
+        );
+        assert!(m.contains("did you mean `model_path`?"), "{m}");
+        assert!(m.contains("`devices` lists GPU 0 twice"), "{m}");
+    }
+
+    #[test]
+    fn choices_suggest_the_closest_value() {
+        let m = err(json!({"hicache": {"write_policy": "write_trough"}})).to_string();
+        assert!(m.contains("did you mean \"write_through\"?"), "{m}");
+    }
+}

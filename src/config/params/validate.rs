@@ -1,0 +1,384 @@
+//! Checks a params document against the schema and collects every problem, each naming the key,
+//! the value and the fix.
+
+use serde_json::{Map, Value};
+
+use super::schema::{self, KeySpec, Kind, ALIASES, KEYS, SECTIONS};
+use crate::config::size::{describe, parse_size};
+
+/// Problems found so far; each is one self-contained sentence.
+#[derive(Default)]
+pub struct Problems(pub Vec<String>);
+
+impl Problems {
+    pub fn push(&mut self, text: impl Into<String>) {
+        self.0.push(text.into());
+    }
+}
+
+/// Walks the caller's document (before defaults are merged): unknown keys, wrong types, ranges.
+pub fn check_document(doc: &Map<String, Value>, problems: &mut Problems) {
+    walk(doc, "", problems);
+}
+
+fn walk(obj: &Map<String, Value>, prefix: &str, problems: &mut Problems) {
+    for (name, value) in obj {
+        let path = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        if schema::is_section(&path) {
+            match value {
+                Value::Object(inner) => walk(inner, &path, problems),
+                other => {
+                    let keys: Vec<&str> = KEYS
+                        .iter()
+                        .filter(|k| k.section() == path)
+                        .map(|k| k.leaf())
+                        .collect();
+                    let alias = ALIASES
+                        .iter()
+                        .find(|(alias, _)| *alias == path)
+                        .map(|(_, target)| format!(" (did you mean `{target}`?)"))
+                        .unwrap_or_default();
+                    problems.push(format!(
+                        "`{path}` must be an object with keys {}, got {}{alias}",
+                        keys.join(", "),
+                        describe(other)
+                    ));
+                }
+            }
+        } else if let Some(spec) = schema::find(&path) {
+            if let Err(why) = check_value(spec, value) {
+                problems.push(why);
+            }
+        } else {
+            problems.push(unknown_key(&path, prefix));
+        }
+    }
+}
+
+/// Checks one value against its key's kind. `Err` is the full sentence.
+pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
+    let path = spec.path;
+    let hint = if spec.hint.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", spec.hint)
+    };
+    let shown = describe(value);
+    match spec.kind {
+        Kind::Choice(choices) => match value.as_str() {
+            Some(s) if choices.contains(&s) => Ok(()),
+            Some(s) => {
+                let suggestion = closest(s, choices.iter().copied())
+                    .map(|c| format!(" — did you mean \"{c}\"?"))
+                    .unwrap_or_default();
+                Err(format!(
+                    "`{path}` = \"{s}\" is not one of {}{suggestion}",
+                    choices.join(", ")
+                ))
+            }
+            None => Err(format!(
+                "`{path}` must be one of {}, got {shown}",
+                choices.join(", ")
+            )),
+        },
+        Kind::Text { nullable } => match value {
+            Value::String(s) if !s.is_empty() => Ok(()),
+            Value::Null if nullable => Ok(()),
+            Value::String(_) => Err(format!("`{path}` must not be empty")),
+            _ => Err(format!("`{path}` must be a string, got {shown}")),
+        },
+        Kind::Int { min, max, nullable } => {
+            if value.is_null() && nullable {
+                return Ok(());
+            }
+            let unit = if spec.unit.is_empty() {
+                String::new()
+            } else {
+                format!(" {}", spec.unit)
+            };
+            match value.as_u64() {
+                Some(n) if n < min => Err(format!(
+                    "`{path}` = {n} is below the minimum {min}{unit}{hint}"
+                )),
+                Some(n) if n > max => Err(format!(
+                    "`{path}` = {n} is above the maximum {max}{unit}{hint}"
+                )),
+                Some(_) => Ok(()),
+                None if value.as_i64().is_some() => Err(format!(
+                    "`{path}` = {value} is negative: it must be at least {min}{unit}{hint}"
+                )),
+                None => {
+                    let fix = match value {
+                        Value::String(s) if s.trim().parse::<u64>().is_ok() => {
+                            format!(": write {} without quotes", s.trim())
+                        }
+                        _ => String::new(),
+                    };
+                    Err(format!(
+                        "`{path}` must be an integer{}, got {shown}{fix}",
+                        if nullable { " or null" } else { "" }
+                    ))
+                }
+            }
+        }
+        Kind::Float {
+            min,
+            min_open,
+            max,
+            max_open,
+            nullable,
+        } => {
+            if value.is_null() && nullable {
+                return Ok(());
+            }
+            let Some(x) = value.as_f64() else {
+                return Err(format!(
+                    "`{path}` must be a number{}, got {shown}",
+                    if nullable { " or null" } else { "" }
+                ));
+            };
+            let low_ok = if min_open { x > min } else { x >= min };
+            let high_ok = if max_open { x < max } else { x <= max };
+            if low_ok && high_ok {
+                Ok(())
+            } else {
+                let (lo, hi) = (
+                    if min_open { ">" } else { "≥" },
+                    if max_open { "<" } else { "≤" },
+                );
+                Err(format!(
+                    "`{path}` = {value} is out of range: it must be {lo} {min} and {hi} {max}{hint}"
+                ))
+            }
+        }
+        Kind::Bool => match value {
+            Value::Bool(_) => Ok(()),
+            _ => Err(format!("`{path}` must be true or false, got {shown}")),
+        },
+        Kind::Size { nullable } => {
+            if value.is_null() && nullable {
+                return Ok(());
+            }
+            parse_size(value)
+                .map(|_| ())
+                .map_err(|why| format!("`{path}`: {why}"))
+        }
+        Kind::Devices => {
+            let Some(items) = value.as_array() else {
+                return Err(format!(
+                    "`{path}` must be a list of GPU indices such as [0, 1], got {shown}"
+                ));
+            };
+            let mut seen = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                match item.as_u64() {
+                    Some(n) if seen.contains(&n) => {
+                        return Err(format!("`{path}` lists GPU {n} twice: list each GPU once"))
+                    }
+                    Some(n) => seen.push(n),
+                    None => {
+                        return Err(format!(
+                            "`{path}[{i}]` must be a GPU index (a non-negative integer), got {}",
+                            describe(item)
+                        ))
+                    }
+                }
+            }
+            Ok(())
+        }
+        Kind::Labels => {
+            let Some(labels) = value.as_object() else {
+                return Err(format!(
+                    "`{path}` must be an object of label names to string values, such as \
+                     {{\"cluster\": \"eu-1\"}}, got {shown}"
+                ));
+            };
+            for (name, label_value) in labels {
+                if !valid_label_name(name) {
+                    return Err(format!(
+                        "`{path}` label name \"{name}\" is not a valid Prometheus label name: use \
+                         letters, digits and _, not starting with a digit or __"
+                    ));
+                }
+                if !label_value.is_string() {
+                    return Err(format!(
+                        "`{path}.{name}` must be a string, got {}",
+                        describe(label_value)
+                    ));
+                }
+            }
+            Ok(())
+        }
+        Kind::NumaNode => match value {
+            Value::String(s) if s == "auto" => Ok(()),
+            v if v.as_u64().is_some_and(|n| n <= 4096) => Ok(()),
+            _ => Err(format!(
+                "`{path}` must be \"auto\" (the GPU's NUMA node) or a node index, got {shown}"
+            )),
+        },
+    }
+}
+
+fn valid_label_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    first_ok
+        && !name.starts_with("__")
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// "unknown key `hicache.write_polcy` — did you mean `hicache.write_policy`?"
+fn unknown_key(path: &str, section: &str) -> String {
+    let leaf = path.rsplit('.').next().unwrap_or(path);
+    if let Some((_, target)) = ALIASES
+        .iter()
+        .find(|(alias, _)| *alias == leaf || *alias == path)
+    {
+        return format!("unknown key `{path}` — did you mean `{target}`?");
+    }
+    // Prefer a near-miss among the same section's keys, then the same name in another section.
+    let siblings = KEYS
+        .iter()
+        .filter(|k| k.section() == section)
+        .map(|k| k.path)
+        .chain(SECTIONS.iter().copied().filter(|_| section.is_empty()));
+    let near_sibling = closest(
+        leaf,
+        siblings.clone().map(|p| p.rsplit('.').next().unwrap_or(p)),
+    )
+    .and_then(|name| {
+        siblings
+            .clone()
+            .find(|p| p.rsplit('.').next() == Some(name))
+    });
+    let elsewhere = || {
+        KEYS.iter()
+            .find(|k| k.leaf() == leaf)
+            .map(|k| k.path)
+            .or_else(|| {
+                closest(leaf, KEYS.iter().map(|k| k.leaf()))
+                    .and_then(|name| KEYS.iter().find(|k| k.leaf() == name).map(|k| k.path))
+            })
+    };
+    match near_sibling.or_else(elsewhere) {
+        Some(target) => format!("unknown key `{path}` — did you mean `{target}`?"),
+        None => {
+            let known: Vec<&str> = KEYS
+                .iter()
+                .filter(|k| k.section() == section)
+                .map(|k| k.leaf())
+                .chain(SECTIONS.iter().copied().filter(|_| section.is_empty()))
+                .collect();
+            let place = if section.is_empty() {
+                "the top level".to_string()
+            } else {
+                format!("`{section}`")
+            };
+            format!(
+                "unknown key `{path}`: the keys of {place} are {} (docs/params.md lists them all)",
+                known.join(", ")
+            )
+        }
+    }
+}
+
+/// The candidate within a small edit distance of `word`, if any.
+pub fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    let limit = match word.chars().count() {
+        0..=3 => 1,
+        4..=8 => 2,
+        _ => 3,
+    };
+    candidates
+        .map(|c| {
+            (
+                edit_distance(&word.to_ascii_lowercase(), &c.to_ascii_lowercase()),
+                c,
+            )
+        })
+        .filter(|&(d, _)| d <= limit)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, c)| c)
+}
+
+/// Optimal string alignment distance: insertions, deletions, substitutions, adjacent swaps.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            d[i][j] = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                d[i][j] = d[i][j].min(d[i - 2][j - 2] + 1);
+            }
+        }
+    }
+    d[a.len()][b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edit_distance_counts_swaps_once() {
+        assert_eq!(edit_distance("write_polcy", "write_policy"), 1);
+        assert_eq!(edit_distance("ratoi", "ratio"), 1);
+        assert_eq!(edit_distance("abc", "abc"), 0);
+        assert_eq!(edit_distance("", "abc"), 3);
+    }
+
+    #[test]
+    fn unknown_keys_get_the_nearest_known_key() {
+        assert_eq!(
+            unknown_key("hicache.write_polcy", "hicache"),
+            "unknown key `hicache.write_polcy` — did you mean `hicache.write_policy`?"
+        );
+        assert_eq!(
+            unknown_key("page_size", ""),
+            "unknown key `page_size` — did you mean `kv.page_size`?"
+        );
+        assert_eq!(
+            unknown_key("kv.write_policy", "kv"),
+            "unknown key `kv.write_policy` — did you mean `hicache.write_policy`?"
+        );
+        assert_eq!(
+            unknown_key("hicache.hicache_ratio", "hicache"),
+            "unknown key `hicache.hicache_ratio` — did you mean `hicache.ratio`?"
+        );
+        assert_eq!(
+            unknown_key("hicahce", ""),
+            "unknown key `hicahce` — did you mean `hicache`?"
+        );
+        let far = unknown_key("admission.zzzzzzzz", "admission");
+        assert!(
+            far.contains("the keys of `admission` are max_queued_requests"),
+            "{far}"
+        );
+    }
+
+    #[test]
+    fn label_names_follow_prometheus_rules() {
+        assert!(valid_label_name("cluster"));
+        assert!(valid_label_name("_x1"));
+        assert!(!valid_label_name("1x"));
+        assert!(!valid_label_name("__reserved"));
+        assert!(!valid_label_name("a-b"));
+        assert!(!valid_label_name(""));
+    }
+}

@@ -1,0 +1,32 @@
+//! The C ABI: the only module with `extern "C"`. Thin by design: check arguments, call into the
+//! crate, convert results. Every entry point runs inside [`boundary::guard`] (panics become
+//! `DSV4_ERR_INTERNAL`), checks its pointers, and leaves a message in `dsv4_last_error()` on
+//! failure. `include/dsv4.h` is generated from this module by cbindgen (see build.rs).
+
+mod boundary;
+mod log_bridge;
+mod planning;
+mod status;
+mod version;
+
+pub use boundary::dsv4_last_error;
+pub use log_bridge::{dsv4_log_fn, dsv4_set_log_callback};
+pub use planning::{dsv4_params_default, dsv4_params_validate, dsv4_plan, dsv4_plan_text};
+pub use status::*;
+pub use version::dsv4_version;
+
+#[cfg(test)]
+mod tests {
+    /// include/dsv4.h is committed; it must be exactly what build.rs generates from this module.
+    #[test]
+    fn committed_header_is_fresh() {
+        let generated = include_str!(concat!(env!("OUT_DIR"), "/dsv4.h"));
+        let committed_path = concat!(env!("CARGO_MANIFEST_DIR"), "/include/dsv4.h");
+        let committed = std::fs::read_to_string(committed_path).unwrap_or_default();
+        assert!(
+            generated == committed,
+            "include/dsv4.h is stale: src/ffi changed without regenerating it. Run `make header` \
+             and commit include/dsv4.h."
+        );
+    }
+}

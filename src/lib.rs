@@ -1,0 +1,12 @@
+//! `dsv4`: the DeepSeek V4 prefill/decode serving pipeline behind a stable C ABI.
+//!
+//! Layout (see ARCHITECTURE.md): [`config`] parses and validates, [`plan`] sizes every memory
+//! pool from config + params alone, and [`ffi`] is the only module that speaks C.
+
+pub mod config;
+pub mod error;
+pub mod plan;
+
+pub mod ffi;
+
+pub use error::{Error, ErrorKind, Result};
