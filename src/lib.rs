@@ -3,8 +3,10 @@
 //! Layout (see ARCHITECTURE.md): [`config`] parses and validates, [`plan`] sizes every memory
 //! pool from config + params alone, and [`ffi`] is the only module that speaks C.
 
+pub mod backend;
 pub mod config;
 pub mod error;
+pub mod model;
 pub mod plan;
 
 pub mod ffi;

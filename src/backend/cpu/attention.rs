@@ -1,0 +1,225 @@
+//! Per-sequence attention state and attention itself: compressor frontiers, the window ring,
+//! the lightning indexer and windowed + compressed attention with sinks.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::{CpuBackend, CpuTensor};
+use crate::backend::{AttentionArgs, CompressArgs, IndexerArgs};
+
+/// Advances a frontier by the new tokens and pools every window they close.
+///
+/// Frontier layout (per row: kv ‖ score, each `coff·width` wide): for CSA the first `ratio`
+/// rows hold the last closed window (its first halves feed the next row), the next `ratio` the
+/// pending window; for HCA the `ratio` rows are the pending window. Pending slot = position %
+/// ratio, so the position alone says which slots are filled.
+pub(super) fn compress(
+    frontier: &mut [f32],
+    a: &CompressArgs<'_, CpuBackend>,
+) -> (Vec<f32>, usize) {
+    let (ratio, width) = (a.ratio, a.width);
+    let coff = if a.overlap { 2 } else { 1 };
+    let cols = coff * width;
+    let row_len = 2 * cols;
+    let pending_base = if a.overlap { ratio } else { 0 };
+    debug_assert_eq!(frontier.len(), coff * ratio * row_len);
+    let (kv, gate, ape) = (&a.kv.0, &a.gate.0, &a.ape.0);
+    let mut rows = Vec::new();
+    for (i, r) in a.rows.clone().enumerate() {
+        let pos = a.start_pos + i;
+        let slot = pos % ratio;
+        let dst =
+            &mut frontier[(pending_base + slot) * row_len..(pending_base + slot + 1) * row_len];
+        dst[..cols].copy_from_slice(&kv[r * cols..(r + 1) * cols]);
+        for (c, s) in dst[cols..].iter_mut().enumerate() {
+            *s = gate[r * cols + c] + ape[slot * cols + c];
+        }
+        if slot + 1 < ratio {
+            continue;
+        }
+        let window = pos / ratio;
+        let mut row = vec![0.0f32; width];
+        pool_window(
+            frontier,
+            ratio,
+            width,
+            cols,
+            a.overlap && window > 0,
+            pending_base,
+            &mut row,
+        );
+        rows.extend_from_slice(&row);
+        if a.overlap {
+            // The closed window becomes the overlap for the next one.
+            frontier.copy_within(ratio * row_len..2 * ratio * row_len, 0);
+        }
+    }
+    let n = rows.len() / width.max(1);
+    (rows, n)
+}
+
+/// `row[c] = Σ_slots softmax_slots(score[·, c]) · kv[·, c]` over the window's slots: the
+/// previous window's first halves (when `with_previous`) and the pending window's last halves
+/// (its only half for HCA).
+fn pool_window(
+    frontier: &[f32],
+    ratio: usize,
+    width: usize,
+    cols: usize,
+    with_previous: bool,
+    pending_base: usize,
+    row: &mut [f32],
+) {
+    let row_len = 2 * cols;
+    // (row index, column offset of the half that belongs to this window)
+    let mut slots: Vec<(usize, usize)> = Vec::with_capacity(2 * ratio);
+    if with_previous {
+        slots.extend((0..ratio).map(|s| (s, 0)));
+    }
+    let current_half = if cols > width { width } else { 0 };
+    slots.extend((0..ratio).map(|s| (pending_base + s, current_half)));
+    for (c, out) in row.iter_mut().enumerate() {
+        let score = |&(r, h): &(usize, usize)| frontier[r * row_len + cols + h + c];
+        let max = slots.iter().map(score).fold(f32::NEG_INFINITY, f32::max);
+        let (mut num, mut den) = (0.0f32, 0.0f32);
+        for slot in &slots {
+            let e = (score(slot) - max).exp();
+            den += e;
+            num += e * frontier[slot.0 * row_len + slot.1 + c];
+        }
+        *out = num / den;
+    }
+}
+
+pub(super) fn ring_write(
+    ring: &mut [f32],
+    kv: &[f32],
+    rows: Range<usize>,
+    start_pos: usize,
+    window: usize,
+    dim: usize,
+) {
+    // Only the last `window` tokens survive; earlier ones would be overwritten anyway.
+    let n = rows.len();
+    let skip = n.saturating_sub(window);
+    for i in skip..n {
+        let slot = (start_pos + i) % window;
+        let r = rows.start + i;
+        ring[slot * dim..(slot + 1) * dim].copy_from_slice(&kv[r * dim..(r + 1) * dim]);
+    }
+}
+
+/// Keys visible to a query at `pos` among `n` rows of ratio `ratio`: rows whose window has
+/// closed by `pos` (its last token ≤ pos).
+fn visible_rows(pos: usize, ratio: usize, n: usize) -> usize {
+    ((pos + 1) / ratio).min(n)
+}
+
+pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize) {
+    let k = a.top_k.min(a.n_keys);
+    let n_new = a.rows.len();
+    let mut out = vec![-1i32; n_new * k];
+    if k == 0 {
+        return (out, 0);
+    }
+    let (q, w, keys) = (&a.q.0, &a.weights.0, &a.keys.0);
+    let (heads, dim) = (a.heads, a.dim);
+    out.par_chunks_mut(k).enumerate().for_each(|(i, sel)| {
+        let r = a.rows.start + i;
+        let visible = visible_rows(a.start_pos + i, a.ratio, a.n_keys);
+        let qr = &q[r * heads * dim..(r + 1) * heads * dim];
+        let wr = &w[r * heads..(r + 1) * heads];
+        let mut scored: Vec<(f32, usize)> = (0..visible)
+            .map(|s| {
+                let key = &keys[s * dim..(s + 1) * dim];
+                let score: f32 = qr
+                    .chunks(dim)
+                    .zip(wr)
+                    .map(|(qh, &wh)| {
+                        let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
+                        dot.max(0.0) * a.score_scale * wh
+                    })
+                    .sum();
+                (score, s)
+            })
+            .collect();
+        // Highest score first; ties go to the earlier row.
+        let keep = k.min(scored.len());
+        if keep < scored.len() {
+            scored.select_nth_unstable_by(keep, |x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+        }
+        let mut chosen: Vec<usize> = scored[..keep].iter().map(|&(_, s)| s).collect();
+        chosen.sort_unstable();
+        for (slot, s) in sel.iter_mut().zip(chosen) {
+            *slot = s as i32;
+        }
+    });
+    (out, k)
+}
+
+pub(super) fn attention(a: &AttentionArgs<'_, CpuBackend>, out: &mut CpuTensor) {
+    let (heads, hd) = (a.heads, a.head_dim);
+    let width = heads * hd;
+    let (q, kv, ring, sinks) = (&a.q.0, &a.kv.0, &a.ring.0, &a.sinks.0);
+    let rows = a.rows.clone();
+    let out_rows = &mut out.0[rows.start * width..rows.end * width];
+    out_rows
+        .par_chunks_mut(hd)
+        .enumerate()
+        .for_each(|(idx, o)| {
+            let (i, h) = (idx / heads, idx % heads);
+            let pos = a.start_pos + i;
+            let r = rows.start + i;
+            let qh = &q[r * width + h * hd..r * width + (h + 1) * hd];
+            // Window keys in position order, then compressed rows in index order.
+            let first = (pos + 1).saturating_sub(a.window);
+            let mut keys: Vec<&[f32]> = Vec::with_capacity(a.window + 64);
+            for p in first..=pos {
+                keys.push(if p < a.start_pos {
+                    let slot = p % a.window;
+                    &ring[slot * hd..(slot + 1) * hd]
+                } else {
+                    let rr = rows.start + (p - a.start_pos);
+                    &kv[rr * hd..(rr + 1) * hd]
+                });
+            }
+            if let Some((comp, n)) = a.compressed {
+                let comp = &comp.0;
+                match a.selection {
+                    Some((sel, k)) => {
+                        for &s in &sel.0[i * k..(i + 1) * k] {
+                            if s >= 0 {
+                                let s = s as usize;
+                                keys.push(&comp[s * hd..(s + 1) * hd]);
+                            }
+                        }
+                    }
+                    None => {
+                        for s in 0..visible_rows(pos, a.ratio, n) {
+                            keys.push(&comp[s * hd..(s + 1) * hd]);
+                        }
+                    }
+                }
+            }
+            attend(qh, &keys, sinks[h], a.scale, o);
+        });
+}
+
+/// Softmax over `q·k · scale` and the sink logit (which adds to the denominator only), then
+/// the weighted sum of the keys (K = V).
+fn attend(q: &[f32], keys: &[&[f32]], sink: f32, scale: f32, out: &mut [f32]) {
+    let scores: Vec<f32> = keys
+        .iter()
+        .map(|k| q.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>() * scale)
+        .collect();
+    let max = scores.iter().copied().fold(sink, f32::max);
+    let mut den = (sink - max).exp();
+    out.fill(0.0);
+    for (k, &s) in keys.iter().zip(&scores) {
+        let e = (s - max).exp();
+        den += e;
+        out.iter_mut().zip(*k).for_each(|(o, &v)| *o += e * v);
+    }
+    out.iter_mut().for_each(|o| *o /= den);
+}

@@ -1,0 +1,314 @@
+//! The CPU backend: host memory, f32 activations, f32 or bf16 weights, every op parallelised
+//! on the engine's own rayon pool (`threads` param; no global pool).
+
+mod attention;
+mod gemm;
+mod hc;
+mod moe;
+mod ops;
+
+use std::ops::Range;
+
+use half::bf16;
+
+use super::{
+    AttentionArgs, Backend, CompressArgs, Expert, HcMix, HcParams, IndexerArgs, Precision,
+    RouteArgs, Routing,
+};
+use crate::error::{Error, Result};
+
+/// f32 values in host memory.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CpuTensor(pub(crate) Vec<f32>);
+
+/// A weight matrix `[rows, cols]`, row-major.
+#[derive(Debug, Clone)]
+pub struct CpuMatrix {
+    rows: usize,
+    cols: usize,
+    data: MatrixData,
+}
+
+#[derive(Debug, Clone)]
+enum MatrixData {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+/// i32 values in host memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CpuIndex(pub(crate) Vec<i32>);
+
+/// Inverse frequencies of one RoPE set.
+#[derive(Debug, Clone)]
+pub struct CpuRope(Vec<f32>);
+
+/// The CPU backend and its thread pool.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    /// A backend running on `threads` threads (0 = every core this process may use).
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("dsv4-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::internal(format!("cannot start {threads} CPU threads: {e}")))?;
+        Ok(Self { pool })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    fn wrap(&self, v: Vec<f32>) -> CpuTensor {
+        CpuTensor(v)
+    }
+
+    fn wrap_index(&self, v: Vec<i32>) -> CpuIndex {
+        CpuIndex(v)
+    }
+
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Matrix = CpuMatrix;
+    type Index = CpuIndex;
+    type Rope = CpuRope;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn tensor(&self, data: &[f32]) -> CpuTensor {
+        CpuTensor(data.to_vec())
+    }
+
+    fn zeros(&self, len: usize) -> CpuTensor {
+        CpuTensor(vec![0.0; len])
+    }
+
+    fn len(&self, t: &CpuTensor) -> usize {
+        t.0.len()
+    }
+
+    fn read(&self, t: &CpuTensor) -> Vec<f32> {
+        t.0.clone()
+    }
+
+    fn matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>,
+        precision: Precision,
+    ) -> Result<CpuMatrix> {
+        if data.len() != rows * cols {
+            return Err(Error::internal(format!(
+                "matrix [{rows}, {cols}] built from {} values",
+                data.len()
+            )));
+        }
+        let data = match precision {
+            Precision::F32 => MatrixData::F32(data),
+            Precision::Bf16 => MatrixData::Bf16(ops::to_bf16(&data)),
+        };
+        Ok(CpuMatrix { rows, cols, data })
+    }
+
+    fn matrix_shape(&self, m: &CpuMatrix) -> (usize, usize) {
+        (m.rows, m.cols)
+    }
+
+    fn matrix_bytes(&self, m: &CpuMatrix) -> usize {
+        match &m.data {
+            MatrixData::F32(v) => v.len() * 4,
+            MatrixData::Bf16(v) => v.len() * 2,
+        }
+    }
+
+    fn index(&self, data: &[i32]) -> CpuIndex {
+        CpuIndex(data.to_vec())
+    }
+
+    fn read_index(&self, i: &CpuIndex) -> Vec<i32> {
+        i.0.clone()
+    }
+
+    fn rope(&self, inv_freq: &[f32]) -> CpuRope {
+        CpuRope(inv_freq.to_vec())
+    }
+
+    fn embed(&self, table: &CpuMatrix, ids: &[u32]) -> CpuTensor {
+        self.run(|| CpuTensor(ops::embed(table, ids)))
+    }
+
+    fn matmul(&self, x: &CpuTensor, rows: usize, w: &CpuMatrix) -> CpuTensor {
+        let mut out = vec![0.0; rows * w.rows];
+        let at = |stride| gemm::Strided {
+            offset: 0,
+            row_stride: stride,
+        };
+        self.run(|| gemm::gemm_into(&x.0, at(w.cols), rows, w, 0..w.rows, &mut out, at(w.rows)));
+        CpuTensor(out)
+    }
+
+    fn matmul_grouped(
+        &self,
+        x: &CpuTensor,
+        rows: usize,
+        w: &CpuMatrix,
+        groups: usize,
+    ) -> CpuTensor {
+        let (in_g, out_g) = (w.cols, w.rows / groups);
+        let mut out = vec![0.0; rows * w.rows];
+        self.run(|| {
+            for g in 0..groups {
+                gemm::gemm_into(
+                    &x.0,
+                    gemm::Strided {
+                        offset: g * in_g,
+                        row_stride: groups * in_g,
+                    },
+                    rows,
+                    w,
+                    g * out_g..(g + 1) * out_g,
+                    &mut out,
+                    gemm::Strided {
+                        offset: g * out_g,
+                        row_stride: w.rows,
+                    },
+                );
+            }
+        });
+        CpuTensor(out)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CpuTensor,
+        vectors: usize,
+        dim: usize,
+        weight: Option<&CpuTensor>,
+        eps: f32,
+    ) -> CpuTensor {
+        debug_assert_eq!(x.0.len(), vectors * dim);
+        self.run(|| {
+            CpuTensor(ops::rms_norm(
+                &x.0,
+                dim,
+                weight.map(|w| w.0.as_slice()),
+                eps,
+            ))
+        })
+    }
+
+    fn rope_apply(
+        &self,
+        x: &mut CpuTensor,
+        heads: usize,
+        head_dim: usize,
+        rope: &CpuRope,
+        positions: &[u32],
+        inverse: bool,
+    ) {
+        self.run(|| ops::rope(&mut x.0, heads, head_dim, &rope.0, positions, inverse));
+    }
+
+    fn add_assign(&self, a: &mut CpuTensor, b: &CpuTensor) {
+        a.0.iter_mut().zip(&b.0).for_each(|(x, y)| *x += y);
+    }
+
+    fn take_rows(&self, x: &CpuTensor, cols: usize, rows: &[usize]) -> CpuTensor {
+        CpuTensor(ops::take_rows(&x.0, cols, rows))
+    }
+
+    fn swiglu(&self, gate_up: &CpuTensor, _rows: usize, inter: usize, limit: f32) -> CpuTensor {
+        self.run(|| CpuTensor(ops::swiglu(&gate_up.0, inter, limit)))
+    }
+
+    fn hc_pre(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> HcMix<Self> {
+        self.run(|| hc::pre(self, &x.0, rows, p))
+    }
+
+    fn hc_post(
+        &self,
+        out: &CpuTensor,
+        x: &CpuTensor,
+        mix: &HcMix<Self>,
+        _rows: usize,
+        hc: usize,
+        dim: usize,
+    ) -> CpuTensor {
+        self.run(|| CpuTensor(hc::post(&out.0, &x.0, mix, hc, dim)))
+    }
+
+    fn hc_head(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> CpuTensor {
+        self.run(|| CpuTensor(hc::head(&x.0, rows, p)))
+    }
+
+    fn hc_expand(&self, x: &CpuTensor, _rows: usize, hc: usize, dim: usize) -> CpuTensor {
+        hc::expand(self, &x.0, hc, dim)
+    }
+
+    fn compress(
+        &self,
+        frontier: &mut CpuTensor,
+        args: &CompressArgs<'_, Self>,
+    ) -> (CpuTensor, usize) {
+        let (rows, n) = attention::compress(&mut frontier.0, args);
+        (CpuTensor(rows), n)
+    }
+
+    fn append_rows(&self, store: &mut CpuTensor, rows: &CpuTensor) {
+        store.0.extend_from_slice(&rows.0);
+    }
+
+    fn ring_write(
+        &self,
+        ring: &mut CpuTensor,
+        kv: &CpuTensor,
+        rows: Range<usize>,
+        start_pos: usize,
+        window: usize,
+        dim: usize,
+    ) {
+        attention::ring_write(&mut ring.0, &kv.0, rows, start_pos, window, dim);
+    }
+
+    fn indexer_top_k(&self, args: &IndexerArgs<'_, Self>) -> (CpuIndex, usize) {
+        let (sel, k) = self.run(|| attention::indexer_top_k(args));
+        (CpuIndex(sel), k)
+    }
+
+    fn attention(&self, args: &AttentionArgs<'_, Self>, out: &mut CpuTensor) {
+        self.run(|| attention::attention(args, out));
+    }
+
+    fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>> {
+        moe::route(self, args)
+    }
+
+    fn moe(
+        &self,
+        x: &CpuTensor,
+        rows: usize,
+        routing: &Routing<Self>,
+        experts: &[Expert<Self>],
+        inter: usize,
+        limit: f32,
+    ) -> CpuTensor {
+        self.run(|| CpuTensor(moe::moe(&x.0, rows, routing, experts, inter, limit)))
+    }
+}

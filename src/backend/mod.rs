@@ -1,0 +1,293 @@
+//! The backend seam: buffers and the fused operations the DeepSeek V4 forward pass needs.
+//!
+//! `model/` drives a forward step only through this trait and never reads or writes buffer
+//! contents itself, so a CUDA backend can implement the same trait without changing `model/`.
+//! Layout conventions shared by every op:
+//! - activations are f32, row-major: a `[rows, cols]` tensor stores row r at `r * cols`;
+//! - a weight matrix is `[out, in]` (one row per output feature), like a checkpoint's linear;
+//! - a "batch" is the concatenation of every sequence's new tokens in a step; per-sequence ops
+//!   take that sequence's row range within the batch.
+
+pub mod cpu;
+
+use std::ops::Range;
+
+use crate::error::Result;
+
+/// Where a weight matrix keeps its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    F32,
+    Bf16,
+}
+
+/// The router's expert choice for one MoE layer.
+pub enum RouteKind<'a, B: Backend + ?Sized> {
+    /// Top-k over `score + bias` (bias affects selection only).
+    TopK { bias: Option<&'a B::Tensor> },
+    /// The fixed token-id → experts table `[vocab, k]`.
+    Hash {
+        table: &'a B::Index,
+        token_ids: &'a [u32],
+    },
+}
+
+/// Router score function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    SqrtSoftplus,
+    Sigmoid,
+    Softmax,
+}
+
+/// Routing parameters of one MoE layer.
+pub struct RouteArgs<'a, B: Backend + ?Sized> {
+    /// `[rows, experts]` router logits.
+    pub logits: &'a B::Tensor,
+    pub rows: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub scoring: Scoring,
+    pub normalize: bool,
+    pub scale: f32,
+    pub kind: RouteKind<'a, B>,
+}
+
+/// Chosen experts and their weights, `[rows, top_k]` each.
+pub struct Routing<B: Backend + ?Sized> {
+    pub experts: B::Index,
+    pub weights: B::Tensor,
+    pub top_k: usize,
+}
+
+/// One routed expert: `w13 = [w1; w3]` stacked `[2·inter, hidden]`, `w2 = [hidden, inter]`.
+pub struct Expert<B: Backend + ?Sized> {
+    pub w13: B::Matrix,
+    pub w2: B::Matrix,
+}
+
+/// The hyper-connection mixing weights of one `hc_pre`.
+pub struct HcMix<B: Backend + ?Sized> {
+    /// `[rows, dim]`: the streams collapsed with the `pre` weights.
+    pub collapsed: B::Tensor,
+    /// `[rows, hc]`.
+    pub post: B::Tensor,
+    /// `[rows, hc, hc]` doubly stochastic (after Sinkhorn).
+    pub comb: B::Tensor,
+}
+
+/// The parameters of one hyper-connection instance.
+pub struct HcParams<'a, B: Backend + ?Sized> {
+    /// `[(2 + hc)·hc, hc·dim]` (or `[hc, hc·dim]` for the head).
+    pub fn_: &'a B::Matrix,
+    pub base: &'a B::Tensor,
+    pub scale: &'a B::Tensor,
+    pub hc: usize,
+    pub dim: usize,
+    pub sinkhorn_iters: usize,
+    pub hc_eps: f32,
+    pub norm_eps: f32,
+}
+
+/// A compressor's per-sequence frontier and how to advance it.
+pub struct CompressArgs<'a, B: Backend + ?Sized> {
+    /// `[rows, coff·width]` projected kv and gate of the whole batch.
+    pub kv: &'a B::Tensor,
+    pub gate: &'a B::Tensor,
+    /// This sequence's rows in `kv` / `gate`.
+    pub rows: Range<usize>,
+    /// Absolute position of the first of those rows.
+    pub start_pos: usize,
+    /// `[ratio, coff·width]` learned position bias.
+    pub ape: &'a B::Tensor,
+    pub ratio: usize,
+    pub width: usize,
+    /// CSA pools the previous window's first half with the current window's second half.
+    pub overlap: bool,
+}
+
+/// Sparse/windowed attention of one sequence's new tokens.
+pub struct AttentionArgs<'a, B: Backend + ?Sized> {
+    /// `[batch_rows, heads·head_dim]` queries (normed, roped).
+    pub q: &'a B::Tensor,
+    /// `[batch_rows, head_dim]` the new tokens' K=V rows (normed, roped).
+    pub kv: &'a B::Tensor,
+    pub rows: Range<usize>,
+    pub start_pos: usize,
+    /// `[window, head_dim]` ring: position p lives in row `p % window` (positions before
+    /// `start_pos` only).
+    pub ring: &'a B::Tensor,
+    pub window: usize,
+    /// `[n, head_dim]` compressed rows of this sequence, all windows closed so far.
+    pub compressed: Option<(&'a B::Tensor, usize)>,
+    pub ratio: usize,
+    /// `[new_rows, k]` CSA selection (indices into `compressed`, −1 = none); `None` attends to
+    /// every causally visible compressed row (HCA).
+    pub selection: Option<(&'a B::Index, usize)>,
+    /// `[heads]` per-head sink logits.
+    pub sinks: &'a B::Tensor,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// Lightning-indexer scoring and top-k of one sequence's new tokens.
+pub struct IndexerArgs<'a, B: Backend + ?Sized> {
+    /// `[batch_rows, heads·dim]` indexer queries (roped).
+    pub q: &'a B::Tensor,
+    /// `[batch_rows, heads]` per-head weights.
+    pub weights: &'a B::Tensor,
+    pub rows: Range<usize>,
+    pub start_pos: usize,
+    /// `[n_keys, dim]` the sequence's indexer key rows.
+    pub keys: &'a B::Tensor,
+    pub n_keys: usize,
+    pub ratio: usize,
+    pub top_k: usize,
+    pub heads: usize,
+    pub dim: usize,
+    /// Multiplies `Σ_h w_h · relu(q_h·k)` (transformers: `dim^-0.5 · heads^-0.5`).
+    pub score_scale: f32,
+}
+
+/// Storage and compute for the model. See the module docs for layout conventions.
+pub trait Backend: Send + Sync + 'static {
+    /// f32 activations and per-sequence state.
+    type Tensor: Send + Sync;
+    /// A weight matrix `[out, in]`.
+    type Matrix: Send + Sync;
+    /// i32 indices (routing tables, selections).
+    type Index: Send + Sync;
+    /// A RoPE frequency set.
+    type Rope: Send + Sync;
+
+    /// A short name for logs and reports ("cpu").
+    fn name(&self) -> &'static str;
+
+    // --- memory -------------------------------------------------------------------------
+    fn tensor(&self, data: &[f32]) -> Self::Tensor;
+    fn zeros(&self, len: usize) -> Self::Tensor;
+    fn len(&self, t: &Self::Tensor) -> usize;
+    /// Copies a tensor back to the host (outputs such as logits).
+    fn read(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// A `[rows, cols]` matrix from host f32 values, stored at `precision`.
+    fn matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>,
+        precision: Precision,
+    ) -> Result<Self::Matrix>;
+    /// `(rows, cols)` of a matrix.
+    fn matrix_shape(&self, m: &Self::Matrix) -> (usize, usize);
+    /// Bytes a matrix occupies.
+    fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
+    fn index(&self, data: &[i32]) -> Self::Index;
+    fn read_index(&self, i: &Self::Index) -> Vec<i32>;
+    /// A RoPE frequency set from its inverse frequencies (one per rotated pair).
+    fn rope(&self, inv_freq: &[f32]) -> Self::Rope;
+
+    // --- dense ops ----------------------------------------------------------------------
+    /// Rows `ids` of `table`, as f32 `[ids.len(), cols]`.
+    fn embed(&self, table: &Self::Matrix, ids: &[u32]) -> Self::Tensor;
+    /// `x [rows, in] @ wᵀ` → `[rows, out]`.
+    fn matmul(&self, x: &Self::Tensor, rows: usize, w: &Self::Matrix) -> Self::Tensor;
+    /// Block-diagonal: `x [rows, groups·in_g]`, `w [groups·out_g, in_g]` → `[rows, groups·out_g]`
+    /// where group g multiplies `x[:, g·in_g..]` by `w[g·out_g..]`.
+    fn matmul_grouped(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        w: &Self::Matrix,
+        groups: usize,
+    ) -> Self::Tensor;
+    /// RMS-normalises every `dim`-wide vector of `x` (`vectors` of them), times `weight` when
+    /// given: `x / sqrt(mean(x²) + eps) · w`.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        vectors: usize,
+        dim: usize,
+        weight: Option<&Self::Tensor>,
+        eps: f32,
+    ) -> Self::Tensor;
+    /// Interleaved RoPE on the last `2 · pairs` channels of every head: row r (one per entry of
+    /// `positions`), head h rotates pairs `(x[2i], x[2i+1])` by `positions[r] · θ_i` (by its
+    /// negation when `inverse`).
+    fn rope_apply(
+        &self,
+        x: &mut Self::Tensor,
+        heads: usize,
+        head_dim: usize,
+        rope: &Self::Rope,
+        positions: &[u32],
+        inverse: bool,
+    );
+    /// `a += b`.
+    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor);
+    /// Rows `rows` of a `[_, cols]` tensor.
+    fn take_rows(&self, x: &Self::Tensor, cols: usize, rows: &[usize]) -> Self::Tensor;
+    /// SwiGLU with DeepSeek's clamp: `silu(min(gate, limit)) · clamp(up, ±limit)` for a
+    /// `[rows, 2·inter]` input holding gate then up (limit 0 = no clamp).
+    fn swiglu(&self, gate_up: &Self::Tensor, rows: usize, inter: usize, limit: f32)
+        -> Self::Tensor;
+
+    // --- hyper-connections --------------------------------------------------------------
+    /// Collapses `x [rows, hc·dim]` with the mixing weights of one block input.
+    fn hc_pre(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> HcMix<Self>;
+    /// `x'[k] = post[k] · out + Σ_j comb[j, k] · x[j]` per row.
+    fn hc_post(
+        &self,
+        out: &Self::Tensor,
+        x: &Self::Tensor,
+        mix: &HcMix<Self>,
+        rows: usize,
+        hc: usize,
+        dim: usize,
+    ) -> Self::Tensor;
+    /// The final collapse (no Sinkhorn): `Σ_i (sigmoid(mix_i·scale + base_i) + eps) · x[i]`.
+    fn hc_head(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> Self::Tensor;
+    /// `x [rows, dim]` repeated into `hc` identical streams `[rows, hc·dim]`.
+    fn hc_expand(&self, x: &Self::Tensor, rows: usize, hc: usize, dim: usize) -> Self::Tensor;
+
+    // --- attention state ----------------------------------------------------------------
+    /// Advances a compressor frontier (`[coff·ratio, 2·coff·width]`: rows of kv ‖ score, the
+    /// overlap window first when `overlap`) by the sequence's new rows and returns the rows of
+    /// every window they closed, pooled but not yet normed or roped, `[n_new, width]`.
+    fn compress(
+        &self,
+        frontier: &mut Self::Tensor,
+        args: &CompressArgs<'_, Self>,
+    ) -> (Self::Tensor, usize);
+    /// Appends `rows [n, cols]` to a growing row store.
+    fn append_rows(&self, store: &mut Self::Tensor, rows: &Self::Tensor);
+    /// Writes the sequence's new K=V rows into its window ring.
+    fn ring_write(
+        &self,
+        ring: &mut Self::Tensor,
+        kv: &Self::Tensor,
+        rows: Range<usize>,
+        start_pos: usize,
+        window: usize,
+        dim: usize,
+    );
+    /// Scores every causally visible indexer key for each new token and keeps the top k:
+    /// `[new_rows, k]`, k = `min(top_k, n_keys)`, ascending, −1 where fewer are visible.
+    fn indexer_top_k(&self, args: &IndexerArgs<'_, Self>) -> (Self::Index, usize);
+    /// Attention with sinks over each new token's window plus its compressed rows; writes the
+    /// rows of `out` (`[batch_rows, heads·head_dim]`) in `args.rows`.
+    fn attention(&self, args: &AttentionArgs<'_, Self>, out: &mut Self::Tensor);
+
+    // --- mixture of experts -------------------------------------------------------------
+    fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>>;
+    /// `Σ_k weight_k · expert_k(x)` per row, experts with SwiGLU + clamp.
+    fn moe(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        routing: &Routing<Self>,
+        experts: &[Expert<Self>],
+        inter: usize,
+        limit: f32,
+    ) -> Self::Tensor;
+}

@@ -1,0 +1,341 @@
+//! One forward step over a batch of sequences: every weight is applied once to all new tokens
+//! of the batch; only the state-dependent parts (compressors, indexer, attention, window ring)
+//! run per sequence.
+
+use std::ops::Range;
+
+use super::{Attention, Block, Hc, Model, Moe, Router};
+use crate::backend::{
+    AttentionArgs, Backend, CompressArgs, HcParams, IndexerArgs, RouteArgs, RouteKind,
+};
+use crate::config::AttentionKind;
+use crate::error::{Error, Result};
+use crate::model::state::{CompressorState, SeqState};
+
+/// Which positions' logits a chunk wants back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    /// The last new token's (decode, end of prefill).
+    Last,
+    /// Every new token's (scoring).
+    All,
+}
+
+/// One sequence's part of a step: its new tokens and its state.
+pub struct Chunk<'a, B: Backend> {
+    pub tokens: &'a [u32],
+    pub state: &'a mut SeqState<B>,
+    pub logits: Logits,
+}
+
+/// Where each sequence's rows sit in the batch.
+struct Segment {
+    rows: Range<usize>,
+    start_pos: usize,
+}
+
+impl<B: Backend> Model<B> {
+    /// Runs one step and returns, per chunk, the requested logits (`[n, vocab]` row-major).
+    /// Each chunk's state advances by its tokens.
+    pub fn forward(&self, chunks: &mut [Chunk<'_, B>]) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
+        let b = self.backend();
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut segments = Vec::with_capacity(chunks.len());
+        for (s, chunk) in chunks.iter().enumerate() {
+            if chunk.tokens.is_empty() {
+                return Err(Error::invalid_argument(format!(
+                    "sequence {s} of the batch has no tokens: pass at least one"
+                )));
+            }
+            if let Some((i, &id)) = chunk
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as usize >= c.vocab_size)
+            {
+                return Err(Error::invalid_argument(format!(
+                    "token id {id} at position {i} is outside the vocabulary (ids 0..{})",
+                    c.vocab_size
+                )));
+            }
+            let start_pos = chunk.state.position;
+            let rows = ids.len()..ids.len() + chunk.tokens.len();
+            ids.extend_from_slice(chunk.tokens);
+            positions.extend((start_pos..start_pos + chunk.tokens.len()).map(|p| p as u32));
+            segments.push(Segment { rows, start_pos });
+        }
+        let n = ids.len();
+        let d = c.hidden_size;
+        let x = b.embed(&self.embed, &ids);
+        let mut streams = b.hc_expand(&x, n, c.hc_mult, d);
+        for (l, block) in self.blocks.iter().enumerate() {
+            streams = self.block(l, block, &streams, &ids, &positions, &segments, chunks)?;
+        }
+        let h = b.hc_head(&streams, n, &self.hc(&self.hc_head));
+        let h = b.rms_norm(&h, n, d, Some(&self.norm), c.rms_norm_eps as f32);
+        let mut wanted = Vec::new();
+        for (chunk, seg) in chunks.iter().zip(&segments) {
+            match chunk.logits {
+                Logits::None => {}
+                Logits::Last => wanted.push(seg.rows.end - 1),
+                Logits::All => wanted.extend(seg.rows.clone()),
+            }
+        }
+        let logits = if wanted.is_empty() {
+            Vec::new()
+        } else {
+            let h = b.take_rows(&h, d, &wanted);
+            b.read(&b.matmul(&h, wanted.len(), &self.head))
+        };
+        let vocab = c.vocab_size;
+        let mut out = Vec::with_capacity(chunks.len());
+        let mut next = 0;
+        for chunk in chunks.iter_mut() {
+            let count = match chunk.logits {
+                Logits::None => 0,
+                Logits::Last => 1,
+                Logits::All => chunk.tokens.len(),
+            };
+            out.push(logits[next * vocab..(next + count) * vocab].to_vec());
+            next += count;
+            chunk.state.position += chunk.tokens.len();
+        }
+        Ok(out)
+    }
+
+    fn hc<'a>(&self, hc: &'a Hc<B>) -> HcParams<'a, B> {
+        let c = &self.config;
+        HcParams {
+            fn_: &hc.fn_,
+            base: &hc.base,
+            scale: &hc.scale,
+            hc: c.hc_mult,
+            dim: c.hidden_size,
+            sinkhorn_iters: c.hc_sinkhorn_iters,
+            hc_eps: c.hc_eps as f32,
+            norm_eps: c.rms_norm_eps as f32,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        l: usize,
+        block: &Block<B>,
+        streams: &B::Tensor,
+        ids: &[u32],
+        positions: &[u32],
+        segments: &[Segment],
+        chunks: &mut [Chunk<'_, B>],
+    ) -> Result<B::Tensor> {
+        let c = &self.config;
+        let b = self.backend();
+        let (n, d, hc) = (ids.len(), c.hidden_size, c.hc_mult);
+        let eps = c.rms_norm_eps as f32;
+        let mix = b.hc_pre(streams, n, &self.hc(&block.attn_hc));
+        let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.attn_norm), eps);
+        let a = self.attention(l, block.kind, &block.attn, &x, positions, segments, chunks);
+        let streams = b.hc_post(&a, streams, &mix, n, hc, d);
+        let mix = b.hc_pre(&streams, n, &self.hc(&block.ffn_hc));
+        let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.ffn_norm), eps);
+        let m = self.moe(&block.ffn, &x, ids)?;
+        Ok(b.hc_post(&m, &streams, &mix, n, hc, d))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        l: usize,
+        kind: AttentionKind,
+        w: &Attention<B>,
+        x: &B::Tensor,
+        positions: &[u32],
+        segments: &[Segment],
+        chunks: &mut [Chunk<'_, B>],
+    ) -> B::Tensor {
+        let c = &self.config;
+        let b = self.backend();
+        let n = positions.len();
+        let (heads, hd) = (c.num_heads, c.head_dim);
+        let eps = c.rms_norm_eps as f32;
+        let rope = match kind {
+            AttentionKind::Swa => &self.rope_main,
+            AttentionKind::Csa | AttentionKind::Hca => &self.rope_compress,
+        };
+        let qr = b.rms_norm(
+            &b.matmul(x, n, &w.wq_a),
+            n,
+            c.q_lora_rank,
+            Some(&w.q_norm),
+            eps,
+        );
+        let mut q = b.rms_norm(&b.matmul(&qr, n, &w.wq_b), n * heads, hd, None, eps);
+        b.rope_apply(&mut q, heads, hd, rope, positions, false);
+        let mut kv = b.rms_norm(&b.matmul(x, n, &w.wkv), n, hd, Some(&w.kv_norm), eps);
+        b.rope_apply(&mut kv, 1, hd, rope, positions, false);
+        let projected =
+            |comp: &super::Compressor<B>| (b.matmul(x, n, &comp.wkv), b.matmul(x, n, &comp.wgate));
+        let comp_proj = w.compressor.as_ref().map(projected);
+        let index_proj = w.indexer.as_ref().map(|ix| {
+            let mut qi = b.matmul(&qr, n, &ix.wq_b);
+            b.rope_apply(
+                &mut qi,
+                c.index_n_heads,
+                c.index_head_dim,
+                &self.rope_compress,
+                positions,
+                false,
+            );
+            let weights = b.matmul(x, n, &ix.weights_proj);
+            (projected(&ix.compressor), qi, weights)
+        });
+
+        let mut o = b.zeros(n * heads * hd);
+        for (seg, chunk) in segments.iter().zip(chunks.iter_mut()) {
+            let state = &mut chunk.state.layers[l];
+            if let (Some(comp), Some((kv_c, gate_c)), Some(cs)) =
+                (&w.compressor, &comp_proj, state.compressor.as_mut())
+            {
+                self.advance_compressor(comp, cs, kv_c, gate_c, seg);
+            }
+            let mut selection = None;
+            if let (Some(ix), Some(((kv_i, gate_i), qi, weights)), Some(is)) =
+                (&w.indexer, &index_proj, state.indexer.as_mut())
+            {
+                self.advance_compressor(&ix.compressor, is, kv_i, gate_i, seg);
+                let scale =
+                    (c.index_head_dim as f32).powf(-0.5) * (c.index_n_heads as f32).powf(-0.5);
+                selection = Some(b.indexer_top_k(&IndexerArgs {
+                    q: qi,
+                    weights,
+                    rows: seg.rows.clone(),
+                    start_pos: seg.start_pos,
+                    keys: &is.rows,
+                    n_keys: is.n_rows,
+                    ratio: c.csa_ratio,
+                    top_k: c.index_topk,
+                    heads: c.index_n_heads,
+                    dim: c.index_head_dim,
+                    score_scale: scale,
+                }));
+            }
+            let compressed = state.compressor.as_ref().map(|cs| (&cs.rows, cs.n_rows));
+            b.attention(
+                &AttentionArgs {
+                    q: &q,
+                    kv: &kv,
+                    rows: seg.rows.clone(),
+                    start_pos: seg.start_pos,
+                    ring: &state.ring,
+                    window: c.sliding_window,
+                    compressed,
+                    ratio: c.ratio(kind).max(1),
+                    selection: selection.as_ref().map(|(sel, k)| (sel, *k)),
+                    sinks: &w.sinks,
+                    heads,
+                    head_dim: hd,
+                    scale: (hd as f32).powf(-0.5),
+                },
+                &mut o,
+            );
+            b.ring_write(
+                &mut state.ring,
+                &kv,
+                seg.rows.clone(),
+                seg.start_pos,
+                c.sliding_window,
+                hd,
+            );
+        }
+        // Undo the values' rotation so each contributes relative to the query position.
+        b.rope_apply(&mut o, heads, hd, rope, positions, true);
+        let grouped = b.matmul_grouped(&o, n, &w.wo_a, c.o_groups);
+        b.matmul(&grouped, n, &w.wo_b)
+    }
+
+    /// Feeds a sequence's new rows to a compressor; rows of windows they close are normed,
+    /// roped at their window's first position and appended.
+    fn advance_compressor(
+        &self,
+        comp: &super::Compressor<B>,
+        state: &mut CompressorState<B>,
+        kv: &B::Tensor,
+        gate: &B::Tensor,
+        seg: &Segment,
+    ) {
+        let b = self.backend();
+        let (rows, count) = b.compress(
+            &mut state.frontier,
+            &CompressArgs {
+                kv,
+                gate,
+                rows: seg.rows.clone(),
+                start_pos: seg.start_pos,
+                ape: &comp.ape,
+                ratio: comp.ratio,
+                width: comp.width,
+                overlap: comp.overlap,
+            },
+        );
+        if count == 0 {
+            return;
+        }
+        let mut rows = b.rms_norm(
+            &rows,
+            count,
+            comp.width,
+            Some(&comp.norm),
+            self.config.rms_norm_eps as f32,
+        );
+        let starts: Vec<u32> = (state.n_rows..state.n_rows + count)
+            .map(|w| (w * comp.ratio) as u32)
+            .collect();
+        b.rope_apply(
+            &mut rows,
+            1,
+            comp.width,
+            &self.rope_compress,
+            &starts,
+            false,
+        );
+        b.append_rows(&mut state.rows, &rows);
+        state.n_rows += count;
+    }
+
+    fn moe(&self, w: &Moe<B>, x: &B::Tensor, ids: &[u32]) -> Result<B::Tensor> {
+        let c = &self.config;
+        let b = self.backend();
+        let n = ids.len();
+        let logits = b.matmul(x, n, &w.gate);
+        let kind = match &w.router {
+            Router::Hash(table) => RouteKind::Hash {
+                table,
+                token_ids: ids,
+            },
+            Router::TopK(bias) => RouteKind::TopK {
+                bias: bias.as_ref(),
+            },
+        };
+        let routing = b.route(&RouteArgs {
+            logits: &logits,
+            rows: n,
+            experts: c.n_routed_experts,
+            top_k: c.n_activated_experts,
+            scoring: super::scoring(c),
+            normalize: c.norm_topk_prob,
+            scale: c.routed_scaling_factor as f32,
+            kind,
+        })?;
+        let limit = c.swiglu_limit as f32;
+        let mut y = b.moe(x, n, &routing, &w.experts, c.moe_intermediate_size, limit);
+        if let Some((w13, w2)) = &w.shared {
+            let inter = c.moe_intermediate_size * c.n_shared_experts;
+            let h = b.swiglu(&b.matmul(x, n, w13), n, inter, limit);
+            b.add_assign(&mut y, &b.matmul(&h, n, w2));
+        }
+        Ok(y)
+    }
+}

@@ -1,0 +1,552 @@
+//! DeepSeek V4: weights and the forward pass, expressed only through the [`Backend`] trait.
+//!
+//! [`Model::load`] reads a checkpoint (official or Hugging Face naming; f32/bf16/f16, FP8 with
+//! block scales, FP4 experts) and [`Model::forward`] runs one step over a batch of sequences,
+//! each with its own new tokens and [`SeqState`]. Exact mode follows transformers 5.23.0.
+
+mod forward;
+pub mod rope;
+pub mod state;
+pub mod weights;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use crate::backend::{Backend, Expert, Precision};
+use crate::config::model::ScoringFunc;
+use crate::config::params::WeightDtype;
+use crate::config::tensors::{checkpoint_tensors, TensorSpec};
+use crate::config::{AttentionKind, ModelConfig};
+use crate::error::{Error, Result};
+pub use forward::{Chunk, Logits};
+pub use state::SeqState;
+use weights::{Checkpoint, Loader};
+
+/// The three parameters of one hyper-connection instance.
+pub(crate) struct Hc<B: Backend> {
+    fn_: B::Matrix,
+    base: B::Tensor,
+    scale: B::Tensor,
+}
+
+pub(crate) struct Compressor<B: Backend> {
+    wkv: B::Matrix,
+    wgate: B::Matrix,
+    ape: B::Tensor,
+    norm: B::Tensor,
+    ratio: usize,
+    width: usize,
+    overlap: bool,
+}
+
+pub(crate) struct Indexer<B: Backend> {
+    wq_b: B::Matrix,
+    weights_proj: B::Matrix,
+    compressor: Compressor<B>,
+}
+
+pub(crate) struct Attention<B: Backend> {
+    wq_a: B::Matrix,
+    q_norm: B::Tensor,
+    wq_b: B::Matrix,
+    wkv: B::Matrix,
+    kv_norm: B::Tensor,
+    wo_a: B::Matrix,
+    wo_b: B::Matrix,
+    sinks: B::Tensor,
+    compressor: Option<Compressor<B>>,
+    indexer: Option<Indexer<B>>,
+}
+
+pub(crate) enum Router<B: Backend> {
+    Hash(B::Index),
+    TopK(Option<B::Tensor>),
+}
+
+pub(crate) struct Moe<B: Backend> {
+    gate: B::Matrix,
+    router: Router<B>,
+    experts: Vec<Expert<B>>,
+    /// `[w1; w3]` and `w2` of the shared expert.
+    shared: Option<(B::Matrix, B::Matrix)>,
+}
+
+pub(crate) struct Block<B: Backend> {
+    kind: AttentionKind,
+    attn_norm: B::Tensor,
+    ffn_norm: B::Tensor,
+    attn_hc: Hc<B>,
+    ffn_hc: Hc<B>,
+    attn: Attention<B>,
+    ffn: Moe<B>,
+}
+
+/// A multi-token-prediction block: loaded for speculative decoding, not run by `forward`.
+pub(crate) struct Mtp<B: Backend> {
+    #[allow(dead_code)]
+    block: Block<B>,
+    #[allow(dead_code)]
+    e_proj: B::Matrix,
+    #[allow(dead_code)]
+    h_proj: B::Matrix,
+    #[allow(dead_code)]
+    norms: [B::Tensor; 3],
+    #[allow(dead_code)]
+    hc_head: Hc<B>,
+}
+
+/// A loaded DeepSeek V4 model.
+pub struct Model<B: Backend> {
+    pub config: ModelConfig,
+    backend: Arc<B>,
+    embed: B::Matrix,
+    head: B::Matrix,
+    norm: B::Tensor,
+    hc_head: Hc<B>,
+    blocks: Vec<Block<B>>,
+    mtp: Vec<Mtp<B>>,
+    rope_main: B::Rope,
+    rope_compress: B::Rope,
+    /// Resident bytes by kind ("f32", "bf16", "i32").
+    bytes: BTreeMap<&'static str, u64>,
+    parameters: u64,
+}
+
+impl<B: Backend> Model<B> {
+    /// Loads the checkpoint at `dir` for `config`, storing matrices at `weight_dtype`.
+    pub fn load(
+        dir: &Path,
+        config: ModelConfig,
+        backend: Arc<B>,
+        weight_dtype: WeightDtype,
+    ) -> Result<Self> {
+        let started = std::time::Instant::now();
+        let ckpt = Checkpoint::open(dir)?;
+        let precision = match weight_dtype {
+            WeightDtype::F32 => Precision::F32,
+            WeightDtype::Bf16 => Precision::Bf16,
+        };
+        let mut builder = Builder {
+            loader: Loader::new(&ckpt, &config),
+            backend: backend.as_ref(),
+            precision,
+            specs: checkpoint_tensors(&config)
+                .into_iter()
+                .map(|s| (s.name.clone(), s))
+                .collect(),
+            bytes: BTreeMap::new(),
+            parameters: 0,
+            failed: false,
+        };
+        let model = builder.model(&config);
+        let mtp = builder.mtp(&config);
+        let (bytes, parameters) = (builder.bytes.clone(), builder.parameters);
+        let naming = builder.loader.naming;
+        // MTP tensors never make loading fail: a broken or absent MTP block only disables it.
+        builder.loader.finish(&["mtp.", "model.mtp."])?;
+        let Some(parts) = model else {
+            return Err(Error::internal("checkpoint problems were not reported"));
+        };
+        let c = &config;
+        let result = Self {
+            rope_main: backend.rope(&rope::inv_freq(&c.main_rope, c.rope_head_dim)),
+            rope_compress: backend.rope(&rope::inv_freq(&c.compress_rope, c.rope_head_dim)),
+            embed: parts.0,
+            head: parts.1,
+            norm: parts.2,
+            hc_head: parts.3,
+            blocks: parts.4,
+            mtp,
+            bytes,
+            parameters,
+            config,
+            backend,
+        };
+        log::info!(
+            "loaded {} ({:?} naming, {} parameters, {} MTP block(s)) from {} in {:.2} s",
+            result.config.name,
+            naming,
+            result.parameters,
+            result.mtp.len(),
+            dir.display(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(result)
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// A fresh per-sequence state.
+    pub fn new_state(&self) -> SeqState<B> {
+        SeqState::new(self)
+    }
+
+    /// Configuration summary, parameter count and resident bytes by dtype.
+    pub fn info(&self) -> Value {
+        let c = &self.config;
+        json!({
+            "name": c.name,
+            "config_form": c.form,
+            "backend": self.backend.name(),
+            "layers": c.num_layers,
+            "layer_kinds": c.attention,
+            "mlp_kinds": c.mlp,
+            "mtp_layers_loaded": self.mtp.len(),
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "num_heads": c.num_heads,
+            "head_dim": c.head_dim,
+            "sliding_window": c.sliding_window,
+            "n_routed_experts": c.n_routed_experts,
+            "n_activated_experts": c.n_activated_experts,
+            "max_position_embeddings": c.max_position_embeddings,
+            "parameters": self.parameters,
+            "bytes_by_dtype": self.bytes,
+        })
+    }
+}
+
+type Parts<B> = (
+    <B as Backend>::Matrix,
+    <B as Backend>::Matrix,
+    <B as Backend>::Tensor,
+    Hc<B>,
+    Vec<Block<B>>,
+);
+
+/// Assembles backend objects from checked tensors; after the first problem it keeps reading
+/// (to report every problem) but builds nothing.
+struct Builder<'a, B: Backend> {
+    loader: Loader<'a>,
+    backend: &'a B,
+    precision: Precision,
+    specs: BTreeMap<String, TensorSpec>,
+    bytes: BTreeMap<&'static str, u64>,
+    parameters: u64,
+    failed: bool,
+}
+
+impl<B: Backend> Builder<'_, B> {
+    fn spec(&self, name: &str) -> Option<&TensorSpec> {
+        self.specs.get(name)
+    }
+
+    fn floats(&mut self, name: &str) -> Option<(Vec<f32>, Vec<usize>)> {
+        let Some(spec) = self.spec(name).cloned() else {
+            self.failed = true;
+            return None;
+        };
+        match self.loader.floats(&spec) {
+            Some(v) if !self.failed => {
+                self.parameters += spec.elements();
+                Some((v, spec.shape))
+            }
+            _ => {
+                self.failed = true;
+                None
+            }
+        }
+    }
+
+    fn matrix_at(&mut self, name: &str, precision: Precision) -> Option<B::Matrix> {
+        let (values, shape) = self.floats(name)?;
+        let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
+        let m = self.backend.matrix(rows, cols, values, precision).ok()?;
+        *self
+            .bytes
+            .entry(match precision {
+                Precision::F32 => "f32",
+                Precision::Bf16 => "bf16",
+            })
+            .or_insert(0) += self.backend.matrix_bytes(&m) as u64;
+        Some(m)
+    }
+
+    fn matrix(&mut self, name: &str) -> Option<B::Matrix> {
+        self.matrix_at(name, self.precision)
+    }
+
+    /// Two matrices stacked by rows: `[a; b]`.
+    fn stacked(&mut self, a: &str, b: &str) -> Option<B::Matrix> {
+        let top = self.floats(a);
+        let bottom = self.floats(b);
+        let ((mut values, shape), (more, _)) = (top?, bottom?);
+        values.extend(more);
+        let m = self
+            .backend
+            .matrix(2 * shape[0], shape[1], values, self.precision)
+            .ok()?;
+        *self
+            .bytes
+            .entry(match self.precision {
+                Precision::F32 => "f32",
+                Precision::Bf16 => "bf16",
+            })
+            .or_insert(0) += self.backend.matrix_bytes(&m) as u64;
+        Some(m)
+    }
+
+    fn vector(&mut self, name: &str) -> Option<B::Tensor> {
+        let (values, _) = self.floats(name)?;
+        *self.bytes.entry("f32").or_insert(0) += 4 * values.len() as u64;
+        Some(self.backend.tensor(&values))
+    }
+
+    fn hc(&mut self, fn_: &str, base: &str, scale: &str) -> Option<Hc<B>> {
+        // Hyper-connection mixes stay f32 (transformers keeps them in fp32).
+        let fn_ = self.matrix_at(fn_, Precision::F32);
+        let base = self.vector(base);
+        let scale = self.vector(scale);
+        Some(Hc {
+            fn_: fn_?,
+            base: base?,
+            scale: scale?,
+        })
+    }
+
+    fn compressor(
+        &mut self,
+        p: &str,
+        ratio: usize,
+        width: usize,
+        overlap: bool,
+    ) -> Option<Compressor<B>> {
+        let wkv = self.matrix(&format!("{p}wkv.weight"));
+        let wgate = self.matrix(&format!("{p}wgate.weight"));
+        let ape = self.vector(&format!("{p}ape"));
+        let norm = self.vector(&format!("{p}norm.weight"));
+        Some(Compressor {
+            wkv: wkv?,
+            wgate: wgate?,
+            ape: ape?,
+            norm: norm?,
+            ratio,
+            width,
+            overlap,
+        })
+    }
+
+    fn block(
+        &mut self,
+        p: &str,
+        c: &ModelConfig,
+        kind: AttentionKind,
+        hash: bool,
+    ) -> Option<Block<B>> {
+        let attn_norm = self.vector(&format!("{p}attn_norm.weight"));
+        let ffn_norm = self.vector(&format!("{p}ffn_norm.weight"));
+        let attn_hc = self.hc(
+            &format!("{p}hc_attn_fn"),
+            &format!("{p}hc_attn_base"),
+            &format!("{p}hc_attn_scale"),
+        );
+        let ffn_hc = self.hc(
+            &format!("{p}hc_ffn_fn"),
+            &format!("{p}hc_ffn_base"),
+            &format!("{p}hc_ffn_scale"),
+        );
+        let a = format!("{p}attn.");
+        let wq_a = self.matrix(&format!("{a}wq_a.weight"));
+        let q_norm = self.vector(&format!("{a}q_norm.weight"));
+        let wq_b = self.matrix(&format!("{a}wq_b.weight"));
+        let wkv = self.matrix(&format!("{a}wkv.weight"));
+        let kv_norm = self.vector(&format!("{a}kv_norm.weight"));
+        let wo_a = self.matrix(&format!("{a}wo_a.weight"));
+        let wo_b = self.matrix(&format!("{a}wo_b.weight"));
+        let sinks = self.vector(&format!("{a}attn_sink"));
+        let compressor = match kind {
+            AttentionKind::Swa => None,
+            AttentionKind::Csa => {
+                Some(self.compressor(&format!("{a}compressor."), c.csa_ratio, c.head_dim, true))
+            }
+            AttentionKind::Hca => {
+                Some(self.compressor(&format!("{a}compressor."), c.hca_ratio, c.head_dim, false))
+            }
+        };
+        let indexer = (kind == AttentionKind::Csa).then(|| {
+            let wq_b = self.matrix(&format!("{a}indexer.wq_b.weight"));
+            let weights_proj = self.matrix(&format!("{a}indexer.weights_proj.weight"));
+            let compressor = self.compressor(
+                &format!("{a}indexer.compressor."),
+                c.csa_ratio,
+                c.index_head_dim,
+                true,
+            );
+            Some(Indexer {
+                wq_b: wq_b?,
+                weights_proj: weights_proj?,
+                compressor: compressor?,
+            })
+        });
+        let f = format!("{p}ffn.");
+        let gate = self.matrix(&format!("{f}gate.weight"));
+        let router = if hash {
+            let name = format!("{f}gate.tid2eid");
+            let spec = self.spec(&name).cloned();
+            let table = spec.and_then(|s| self.loader.indices(&s, c.n_routed_experts));
+            if table.is_none() {
+                self.failed = true;
+            }
+            table.map(|t| {
+                *self.bytes.entry("i32").or_insert(0) += 4 * t.len() as u64;
+                Router::Hash(self.backend.index(&t))
+            })
+        } else {
+            self.vector(&format!("{f}gate.bias"))
+                .map(|b| Router::TopK(Some(b)))
+        };
+        let experts: Vec<Option<Expert<B>>> = (0..c.n_routed_experts)
+            .map(|e| {
+                let ex = format!("{f}experts.{e}.");
+                let w13 = self.stacked(&format!("{ex}w1.weight"), &format!("{ex}w3.weight"));
+                let w2 = self.matrix(&format!("{ex}w2.weight"));
+                Some(Expert { w13: w13?, w2: w2? })
+            })
+            .collect();
+        let shared = (c.n_shared_experts > 0).then(|| {
+            let s = format!("{f}shared_experts.");
+            let w13 = self.stacked(&format!("{s}w1.weight"), &format!("{s}w3.weight"));
+            let w2 = self.matrix(&format!("{s}w2.weight"));
+            Some((w13?, w2?))
+        });
+        Some(Block {
+            kind,
+            attn_norm: attn_norm?,
+            ffn_norm: ffn_norm?,
+            attn_hc: attn_hc?,
+            ffn_hc: ffn_hc?,
+            attn: Attention {
+                wq_a: wq_a?,
+                q_norm: q_norm?,
+                wq_b: wq_b?,
+                wkv: wkv?,
+                kv_norm: kv_norm?,
+                wo_a: wo_a?,
+                wo_b: wo_b?,
+                sinks: sinks?,
+                compressor: compressor.flatten_failure()?,
+                indexer: indexer.flatten_failure()?,
+            },
+            ffn: Moe {
+                gate: gate?,
+                router: router?,
+                experts: experts.into_iter().collect::<Option<Vec<_>>>()?,
+                shared: shared.flatten_failure()?,
+            },
+        })
+    }
+
+    fn model(&mut self, c: &ModelConfig) -> Option<Parts<B>> {
+        let embed = self.matrix("embed.weight");
+        let head = self.matrix("head.weight");
+        let norm = self.vector("norm.weight");
+        let hc_head = self.hc("hc_head_fn", "hc_head_base", "hc_head_scale");
+        let blocks: Vec<Option<Block<B>>> = c
+            .attention
+            .iter()
+            .zip(&c.mlp)
+            .enumerate()
+            .map(|(i, (&kind, &mlp))| {
+                self.block(
+                    &format!("layers.{i}."),
+                    c,
+                    kind,
+                    mlp == crate::config::model::MlpKind::HashMoe,
+                )
+            })
+            .collect();
+        let blocks = blocks.into_iter().collect::<Option<Vec<_>>>();
+        if self.failed {
+            return None;
+        }
+        Some((embed?, head?, norm?, hc_head?, blocks?))
+    }
+
+    /// MTP blocks, when the checkpoint has them and they load cleanly.
+    fn mtp(&mut self, c: &ModelConfig) -> Vec<Mtp<B>> {
+        let mut loaded = Vec::new();
+        for k in 0..c.num_mtp_layers {
+            let p = format!("mtp.{k}.");
+            let Some(probe) = self.spec(&format!("{p}e_proj.weight")).cloned() else {
+                continue;
+            };
+            if !self.loader.has(&probe) {
+                log::info!(
+                    "checkpoint has no MTP block {k}: speculative decoding will be unavailable"
+                );
+                continue;
+            }
+            let failed_before = std::mem::replace(&mut self.failed, false);
+            let mark = self.loader.problem_count();
+            let block = self.block(&p, c, AttentionKind::Swa, false);
+            let e_proj = self.matrix(&format!("{p}e_proj.weight"));
+            let h_proj = self.matrix(&format!("{p}h_proj.weight"));
+            let norms = [
+                self.vector(&format!("{p}enorm.weight")),
+                self.vector(&format!("{p}hnorm.weight")),
+                self.vector(&format!("{p}norm.weight")),
+            ];
+            let hc_head = self.hc(
+                &format!("{p}hc_head_fn"),
+                &format!("{p}hc_head_base"),
+                &format!("{p}hc_head_scale"),
+            );
+            let problems = self.loader.take_problems_since(mark);
+            let ok = !self.failed;
+            self.failed = failed_before;
+            if !ok || !problems.is_empty() {
+                log::warn!(
+                    "MTP block {k} is unusable and is skipped ({}); the main model is unaffected",
+                    problems.join("; ")
+                );
+                continue;
+            }
+            if let (
+                Some(block),
+                Some(e_proj),
+                Some(h_proj),
+                [Some(a), Some(b), Some(n)],
+                Some(hc_head),
+            ) = (block, e_proj, h_proj, norms, hc_head)
+            {
+                loaded.push(Mtp {
+                    block,
+                    e_proj,
+                    h_proj,
+                    norms: [a, b, n],
+                    hc_head,
+                });
+            }
+        }
+        loaded
+    }
+}
+
+/// For an optional part: `None` (absent) stays absent, `Some(None)` (failed to load) fails the
+/// whole block, `Some(Some(v))` is present.
+trait OptionalPart<T> {
+    fn flatten_failure(self) -> Option<Option<T>>;
+}
+
+impl<T> OptionalPart<T> for Option<Option<T>> {
+    fn flatten_failure(self) -> Option<Option<T>> {
+        match self {
+            None => Some(None),
+            Some(None) => None,
+            Some(Some(v)) => Some(Some(v)),
+        }
+    }
+}
+
+pub(crate) fn scoring(c: &ModelConfig) -> crate::backend::Scoring {
+    match c.scoring_func {
+        ScoringFunc::SqrtSoftplus => crate::backend::Scoring::SqrtSoftplus,
+        ScoringFunc::Sigmoid => crate::backend::Scoring::Sigmoid,
+        ScoringFunc::Softmax => crate::backend::Scoring::Softmax,
+    }
+}

@@ -1,0 +1,383 @@
+//! Reads every tensor the config implies, checks dtype and shape, and decodes it to f32
+//! (dequantising FP8/FP4). Problems are collected, each naming the tensor and what was
+//! expected against what was found, and reported together.
+
+use std::collections::BTreeSet;
+
+use half::{bf16, f16};
+use safetensors::tensor::Dtype as StDtype;
+
+use super::checkpoint::{Checkpoint, RawTensor};
+use super::dequant;
+use super::names::{locate, Location, Naming};
+use crate::config::model::{DenseFormat, ExpertFormat};
+use crate::config::tensors::{Storage, TensorSpec};
+use crate::config::ModelConfig;
+use crate::error::{Error, ErrorKind, Result};
+
+/// Reads tensors by official name and remembers which stored tensors were used.
+pub struct Loader<'a> {
+    ckpt: &'a Checkpoint,
+    pub naming: Naming,
+    config: &'a ModelConfig,
+    problems: Vec<String>,
+    used: BTreeSet<String>,
+}
+
+impl<'a> Loader<'a> {
+    pub fn new(ckpt: &'a Checkpoint, config: &'a ModelConfig) -> Self {
+        Self {
+            ckpt,
+            naming: Naming::detect(ckpt.names()),
+            config,
+            problems: Vec::new(),
+            used: BTreeSet::new(),
+        }
+    }
+
+    /// The tensor's values in f32 (logical shape), or `None` after recording why not.
+    pub fn floats(&mut self, spec: &TensorSpec) -> Option<Vec<f32>> {
+        match self.read_floats(spec) {
+            Ok(v) => Some(v),
+            Err(problem) => {
+                self.problems.push(problem);
+                None
+            }
+        }
+    }
+
+    /// An integer table (the hash router's `tid2eid`), values checked to be in `0..limit`.
+    pub fn indices(&mut self, spec: &TensorSpec, limit: usize) -> Option<Vec<i32>> {
+        let result = (|| {
+            let loc = self.location(spec)?;
+            let raw = self.fetch(spec, &loc.name)?;
+            self.expect_shape(spec, &raw, &spec.shape)?;
+            let values: Vec<i64> = match raw.dtype {
+                StDtype::I64 => raw
+                    .bytes
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap_or_default()))
+                    .collect(),
+                StDtype::I32 => raw
+                    .bytes
+                    .chunks_exact(4)
+                    .map(|b| i64::from(i32::from_le_bytes(b.try_into().unwrap_or_default())))
+                    .collect(),
+                other => return Err(self.wrong_dtype(spec, &raw, other, "I64 or I32")),
+            };
+            if let Some((i, v)) = values
+                .iter()
+                .enumerate()
+                .find(|(_, &v)| v < 0 || v as usize >= limit)
+            {
+                return Err(format!(
+                    "{}: entry {i} (token {}) routes to expert {v}, but the model has {limit} \
+                     experts",
+                    self.shown(spec, &loc.name),
+                    i / spec.shape.get(1).copied().unwrap_or(1).max(1)
+                ));
+            }
+            Ok(values.into_iter().map(|v| v as i32).collect())
+        })();
+        match result {
+            Ok(v) => Some(v),
+            Err(p) => {
+                self.problems.push(p);
+                None
+            }
+        }
+    }
+
+    /// Whether a tensor exists (MTP blocks are optional).
+    pub fn has(&self, spec: &TensorSpec) -> bool {
+        self.location(spec)
+            .is_ok_and(|loc| self.ckpt.get(&loc.name).is_some())
+    }
+
+    /// How many problems are recorded so far.
+    pub fn problem_count(&self) -> usize {
+        self.problems.len()
+    }
+
+    /// Removes and returns the problems recorded after the first `mark`.
+    pub fn take_problems_since(&mut self, mark: usize) -> Vec<String> {
+        self.problems.split_off(mark.min(self.problems.len()))
+    }
+
+    /// Fails with every problem found, including stored tensors nothing asked for (outside
+    /// `ignored_prefixes`).
+    pub fn finish(mut self, ignored_prefixes: &[&str]) -> Result<()> {
+        let unexpected: Vec<String> = self
+            .ckpt
+            .names()
+            .filter(|n| !self.used.contains(*n))
+            .filter(|n| !ignored_prefixes.iter().any(|p| n.starts_with(p)))
+            .map(|n| {
+                let t = self.ckpt.get(n);
+                let (dtype, shape) = t.map_or((String::new(), Vec::new()), |t| {
+                    (format!("{:?}", t.dtype), t.shape.to_vec())
+                });
+                format!(
+                    "unexpected tensor `{n}` ({dtype} {shape:?}): this config does not use it; \
+                     is config.json from another checkpoint?"
+                )
+            })
+            .collect();
+        self.problems.extend(unexpected);
+        if self.problems.is_empty() {
+            return Ok(());
+        }
+        const SHOWN: usize = 20;
+        let total = self.problems.len();
+        if total > SHOWN {
+            self.problems.truncate(SHOWN);
+            self.problems.push(format!("… and {} more", total - SHOWN));
+        }
+        Err(Error::from_problems(
+            ErrorKind::ModelFormat,
+            "checkpoint",
+            &self.problems,
+        ))
+    }
+
+    fn location(&self, spec: &TensorSpec) -> Result<Location, String> {
+        locate(&spec.name, self.naming, self.config.moe_intermediate_size)
+            .ok_or_else(|| format!("`{}` has no name in this checkpoint's scheme", spec.name))
+    }
+
+    /// "`layers.0.attn.wq_a.weight` (stored as `model.layers.0.self_attn.q_a_proj.weight`)".
+    fn shown(&self, spec: &TensorSpec, stored: &str) -> String {
+        if stored == spec.name {
+            format!("`{}`", spec.name)
+        } else {
+            format!("`{}` (stored as `{stored}`)", spec.name)
+        }
+    }
+
+    fn fetch(&mut self, spec: &TensorSpec, stored: &str) -> Result<RawTensor<'a>, String> {
+        match self.ckpt.get(stored) {
+            Some(t) => {
+                self.used.insert(stored.to_string());
+                Ok(t)
+            }
+            None => Err(format!(
+                "missing tensor {}: expected {:?} {}",
+                self.shown(spec, stored),
+                spec.shape,
+                storage_name(spec.storage)
+            )),
+        }
+    }
+
+    fn expect_shape(
+        &self,
+        spec: &TensorSpec,
+        raw: &RawTensor,
+        shape: &[usize],
+    ) -> Result<(), String> {
+        if raw.shape == shape {
+            Ok(())
+        } else {
+            Err(format!(
+                "{}: expected shape {shape:?}, found {:?} ({:?})",
+                self.shown(spec, raw.name),
+                raw.shape,
+                raw.dtype
+            ))
+        }
+    }
+
+    fn wrong_dtype(
+        &self,
+        spec: &TensorSpec,
+        raw: &RawTensor,
+        found: StDtype,
+        expected: &str,
+    ) -> String {
+        format!(
+            "{}: expected dtype {expected}, found {found:?} {:?}",
+            self.shown(spec, raw.name),
+            raw.shape
+        )
+    }
+
+    fn read_floats(&mut self, spec: &TensorSpec) -> Result<Vec<f32>, String> {
+        let loc = self.location(spec)?;
+        let raw = self.fetch(spec, &loc.name)?;
+        let (rows, cols) = match spec.shape.as_slice() {
+            [r, c] => (*r, *c),
+            other => (other.iter().product(), 1),
+        };
+        // A stacked expert tensor [E, R, C]: take expert e's [R, C] matrix, then the rows asked.
+        let (matrix_rows, expert) = match &loc.slice {
+            Some(s) => {
+                let stacked_rows = if s.rows.end == usize::MAX {
+                    rows
+                } else {
+                    2 * rows
+                };
+                (stacked_rows, Some(s.expert))
+            }
+            None => (rows, None),
+        };
+        let row_range = match &loc.slice {
+            Some(s) if s.rows.end != usize::MAX => s.rows.clone(),
+            _ => 0..rows,
+        };
+        let stack = |shape: Vec<usize>| -> Vec<usize> {
+            match expert {
+                Some(_) => {
+                    let mut full = vec![self.config.n_routed_experts];
+                    full.extend(shape);
+                    full
+                }
+                None => shape,
+            }
+        };
+        let float_shape = if spec.shape.len() == 2 || expert.is_some() {
+            stack(vec![matrix_rows, cols])
+        } else {
+            spec.shape.clone()
+        };
+        let per_expert = |len: usize| -> usize { len / self.config.n_routed_experts.max(1) };
+        let matrix: Vec<f32> = match raw.dtype {
+            StDtype::F32 | StDtype::BF16 | StDtype::F16 => {
+                self.expect_shape(spec, &raw, &float_shape)?;
+                let all = floats(&raw);
+                match expert {
+                    Some(e) => {
+                        let n = per_expert(all.len());
+                        all[e * n..(e + 1) * n].to_vec()
+                    }
+                    None => all,
+                }
+            }
+            StDtype::F8_E4M3 if matches!(spec.storage, Storage::Linear | Storage::Expert) => {
+                self.expect_shape(spec, &raw, &float_shape)?;
+                let block = match self.config.dense_format {
+                    DenseFormat::Fp8Block { block } => block,
+                    _ => [128, 128],
+                };
+                let scale_shape = stack(vec![
+                    matrix_rows.div_ceil(block[0]),
+                    cols.div_ceil(block[1]),
+                ]);
+                let scales = self.scales(spec, &loc.scale, &scale_shape)?;
+                let (values, scales) = match expert {
+                    Some(e) => {
+                        let (nv, ns) = (per_expert(raw.bytes.len()), per_expert(scales.len()));
+                        (
+                            &raw.bytes[e * nv..(e + 1) * nv],
+                            scales[e * ns..(e + 1) * ns].to_vec(),
+                        )
+                    }
+                    None => (raw.bytes, scales),
+                };
+                dequant::fp8_block(values, &scales, matrix_rows, cols, block)
+            }
+            StDtype::I8 | StDtype::U8 if spec.storage == Storage::Expert => {
+                let block = match self.config.expert_format {
+                    ExpertFormat::Fp4 { block } => block,
+                    ExpertFormat::Dense => 32,
+                };
+                if cols % 2 != 0 || cols % block != 0 {
+                    return Err(format!(
+                        "{}: FP4 experts need an input width that is a multiple of {block}, the \
+                         config gives {cols}",
+                        self.shown(spec, raw.name)
+                    ));
+                }
+                self.expect_shape(spec, &raw, &stack(vec![matrix_rows, cols / 2]))?;
+                let scales =
+                    self.scales(spec, &loc.scale, &stack(vec![matrix_rows, cols / block]))?;
+                let (values, scales) = match expert {
+                    Some(e) => {
+                        let (nv, ns) = (per_expert(raw.bytes.len()), per_expert(scales.len()));
+                        (
+                            &raw.bytes[e * nv..(e + 1) * nv],
+                            scales[e * ns..(e + 1) * ns].to_vec(),
+                        )
+                    }
+                    None => (raw.bytes, scales),
+                };
+                dequant::fp4_packed(values, &scales, matrix_rows, cols, block)
+            }
+            other => {
+                let expected = match spec.storage {
+                    Storage::Linear => "F32, BF16, F16 or F8_E4M3 (+ scale)",
+                    Storage::Expert => {
+                        "F32, BF16, F16, F8_E4M3 (+ scale) or I8 packed FP4 (+ scale)"
+                    }
+                    Storage::Unquantized | Storage::Float32 => "F32, BF16 or F16",
+                    Storage::Index => "I64",
+                };
+                return Err(self.wrong_dtype(spec, &raw, other, expected));
+            }
+        };
+        Ok(if row_range == (0..matrix_rows) {
+            matrix
+        } else {
+            matrix[row_range.start * cols..row_range.end * cols].to_vec()
+        })
+    }
+
+    /// The scale tensor of a quantised weight, decoded to f32 multipliers.
+    fn scales(
+        &mut self,
+        spec: &TensorSpec,
+        stored: &str,
+        shape: &[usize],
+    ) -> Result<Vec<f32>, String> {
+        let raw = self.ckpt.get(stored).ok_or_else(|| {
+            format!(
+                "missing scale `{stored}` for quantised {}: expected F8_E8M0 {shape:?}",
+                self.shown(spec, stored)
+            )
+        })?;
+        self.used.insert(stored.to_string());
+        if raw.shape != shape {
+            return Err(format!(
+                "scale `{stored}`: expected shape {shape:?}, found {:?}",
+                raw.shape
+            ));
+        }
+        match raw.dtype {
+            StDtype::F8_E8M0 => Ok(raw.bytes.iter().map(|&b| dequant::e8m0_to_f32(b)).collect()),
+            StDtype::F32 | StDtype::BF16 | StDtype::F16 => Ok(floats(&raw)),
+            other => Err(format!(
+                "scale `{stored}`: expected dtype F8_E8M0 (or F32), found {other:?}"
+            )),
+        }
+    }
+}
+
+fn floats(raw: &RawTensor) -> Vec<f32> {
+    match raw.dtype {
+        StDtype::F32 => raw
+            .bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        StDtype::BF16 => raw
+            .bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        StDtype::F16 => raw
+            .bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn storage_name(storage: Storage) -> &'static str {
+    match storage {
+        Storage::Linear => "linear weight",
+        Storage::Expert => "expert weight",
+        Storage::Unquantized => "float tensor",
+        Storage::Float32 => "f32 tensor",
+        Storage::Index => "I64 table",
+    }
+}

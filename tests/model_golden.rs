@@ -1,0 +1,134 @@
+//! The exact forward pass against Hugging Face transformers 5.23.0 (goldens from
+//! tests/reference/make_fixtures.py): every fixture, both naming schemes, fp32 and FP8/FP4.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use dsv4::backend::cpu::CpuBackend;
+use dsv4::config::params::WeightDtype;
+use dsv4::config::ModelConfig;
+use dsv4::model::{Chunk, Logits, Model};
+use safetensors::SafeTensors;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+struct Golden {
+    ids: Vec<u32>,
+    logits_f32: Vec<f32>,
+    logits_q: Vec<f32>,
+}
+
+fn golden(name: &str) -> Golden {
+    let bytes = std::fs::read(fixtures().join(name).join("golden.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |n: &str| -> Vec<f32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let ids = st
+        .tensor("input_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    Golden {
+        ids,
+        logits_f32: f32s("logits_f32"),
+        logits_q: f32s("logits_q"),
+    }
+}
+
+fn load(dir: &Path) -> Model<CpuBackend> {
+    let config = ModelConfig::load(dir).unwrap();
+    let backend = Arc::new(CpuBackend::new(2).unwrap());
+    Model::load(dir, config, backend, WeightDtype::F32).unwrap()
+}
+
+fn score(model: &Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
+    let mut state = model.new_state();
+    let mut chunks = [Chunk {
+        tokens: ids,
+        state: &mut state,
+        logits: Logits::All,
+    }];
+    model.forward(&mut chunks).unwrap().remove(0)
+}
+
+/// Max abs error and argmax agreement of `ours` against `expected`, both `[n, vocab]`.
+fn compare(ours: &[f32], expected: &[f32], vocab: usize) -> (f32, usize, usize) {
+    assert_eq!(ours.len(), expected.len());
+    let max_err = ours
+        .iter()
+        .zip(expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    let argmax = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i)
+            .unwrap()
+    };
+    let rows = ours.len() / vocab;
+    let agree = ours
+        .chunks(vocab)
+        .zip(expected.chunks(vocab))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    (max_err, agree, rows)
+}
+
+fn check(fixture: &str, variant: &str) {
+    let g = golden(fixture);
+    let model = load(&fixtures().join(fixture).join(variant));
+    let expected = if variant == "hf-f32" {
+        &g.logits_f32
+    } else {
+        &g.logits_q
+    };
+    let ours = score(&model, &g.ids);
+    let (max_err, agree, rows) = compare(&ours, expected, model.config.vocab_size);
+    eprintln!("{fixture}/{variant}: max abs error {max_err:.2e}, argmax {agree}/{rows}");
+    assert!(
+        max_err <= 1e-3,
+        "{fixture}/{variant}: max abs logit error {max_err}"
+    );
+    assert_eq!(agree, rows, "{fixture}/{variant}: argmax disagreement");
+}
+
+#[test]
+fn flash_like_hf_f32() {
+    check("flash-like", "hf-f32");
+}
+
+#[test]
+fn flash_like_official_fp8_fp4() {
+    check("flash-like", "official-fp8");
+}
+
+#[test]
+fn flash_like_hf_fp8_fp4_sharded() {
+    check("flash-like", "hf-fp8");
+}
+
+#[test]
+fn pro_like_hf_f32() {
+    check("pro-like", "hf-f32");
+}
+
+#[test]
+fn pro_like_official_fp8_fp4() {
+    check("pro-like", "official-fp8");
+}
+
+#[test]
+fn pro_like_hf_fp8_fp4_sharded() {
+    check("pro-like", "hf-fp8");
+}
