@@ -77,6 +77,13 @@
 #define DSV4_LOG_TRACE 5
 
 /**
+ * An engine: a loaded model and, later, its request queues and threads. Opaque; create with
+ * `dsv4_engine_create`, free with `dsv4_engine_destroy`. Engine handles are thread-safe: any
+ * function taking one may be called from several threads at once.
+ */
+typedef struct dsv4_engine dsv4_engine;
+
+/**
  * Result of every dsv4 function that can fail: `DSV4_OK` (0) or a negative `DSV4_ERR_*` code.
  * On failure `dsv4_last_error()` says what went wrong and how to fix it.
  */
@@ -174,6 +181,62 @@ extern "C" {
  * copy it to keep it. Successful calls leave it unchanged.
  */
 const char *dsv4_last_error(void);
+
+/**
+ * Creates an engine from a params document (JSON, merged over the defaults): validates the
+ * params, computes the memory plan and refuses a plan that does not fit this machine
+ * (`DSV4_ERR_CAPACITY`, with the plan's reason), then loads config.json and the weights at
+ * `model_path`. Blocks while the weights load.
+ *
+ * On success `*out` receives the handle; on failure `*out` is set to NULL and nothing stays
+ * allocated. Errors: `DSV4_ERR_CONFIG` (params), `DSV4_ERR_IO` (files missing or unreadable),
+ * `DSV4_ERR_MODEL_FORMAT` (checkpoint problems, each tensor named), `DSV4_ERR_CAPACITY`,
+ * `DSV4_ERR_UNSUPPORTED` (valid params this build does not implement yet: backend cuda,
+ * prefill/decode roles, tp/ep > 1, HiCache, non-f32 KV, official numerics).
+ *
+ * # Safety
+ * `params_json` is a NUL-terminated string; `out` is valid for one pointer write.
+ */
+dsv4_status dsv4_engine_create(const char *params_json, dsv4_engine **out);
+
+/**
+ * Destroys an engine and frees everything it holds. NULL is ignored. The handle must not be
+ * used afterwards, and no other call may be using it concurrently.
+ *
+ * # Safety
+ * `engine` is NULL or a live handle from `dsv4_engine_create`, not yet destroyed.
+ */
+void dsv4_engine_destroy(dsv4_engine *engine);
+
+/**
+ * Runs one fresh sequence of `n_tokens` token ids through the model and writes the logits of
+ * every position, row-major `[n_tokens, vocab]` f32, to `logits_out`. `logits_len` counts
+ * floats: fewer than `n_tokens × vocab` returns `DSV4_ERR_BUFFER_TOO_SMALL` (the message
+ * states the number needed) and writes nothing. Blocks while the forward pass runs; thread-safe.
+ *
+ * Errors: `DSV4_ERR_INVALID_ARGUMENT` for NULL pointers, `n_tokens == 0`, more tokens than
+ * `kv.max_context_tokens`, or a token id outside the vocabulary (the message names its
+ * position and value).
+ *
+ * # Safety
+ * `engine` is a live handle; `tokens` is valid for `n_tokens` reads; `logits_out` is valid for
+ * `logits_len` float writes.
+ */
+dsv4_status dsv4_score(const dsv4_engine *engine,
+                       const int32_t *tokens,
+                       size_t n_tokens,
+                       float *logits_out,
+                       size_t logits_len);
+
+/**
+ * Writes a JSON summary of the loaded model: configuration, layer kinds, parameter count and
+ * resident bytes by dtype. `(buf, cap, needed)` convention; thread-safe, does not block.
+ *
+ * # Safety
+ * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
+ * for one `size_t`.
+ */
+dsv4_status dsv4_model_info(const dsv4_engine *engine, char *buf, size_t cap, size_t *needed);
 
 /**
  * Sends dsv4's log records up to `max_level` (`DSV4_LOG_OFF` … `DSV4_LOG_TRACE`) to `callback`

@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod model;
 pub mod plan;

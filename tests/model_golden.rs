@@ -46,9 +46,13 @@ fn golden(name: &str) -> Golden {
 }
 
 fn load(dir: &Path) -> Model<CpuBackend> {
+    load_as(dir, WeightDtype::F32)
+}
+
+fn load_as(dir: &Path, dtype: WeightDtype) -> Model<CpuBackend> {
     let config = ModelConfig::load(dir).unwrap();
     let backend = Arc::new(CpuBackend::new(2).unwrap());
-    Model::load(dir, config, backend, WeightDtype::F32).unwrap()
+    Model::load(dir, config, backend, dtype).unwrap()
 }
 
 fn score(model: &Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
@@ -131,4 +135,21 @@ fn pro_like_official_fp8_fp4() {
 #[test]
 fn pro_like_hf_fp8_fp4_sharded() {
     check("pro-like", "hf-fp8");
+}
+
+/// FP8 and FP4 values times power-of-two scales (and bf16 tensors) are exact in bf16, so bf16
+/// weights lose nothing on quantised checkpoints: the goldens hold at the same tolerance.
+#[test]
+fn bf16_weights_are_exact_for_quantised_checkpoints() {
+    for fixture in ["flash-like", "pro-like"] {
+        let g = golden(fixture);
+        for variant in ["official-fp8", "hf-fp8"] {
+            let model = load_as(&fixtures().join(fixture).join(variant), WeightDtype::Bf16);
+            let ours = score(&model, &g.ids);
+            let (max_err, agree, rows) = compare(&ours, &g.logits_q, model.config.vocab_size);
+            eprintln!("{fixture}/{variant} bf16 weights: max abs error {max_err:.3e}, argmax {agree}/{rows}");
+            assert!(max_err <= 1e-3, "{fixture}/{variant}: {max_err}");
+            assert_eq!(agree, rows, "{fixture}/{variant}");
+        }
+    }
 }

@@ -4,12 +4,16 @@
 //! failure. `include/dsv4.h` is generated from this module by cbindgen (see build.rs).
 
 mod boundary;
+mod engine;
 mod log_bridge;
 mod planning;
 mod status;
 mod version;
 
 pub use boundary::dsv4_last_error;
+pub use engine::{
+    dsv4_engine, dsv4_engine_create, dsv4_engine_destroy, dsv4_model_info, dsv4_score,
+};
 pub use log_bridge::{dsv4_log_fn, dsv4_set_log_callback};
 pub use planning::{dsv4_params_default, dsv4_params_validate, dsv4_plan, dsv4_plan_text};
 pub use status::*;

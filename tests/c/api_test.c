@@ -201,6 +201,64 @@ static void test_concurrent_calls(void) {
     }
 }
 
+static void test_engine(void) {
+    const char *params = "{\"model_path\": \"" DSV4_REPO "/tests/fixtures/flash-like/hf-f32\", "
+                         "\"threads\": 2, \"kv\": {\"device_memory_bytes\": \"256MiB\"}}";
+    dsv4_engine *engine = (dsv4_engine *)&failures; /* must be overwritten with NULL on failure */
+    CHECK_STATUS(dsv4_engine_create(NULL, &engine), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK(engine == NULL);
+    CHECK_STATUS(dsv4_engine_create(params, NULL), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(dsv4_engine_create("{\"model_path\": \"/nonexistent\"}", &engine), DSV4_ERR_IO);
+    CHECK(engine == NULL);
+    CHECK_STATUS(dsv4_engine_create("{\"backend\": \"cuda\", \"model_path\": \"" DSV4_REPO
+                                    "/tests/fixtures/flash-like/hf-f32\", \"kv\": "
+                                    "{\"device_memory_bytes\": \"1GiB\", \"dtype\": \"f32\", "
+                                    "\"indexer_dtype\": \"f32\"}}",
+                                    &engine),
+                 DSV4_ERR_UNSUPPORTED);
+    CHECK(strstr(dsv4_last_error(), "CUDA backend is not built yet") != NULL);
+    CHECK_STATUS(dsv4_engine_create(params, &engine), DSV4_OK);
+    if (!engine) return;
+
+    size_t needed = 0;
+    CHECK_STATUS(dsv4_model_info(engine, NULL, 0, &needed), DSV4_OK);
+    char *info = malloc(needed);
+    CHECK_STATUS(dsv4_model_info(engine, info, needed, &needed), DSV4_OK);
+    CHECK(strstr(info, "\"vocab_size\": 384") != NULL);
+    free(info);
+
+    const int32_t tokens[] = {5, 17, 300, 2, 9};
+    const size_t vocab = 384, n = sizeof tokens / sizeof tokens[0];
+    float *logits = malloc(sizeof(float) * n * vocab);
+    CHECK_STATUS(dsv4_score(engine, tokens, n, logits, n * vocab), DSV4_OK);
+    int finite = 1;
+    for (size_t i = 0; i < n * vocab; i++) finite &= logits[i] == logits[i] && logits[i] < 1e30f;
+    CHECK(finite);
+    /* Causal: the first two positions do not depend on later tokens. */
+    float *prefix = malloc(sizeof(float) * 2 * vocab);
+    CHECK_STATUS(dsv4_score(engine, tokens, 2, prefix, 2 * vocab), DSV4_OK);
+    float max_diff = 0;
+    for (size_t i = 0; i < 2 * vocab; i++) {
+        float d = prefix[i] - logits[i];
+        if (d < 0) d = -d;
+        if (d > max_diff) max_diff = d;
+    }
+    CHECK(max_diff < 1e-4f);
+    free(prefix);
+
+    CHECK_STATUS(dsv4_score(NULL, tokens, n, logits, n * vocab), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(dsv4_score(engine, NULL, n, logits, n * vocab), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(dsv4_score(engine, tokens, 0, logits, n * vocab), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(dsv4_score(engine, tokens, n, logits, n * vocab - 1), DSV4_ERR_BUFFER_TOO_SMALL);
+    CHECK(strstr(dsv4_last_error(), "1920 are needed") != NULL);
+    const int32_t bad[] = {1, 2, 999};
+    CHECK_STATUS(dsv4_score(engine, bad, 3, logits, n * vocab), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(dsv4_last_error(), "token id 999 at position 2") != NULL);
+    free(logits);
+    dsv4_engine_destroy(engine);
+    dsv4_engine_destroy(NULL);
+}
+
 int main(void) {
     test_names_and_version();
     test_null_arguments();
@@ -208,6 +266,7 @@ int main(void) {
     test_validation_messages();
     test_log_callback();
     test_concurrent_calls();
+    test_engine();
     if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
     else printf("api_test: all checks passed\n");
     return failures ? 1 : 0;

@@ -7,6 +7,10 @@
     dsv4.plan({"model_path": "configs/deepseek-v4-flash", ...})        # dict
     print(dsv4.plan_text({...}))         # the same plan as a table
 
+    with dsv4.Engine({"model_path": "/models/DeepSeek-V4-Flash"}) as engine:
+        logits = engine.score([0, 1234, 5678])   # numpy float32 [3, vocab]
+        engine.model_info()                      # dict
+
 Failures raise a subclass of dsv4.Error carrying `.status` and `.message`.
 
 The library is found through DSV4_LIBRARY, next to this package, or in a source checkout's
@@ -37,6 +41,7 @@ from .errors import (  # noqa: F401  (re-exported)
 )
 
 __all__ = [
+    "Engine",
     "version",
     "default_params",
     "validate_params",
@@ -121,3 +126,58 @@ def plan_text(params):
     """The same plan as an aligned table."""
     raw = _params_bytes(params)
     return _read_text(lambda b, c, n: _lib.dsv4_plan_text(raw, b, c, n))
+
+
+class Engine:
+    """A loaded dsv4 engine. Use as a context manager, or call close() when done.
+
+    Methods may be called from several threads at once; close() must not race with them.
+    """
+
+    def __init__(self, params):
+        raw = _params_bytes(params)
+        handle = ctypes.c_void_p()
+        _check(_lib.dsv4_engine_create(raw, ctypes.byref(handle)))
+        self._handle = handle
+        self._vocab = self.model_info()["vocab_size"]
+
+    def close(self):
+        """Frees the engine (idempotent)."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            _lib.dsv4_engine_destroy(handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _live(self):
+        if not self._handle:
+            raise InvalidArgument("the engine is closed", InvalidArgument.status)
+        return self._handle
+
+    def model_info(self):
+        """Configuration summary, parameter count and resident bytes by dtype."""
+        handle = self._live()
+        return json.loads(_read_text(lambda b, c, n: _lib.dsv4_model_info(handle, b, c, n)))
+
+    def score(self, tokens):
+        """Logits of every position of one fresh sequence: numpy float32 [len(tokens), vocab]."""
+        import numpy as np
+
+        handle = self._live()
+        ids = np.ascontiguousarray(tokens, dtype=np.int32)
+        out = np.empty((len(ids), self._vocab), dtype=np.float32)
+        _check(_lib.dsv4_score(
+            handle,
+            ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            len(ids),
+            out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            out.size,
+        ))
+        return out

@@ -52,3 +52,13 @@ for _name in ("dsv4_params_validate", "dsv4_plan", "dsv4_plan_text"):
     _fn = getattr(lib, _name)
     _fn.restype = status_t
     _fn.argtypes = [c_char_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
+
+lib.dsv4_engine_create.restype = status_t
+lib.dsv4_engine_create.argtypes = [c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+lib.dsv4_engine_destroy.restype = None
+lib.dsv4_engine_destroy.argtypes = [ctypes.c_void_p]
+lib.dsv4_score.restype = status_t
+lib.dsv4_score.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), size_t,
+                           ctypes.POINTER(ctypes.c_float), size_t]
+lib.dsv4_model_info.restype = status_t
+lib.dsv4_model_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]

@@ -381,3 +381,34 @@ fn storage_name(storage: Storage) -> &'static str {
         Storage::Index => "I64 table",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw<'a>(dtype: StDtype, bytes: &'a [u8]) -> RawTensor<'a> {
+        RawTensor {
+            name: "t",
+            dtype,
+            shape: &[],
+            bytes,
+        }
+    }
+
+    #[test]
+    fn half_precision_floats_decode_exactly() {
+        // 1.5, -2.0 and the smallest normal of each format, little-endian.
+        let f16_bytes = [0x00, 0x3e, 0x00, 0xc0, 0x00, 0x04];
+        assert_eq!(
+            floats(&raw(StDtype::F16, &f16_bytes)),
+            vec![1.5, -2.0, 2f32.powi(-14)]
+        );
+        let bf16_bytes = [0xc0, 0x3f, 0x00, 0xc0, 0x80, 0x00];
+        assert_eq!(
+            floats(&raw(StDtype::BF16, &bf16_bytes)),
+            vec![1.5, -2.0, 2f32.powi(-126)]
+        );
+        let f32_bytes = 0.1f32.to_le_bytes();
+        assert_eq!(floats(&raw(StDtype::F32, &f32_bytes)), vec![0.1]);
+    }
+}
