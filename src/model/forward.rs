@@ -10,7 +10,7 @@ use crate::backend::{
 };
 use crate::config::AttentionKind;
 use crate::error::{Error, Result};
-use crate::model::state::{CompressorState, SeqState};
+use crate::model::state::{SeqState, Stream};
 
 /// Which positions' logits a chunk wants back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,17 +195,22 @@ impl<B: Backend> Model<B> {
 
         let mut o = b.zeros(n * heads * hd);
         for (seg, chunk) in segments.iter().zip(chunks.iter_mut()) {
-            let state = &mut chunk.state.layers[l];
-            if let (Some(comp), Some((kv_c, gate_c)), Some(cs)) =
-                (&w.compressor, &comp_proj, state.compressor.as_mut())
-            {
-                self.advance_compressor(comp, cs, kv_c, gate_c, seg);
+            let state = &mut *chunk.state;
+            if let (Some(comp), Some((kv_c, gate_c))) = (&w.compressor, &comp_proj) {
+                self.advance_compressor(comp, state, l, Stream::Main, kv_c, gate_c, seg);
             }
             let mut selection = None;
-            if let (Some(ix), Some(((kv_i, gate_i), qi, weights)), Some(is)) =
-                (&w.indexer, &index_proj, state.indexer.as_mut())
-            {
-                self.advance_compressor(&ix.compressor, is, kv_i, gate_i, seg);
+            if let (Some(ix), Some(((kv_i, gate_i), qi, weights))) = (&w.indexer, &index_proj) {
+                self.advance_compressor(
+                    &ix.compressor,
+                    state,
+                    l,
+                    Stream::Indexer,
+                    kv_i,
+                    gate_i,
+                    seg,
+                );
+                let (keys, n_keys) = state.rows(l, Stream::Indexer).expect("CSA layers index");
                 let scale =
                     (c.index_head_dim as f32).powf(-0.5) * (c.index_n_heads as f32).powf(-0.5);
                 selection = Some(b.indexer_top_k(&IndexerArgs {
@@ -213,8 +218,8 @@ impl<B: Backend> Model<B> {
                     weights,
                     rows: seg.rows.clone(),
                     start_pos: seg.start_pos,
-                    keys: &is.rows,
-                    n_keys: is.n_rows,
+                    keys,
+                    n_keys,
                     ratio: c.csa_ratio,
                     top_k: c.index_topk,
                     heads: c.index_n_heads,
@@ -222,16 +227,15 @@ impl<B: Backend> Model<B> {
                     score_scale: scale,
                 }));
             }
-            let compressed = state.compressor.as_ref().map(|cs| (&cs.rows, cs.n_rows));
             b.attention(
                 &AttentionArgs {
                     q: &q,
                     kv: &kv,
                     rows: seg.rows.clone(),
                     start_pos: seg.start_pos,
-                    ring: &state.ring,
+                    ring: state.window(l),
                     window: c.sliding_window,
-                    compressed,
+                    compressed: state.rows(l, Stream::Main),
                     ratio: c.ratio(kind).max(1),
                     selection: selection.as_ref().map(|(sel, k)| (sel, *k)),
                     sinks: &w.sinks,
@@ -241,14 +245,7 @@ impl<B: Backend> Model<B> {
                 },
                 &mut o,
             );
-            b.ring_write(
-                &mut state.ring,
-                &kv,
-                seg.rows.clone(),
-                seg.start_pos,
-                c.sliding_window,
-                hd,
-            );
+            state.write_window(b, l, &kv, seg.rows.clone(), c.sliding_window, hd);
         }
         // Undo the values' rotation so each contributes relative to the query position.
         b.rope_apply(&mut o, heads, hd, rope, positions, true);
@@ -258,39 +255,35 @@ impl<B: Backend> Model<B> {
 
     /// Feeds a sequence's new rows to a compressor; rows of windows they close are normed,
     /// roped at their window's first position and appended.
+    #[allow(clippy::too_many_arguments)]
     fn advance_compressor(
         &self,
         comp: &super::Compressor<B>,
-        state: &mut CompressorState<B>,
+        state: &mut SeqState<B>,
+        l: usize,
+        stream: Stream,
         kv: &B::Tensor,
         gate: &B::Tensor,
         seg: &Segment,
     ) {
         let b = self.backend();
-        let (rows, count) = b.compress(
-            &mut state.frontier,
-            &CompressArgs {
-                kv,
-                gate,
-                rows: seg.rows.clone(),
-                start_pos: seg.start_pos,
-                ape: &comp.ape,
-                ratio: comp.ratio,
-                width: comp.width,
-                overlap: comp.overlap,
-            },
-        );
+        let args = CompressArgs {
+            kv,
+            gate,
+            rows: seg.rows.clone(),
+            start_pos: seg.start_pos,
+            ape: &comp.ape,
+            ratio: comp.ratio,
+            width: comp.width,
+            overlap: comp.overlap,
+        };
+        let (rows, count, first) = state.compress(b, l, stream, &args);
         if count == 0 {
             return;
         }
-        let mut rows = b.rms_norm(
-            &rows,
-            count,
-            comp.width,
-            Some(&comp.norm),
-            self.config.rms_norm_eps as f32,
-        );
-        let starts: Vec<u32> = (state.n_rows..state.n_rows + count)
+        let eps = self.config.rms_norm_eps as f32;
+        let mut rows = b.rms_norm(&rows, count, comp.width, Some(&comp.norm), eps);
+        let starts: Vec<u32> = (first..first + count)
             .map(|w| (w * comp.ratio) as u32)
             .collect();
         b.rope_apply(
@@ -301,8 +294,7 @@ impl<B: Backend> Model<B> {
             &starts,
             false,
         );
-        b.append_rows(&mut state.rows, &rows);
-        state.n_rows += count;
+        state.append_rows(b, l, stream, &rows, count);
     }
 
     fn moe(&self, w: &Moe<B>, x: &B::Tensor, ids: &[u32]) -> Result<B::Tensor> {

@@ -181,6 +181,11 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
+    /// MTP blocks loaded (0 when the checkpoint has none).
+    pub fn mtp_blocks(&self) -> usize {
+        self.mtp.len()
+    }
+
     /// A fresh per-sequence state.
     pub fn new_state(&self) -> SeqState<B> {
         SeqState::new(self)
