@@ -247,7 +247,7 @@ fn a_broken_mtp_block_does_not_fail_loading() {
 fn valid_but_unbuilt_features_are_unsupported() {
     let mut p = params(&fixture("flash-like/hf-f32"));
     p.role = dsv4::config::params::Role::Prefill;
-    p.numerics.mode = dsv4::config::params::NumericsMode::Official;
+    p.hicache.enabled = true;
     let e = err(Engine::create(p));
     assert_eq!(e.kind(), ErrorKind::Unsupported);
     assert!(e.message().contains("2 problems in this dsv4 build"), "{e}");

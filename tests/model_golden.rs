@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use dsv4::backend::cpu::CpuBackend;
-use dsv4::config::params::WeightDtype;
+use dsv4::config::params::{NumericsMode, WeightDtype};
 use dsv4::config::ModelConfig;
 use dsv4::model::{Chunk, Logits, Model};
 use safetensors::SafeTensors;
@@ -18,6 +18,8 @@ struct Golden {
     ids: Vec<u32>,
     logits_f32: Vec<f32>,
     logits_q: Vec<f32>,
+    ids_official: Vec<u32>,
+    logits_q_official: Vec<f32>,
 }
 
 fn golden(name: &str) -> Golden {
@@ -31,17 +33,21 @@ fn golden(name: &str) -> Golden {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect()
     };
-    let ids = st
-        .tensor("input_ids")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
-        .collect();
+    let ids_of = |n: &str| -> Vec<u32> {
+        st.tensor(n)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
+    };
+    let ids = ids_of("input_ids");
     Golden {
         ids,
         logits_f32: f32s("logits_f32"),
         logits_q: f32s("logits_q"),
+        ids_official: ids_of("input_ids_official"),
+        logits_q_official: f32s("logits_q_official"),
     }
 }
 
@@ -150,6 +156,36 @@ fn bf16_weights_are_exact_for_quantised_checkpoints() {
             eprintln!("{fixture}/{variant} bf16 weights: max abs error {max_err:.3e}, argmax {agree}/{rows}");
             assert!(max_err <= 1e-3, "{fixture}/{variant}: {max_err}");
             assert_eq!(agree, rows, "{fixture}/{variant}");
+        }
+    }
+}
+
+/// Official numerics (FP8 KV and Hadamard + FP4 indexer round trips) against transformers with
+/// the same round trips inserted, on a sequence whose roundings are unambiguous (see
+/// make_fixtures.py: one value rounded the other way moves logits far beyond 1e-3).
+#[test]
+fn official_numerics_match_the_emulated_golden() {
+    for fixture in ["flash-like", "pro-like"] {
+        let g = golden(fixture);
+        for variant in ["official-fp8", "hf-fp8"] {
+            let model =
+                load(&fixtures().join(fixture).join(variant)).with_numerics(NumericsMode::Official);
+            let ours = score(&model, &g.ids_official);
+            let (max_err, agree, rows) =
+                compare(&ours, &g.logits_q_official, model.config.vocab_size);
+            eprintln!("{fixture}/{variant} official numerics: max abs error {max_err:.3e}, argmax {agree}/{rows}");
+            assert!(max_err <= 1e-3, "{fixture}/{variant}: {max_err}");
+            assert_eq!(agree, rows, "{fixture}/{variant}");
+            // And they do differ from exact mode.
+            let exact = score(
+                &load(&fixtures().join(fixture).join(variant)),
+                &g.ids_official,
+            );
+            let (exact_gap, _, _) = compare(&ours, &exact, model.config.vocab_size);
+            assert!(
+                exact_gap > 1e-2,
+                "{fixture}/{variant}: official numerics changed nothing"
+            );
         }
     }
 }

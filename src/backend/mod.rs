@@ -232,6 +232,14 @@ pub trait Backend: Send + Sync + 'static {
     fn swiglu(&self, gate_up: &Self::Tensor, rows: usize, inter: usize, limit: f32)
         -> Self::Tensor;
 
+    // --- official numerics (emulating the release's FP8/FP4 kernels) ---------------------
+    /// FP8 round trip of channels `[0, channels)` of every `width`-wide row, in blocks of
+    /// `block` channels with ue8m0 scales (`crate::formats::fp8_round_trip`).
+    fn fp8_round_trip(&self, x: &mut Self::Tensor, width: usize, channels: usize, block: usize);
+    /// Normalised Hadamard transform of every `dim`-wide vector, then an FP4 round trip in
+    /// blocks of `block` (`crate::formats::fp4_round_trip`).
+    fn hadamard_fp4_round_trip(&self, x: &mut Self::Tensor, dim: usize, block: usize);
+
     // --- hyper-connections --------------------------------------------------------------
     /// Collapses `x [rows, hc·dim]` with the mixing weights of one block input.
     fn hc_pre(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> HcMix<Self>;

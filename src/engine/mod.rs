@@ -8,9 +8,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::backend::cpu::CpuBackend;
-use crate::config::params::{
-    Backend as BackendKind, IndexerDtype, KvDtype, NumericsMode, Params, Role,
-};
+use crate::config::params::{Backend as BackendKind, IndexerDtype, KvDtype, Params, Role};
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{Chunk, Logits, Model};
 use crate::plan::{self, Plan};
@@ -45,7 +43,8 @@ impl Engine {
             plan.model.clone(),
             backend,
             params.model.weight_dtype,
-        )?;
+        )?
+        .with_numerics(params.numerics.mode);
         Ok(Self {
             params,
             plan,
@@ -136,12 +135,6 @@ fn refuse_unbuilt(p: &Params) -> Result<()> {
         missing.push(
             "`kv.dtype` / `kv.indexer_dtype` other than f32: the paged KV pools (and their bf16/fp8/fp4 \
              rows) are not built yet; use f32"
-                .into(),
-        );
-    }
-    if p.numerics.mode == NumericsMode::Official {
-        missing.push(
-            "`numerics.mode` = official: the FP8/FP4 KV emulation is not built yet; use exact"
                 .into(),
         );
     }

@@ -8,9 +8,14 @@ use super::{Attention, Block, Hc, Model, Moe, Router};
 use crate::backend::{
     AttentionArgs, Backend, CompressArgs, HcParams, IndexerArgs, RouteArgs, RouteKind,
 };
+use crate::config::params::NumericsMode;
 use crate::config::AttentionKind;
 use crate::error::{Error, Result};
 use crate::model::state::{SeqState, Stream};
+
+/// Official numerics: FP8 blocks over the non-rope kv channels, FP4 blocks in the indexer.
+const FP8_KV_BLOCK: usize = 64;
+const FP4_BLOCK: usize = 32;
 
 /// Which positions' logits a chunk wants back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +181,10 @@ impl<B: Backend> Model<B> {
         b.rope_apply(&mut q, heads, hd, rope, positions, false);
         let mut kv = b.rms_norm(&b.matmul(x, n, &w.wkv), n, hd, Some(&w.kv_norm), eps);
         b.rope_apply(&mut kv, 1, hd, rope, positions, false);
+        let official = self.numerics == NumericsMode::Official;
+        if official {
+            b.fp8_round_trip(&mut kv, hd, c.nope_head_dim(), FP8_KV_BLOCK);
+        }
         let projected =
             |comp: &super::Compressor<B>| (b.matmul(x, n, &comp.wkv), b.matmul(x, n, &comp.wgate));
         let comp_proj = w.compressor.as_ref().map(projected);
@@ -189,6 +198,9 @@ impl<B: Backend> Model<B> {
                 positions,
                 false,
             );
+            if official {
+                b.hadamard_fp4_round_trip(&mut qi, c.index_head_dim, FP4_BLOCK);
+            }
             let weights = b.matmul(x, n, &ix.weights_proj);
             (projected(&ix.compressor), qi, weights)
         });
@@ -294,6 +306,13 @@ impl<B: Backend> Model<B> {
             &starts,
             false,
         );
+        if self.numerics == NumericsMode::Official {
+            let nope = self.config.nope_head_dim();
+            match stream {
+                Stream::Main => b.fp8_round_trip(&mut rows, comp.width, nope, FP8_KV_BLOCK),
+                Stream::Indexer => b.hadamard_fp4_round_trip(&mut rows, comp.width, FP4_BLOCK),
+            }
+        }
         state.append_rows(b, l, stream, &rows, count);
     }
 

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 use crate::backend::{Backend, Expert, Precision};
 use crate::config::model::ScoringFunc;
-use crate::config::params::WeightDtype;
+use crate::config::params::{NumericsMode, WeightDtype};
 use crate::config::tensors::{checkpoint_tensors, TensorSpec};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -113,6 +113,7 @@ pub struct Model<B: Backend> {
     /// Resident bytes by kind ("f32", "bf16", "i32").
     bytes: BTreeMap<&'static str, u64>,
     parameters: u64,
+    numerics: NumericsMode,
 }
 
 impl<B: Backend> Model<B> {
@@ -164,6 +165,7 @@ impl<B: Backend> Model<B> {
             parameters,
             config,
             backend,
+            numerics: NumericsMode::Exact,
         };
         log::info!(
             "loaded {} ({:?} naming, {} parameters, {} MTP block(s)) from {} in {:.2} s",
@@ -175,6 +177,16 @@ impl<B: Backend> Model<B> {
             started.elapsed().as_secs_f64()
         );
         Ok(result)
+    }
+
+    /// Selects exact (transformers) or official (FP8 KV and FP4 indexer emulation) numerics.
+    pub fn with_numerics(mut self, mode: NumericsMode) -> Self {
+        self.numerics = mode;
+        self
+    }
+
+    pub fn numerics(&self) -> NumericsMode {
+        self.numerics
     }
 
     pub fn backend(&self) -> &B {
@@ -211,6 +223,7 @@ impl<B: Backend> Model<B> {
             "n_activated_experts": c.n_activated_experts,
             "max_position_embeddings": c.max_position_embeddings,
             "parameters": self.parameters,
+            "numerics": self.numerics,
             "bytes_by_dtype": self.bytes,
         })
     }

@@ -10,9 +10,15 @@ times 128, SwiGLU clamps that trigger, ≥ 16 indexer heads) and writes, per mod
                    bf16 unquantised tensors, with an MTP block       → golden `logits_q`
   hf-fp8/          the same quantised values under Hugging Face names,
                    sharded in two files with an index                → golden `logits_q`
-  golden.safetensors   input_ids, logits_f32, logits_q
+  golden.safetensors   input_ids, logits_f32, logits_q, logits_q_official
 
-`logits_q` is transformers' output on the exactly dequantised weights. Parameters transformers
+`logits_q` is transformers' output on the exactly dequantised weights; `logits_q_official` (for
+`input_ids_official`) the same with the official release's low-precision emulation (docs/model-dsv4.md §2.11) inserted by
+wrapping transformers' modules: an FP8 round trip (64-channel blocks, ue8m0 scales) of the
+non-rope channels of window kv and compressed rows, and a Hadamard + FP4 round trip (32-blocks)
+of the indexer's queries and keys. Its sequence is shorter and chosen so that no quantised value
+lies near a rounding boundary (compared with a float64 run): another fp32 implementation could
+round such a value the other way, and one flipped value moves the logits far beyond 1e-3. Parameters transformers
 initialises to zero (sinks, position biases, hc base/scale, tid2eid, score bias, norm weights) are
 randomised. Token sequences are chosen so no indexer top-k, router top-k or argmax decision is
 within a small margin of a tie (fp32 noise must not flip them).
@@ -55,14 +61,14 @@ MODELS = {
         COMMON, vocab_size=384, hidden_size=160, num_hidden_layers=6,
         compress_ratios=[0, 4, 128, 4, 128, 0], num_hash_layers=2, n_routed_experts=6,
         moe_intermediate_size=32, routed_scaling_factor=1.5, swiglu_limit=10.0,
-        sliding_window=32, index_topk=8, seq_len=300, seed=1,
+        sliding_window=32, index_topk=8, seq_len=300, official_len=130, seed=1,
     ),
     # Pro-like (HCA first), a clamp that triggers often, a longer sequence.
     "pro-like": dict(
         COMMON, vocab_size=256, hidden_size=128, num_hidden_layers=6,
         compress_ratios=[128, 128, 4, 128, 4, 0], num_hash_layers=1, n_routed_experts=6,
         moe_intermediate_size=32, routed_scaling_factor=2.5, swiglu_limit=0.5,
-        sliding_window=48, index_topk=24, seq_len=400, seed=2,
+        sliding_window=48, index_topk=24, seq_len=400, official_len=130, seed=2,
     ),
 }
 
@@ -117,6 +123,110 @@ def quantize_fp4(w, block=32):
             s[r, b] = byte
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     return packed, s, deq
+
+
+# The official numerics, written from docs/model-dsv4.md §2.11 (round to nearest even).
+
+def ceil_log2_exact(v):
+    """ceil(log2 v) exactly for positive tensors: v = m·2^e with m in [0.5, 1)."""
+    m, e = torch.frexp(v)
+    return e - (m == 0.5).to(e.dtype)
+
+
+def fp8_round_trip(x, channels, block=64):
+    """FP8 e4m3 round trip of x[..., :channels] in blocks of `block` with ue8m0 scales."""
+    y = x.clone()
+    for start in range(0, channels, block):
+        seg = y[..., start:min(start + block, channels)]
+        amax = seg.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+        scale = torch.pow(2.0, ceil_log2_exact(amax / 448.0).to(x.dtype))
+        q = (seg / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+        y[..., start:min(start + block, channels)] = q * scale
+    return y
+
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_round(a):
+    """|a| ≤ 6 to the nearest e2m1 magnitude, ties to the even code."""
+    grid = E2M1_GRID.to(a.dtype)
+    dist = (a.unsqueeze(-1) - grid).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    tied = dist == best
+    even = torch.arange(8) % 2 == 0
+    idx = torch.where((tied & even).any(-1), (tied & even).float().argmax(-1), tied.float().argmax(-1))
+    return grid[idx]
+
+
+def fp4_round_trip(x, block=32):
+    shape = x.shape
+    v = x.reshape(-1, block)
+    amax = v.abs().amax(dim=-1, keepdim=True).clamp(min=6.0 * 2.0 ** -126)
+    scale = torch.pow(2.0, ceil_log2_exact(amax / 6.0).to(x.dtype))
+    y = (v / scale).clamp(-6.0, 6.0)
+    return (torch.sign(y) * e2m1_round(y.abs()) * scale).reshape(shape)
+
+
+def hadamard_matrix(n):
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def install_official_numerics(model, cfg, sites=None):
+    """Wraps transformers' modules with the official round trips; returns the hook handles.
+    With `sites` (a list), every round trip appends (kind, input) to it."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
+    nope = cfg["head_dim"] - cfg["qk_rope_head_dim"]
+    hadamard = hadamard_matrix(cfg["index_head_dim"])
+    handles = []
+
+    def fp8_kv(module, args, out):
+        # RoPE touches only the last channels, so rounding the nope channels here equals rounding
+        # them after RoPE, where the official kernels do it.
+        if sites is not None:
+            sites.append(("fp8", out.detach().clone()))
+        return fp8_round_trip(out, nope)
+
+    def indexer_inputs(module, args):
+        q, keys, hidden = args
+        if sites is not None:
+            sites.append(("fp4", q.detach().clone()))
+            sites.append(("fp4", keys.detach().clone()))
+        h = hadamard.to(q.dtype)
+        return fp4_round_trip(q @ h), fp4_round_trip(keys @ h), hidden
+
+    for m in model.modules():
+        if isinstance(m, mod.DeepseekV4Attention):
+            handles.append(m.kv_norm.register_forward_hook(fp8_kv))
+        if isinstance(m, (mod.DeepseekV4CSACompressor, mod.DeepseekV4HCACompressor)):
+            handles.append(m.kv_norm.register_forward_hook(fp8_kv))
+        if isinstance(m, mod.DeepseekV4IndexerScorer):
+            handles.append(m.register_forward_pre_hook(indexer_inputs))
+    return handles
+
+
+def ambiguous_roundings(sites32, sites64, cfg, factor=1.0, floor=0.0):
+    """Values whose rounding differs between the fp32 and fp64 runs (or would, within `factor` ×
+    their discrepancy or `floor` relative). Another fp32 implementation (dsv4) may round those
+    either way, and one flipped FP8/FP4 value moves the logits by far more than 1e-3."""
+    nope = cfg["head_dim"] - cfg["qk_rope_head_dim"]
+    hadamard = hadamard_matrix(cfg["index_head_dim"]).double()
+    count = 0
+    for (kind, x32), (_, x64) in zip(sites32, sites64):
+        x64 = x64.double()
+        eps = torch.maximum(factor * (x32.double() - x64).abs(), floor * x64.abs())
+        if kind == "fp8":
+            # Only the nope channels are rounded; the rope channels pass through.
+            quantize = lambda v: fp8_round_trip(v, nope)[..., :nope]
+        else:
+            quantize = lambda v: fp4_round_trip(v @ hadamard)
+        reference = quantize(x64)
+        for sign in (1.0, -1.0):
+            count += int((quantize(x64 + sign * eps) != reference).sum())
+    return count
 
 
 def bf16_round(x):
@@ -232,7 +342,7 @@ def official_tensors(state, cfg):
 # Random models.
 
 def build(name, spec):
-    cfg = {k: v for k, v in spec.items() if k not in ("seq_len", "seed")}
+    cfg = {k: v for k, v in spec.items() if k not in ("seq_len", "official_len", "seed")}
     config = DeepseekV4Config(**cfg)
     config._experts_implementation = "eager"
     torch.manual_seed(spec["seed"])
@@ -354,6 +464,37 @@ def choose_tokens(models, spec, cfg, tries=1500):
             print(f"  tokens: attempt {attempt}, smallest margin {worst:.2f}× the required gap")
             return ids, outputs
     raise SystemExit(f"no sequence cleared the tie margins (best {best[0]:.3f}×); raise tries")
+
+
+def choose_official_tokens(omodel, omodel64, spec, cfg, length, tries=3000):
+    """A sequence for the official-numerics golden: decisions clear their margins and no FP8/FP4
+    rounding is ambiguous between fp32 and fp64 runs."""
+    need = 5e-5
+    rng = np.random.default_rng(spec["seed"] + 1000)
+    for attempt in range(tries):
+        ids = rng.integers(2, cfg["vocab_size"], size=length).tolist()
+        sites32, sites64 = [], []
+        h32 = install_official_numerics(omodel, cfg, sites32)
+        logits, gaps = run(omodel, ids, cfg)
+        for h in h32:
+            h.remove()
+        if min(gaps.values()) < need:
+            continue
+        h64 = install_official_numerics(omodel64, cfg, sites64)
+        with torch.no_grad():
+            omodel64(torch.tensor([ids]), use_cache=False)
+        for h in h64:
+            h.remove()
+        ambiguous = ambiguous_roundings(sites32, sites64, cfg)
+        if ambiguous == 0:
+            print(f"  official tokens: attempt {attempt}, no ambiguous rounding in "
+                  f"{sum(x.numel() for _, x in sites32)} quantised values")
+            h32 = install_official_numerics(omodel, cfg)
+            logits, _ = run(omodel, ids, cfg)
+            for h in h32:
+                h.remove()
+            return ids, logits
+    raise SystemExit("no sequence without ambiguous roundings; raise tries or shorten it")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,8 +667,12 @@ def make(name, spec, out_dir):
             continue
         hf_deq[f"model.layers.{layer}.{HF_BLOCK[rest]}"] = value
     qmodel.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in hf_deq.items()})
-
     ids, (logits_f32, logits_q) = choose_tokens([model, qmodel], spec, cfg)
+    omodel = DeepseekV4ForCausalLM(config).float().eval()
+    omodel.load_state_dict(qmodel.state_dict())
+    omodel64 = DeepseekV4ForCausalLM(config).double().eval()
+    omodel64.load_state_dict(qmodel.state_dict())
+    ids_o, logits_o = choose_official_tokens(omodel, omodel64, spec, cfg, spec["official_len"])
     print(f"  gates above the clamp: {clamp_stats(model, ids, cfg['swiglu_limit']):.1%} (shared experts)")
     base = out_dir / name
     for sub in ("hf-f32", "official-fp8", "hf-fp8"):
@@ -555,10 +700,13 @@ def make(name, spec, out_dir):
         "input_ids": np.array(ids, np.int32),
         "logits_f32": logits_f32.astype(np.float32),
         "logits_q": logits_q.astype(np.float32),
+        "input_ids_official": np.array(ids_o, np.int32),
+        "logits_q_official": logits_o.astype(np.float32),
     })
     size = sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
     print(f"  {len(ids)} tokens, {size / 1e6:.2f} MB; |logits| max {np.abs(logits_f32).max():.2f}, "
-          f"quantisation moved logits by {np.abs(logits_q - logits_f32).max():.3f}")
+          f"quantisation moved logits by {np.abs(logits_q - logits_f32).max():.3f}, "
+          f"official numerics golden over {len(ids_o)} tokens")
 
 
 def main():

@@ -238,6 +238,14 @@ impl Backend for CpuBackend {
         self.run(|| CpuTensor(ops::swiglu(&gate_up.0, inter, limit)))
     }
 
+    fn fp8_round_trip(&self, x: &mut CpuTensor, width: usize, channels: usize, block: usize) {
+        self.run(|| ops::fp8_round_trip(&mut x.0, width, channels, block));
+    }
+
+    fn hadamard_fp4_round_trip(&self, x: &mut CpuTensor, dim: usize, block: usize) {
+        self.run(|| ops::hadamard_fp4_round_trip(&mut x.0, dim, block));
+    }
+
     fn hc_pre(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> HcMix<Self> {
         self.run(|| hc::pre(self, &x.0, rows, p))
     }

@@ -103,6 +103,21 @@ pub(super) fn swiglu_row(gate: &[f32], up: &[f32], limit: f32, out: &mut [f32]) 
     }
 }
 
+pub(super) fn fp8_round_trip(x: &mut [f32], width: usize, channels: usize, block: usize) {
+    x.par_chunks_mut(width).for_each(|row| {
+        row[..channels]
+            .chunks_mut(block)
+            .for_each(crate::formats::fp8_round_trip)
+    });
+}
+
+pub(super) fn hadamard_fp4_round_trip(x: &mut [f32], dim: usize, block: usize) {
+    x.par_chunks_mut(dim).for_each(|v| {
+        crate::formats::hadamard(v);
+        v.chunks_mut(block).for_each(crate::formats::fp4_round_trip);
+    });
+}
+
 pub(super) fn take_rows(x: &[f32], cols: usize, rows: &[usize]) -> Vec<f32> {
     let mut out = Vec::with_capacity(rows.len() * cols);
     for &r in rows {

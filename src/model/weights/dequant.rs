@@ -1,37 +1,8 @@
-//! Low-precision number formats of DeepSeek V4 checkpoints, decoded exactly to f32:
+//! Quantised checkpoint matrices decoded exactly to f32 (formats in [`crate::formats`]):
 //! FP8 e4m3fn values with e8m0 (power-of-two) block scales, FP4 e2m1 values packed two per
 //! byte (element 2j in the low nibble) with one e8m0 scale per 32 inputs.
 
-/// `float8_e4m3fn`: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111
-/// is NaN.
-pub fn e4m3_to_f32(byte: u8) -> f32 {
-    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = i32::from((byte >> 3) & 0x0f);
-    let mant = f32::from(byte & 0x07);
-    if exp == 0x0f && byte & 0x07 == 0x07 {
-        return f32::NAN;
-    }
-    let magnitude = if exp == 0 {
-        mant / 8.0 * 2f32.powi(-6)
-    } else {
-        (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
-    };
-    sign * magnitude
-}
-
-/// `float8_e8m0fnu`: an unsigned power of two, `2^(byte − 127)`; 0xFF is NaN.
-pub fn e8m0_to_f32(byte: u8) -> f32 {
-    if byte == 0xff {
-        f32::NAN
-    } else {
-        2f32.powi(i32::from(byte) - 127)
-    }
-}
-
-/// e2m1 code → value: bit 3 is the sign.
-pub const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+use crate::formats::{e4m3_decode, E2M1};
 
 /// `[rows, cols]` FP8 values with block scales `[ceil(rows/b0), ceil(cols/b1)]`. The last block
 /// of a row or column may be narrower (ragged edges): element (r, c) uses scale
@@ -43,7 +14,7 @@ pub fn fp8_block(
     cols: usize,
     block: [usize; 2],
 ) -> Vec<f32> {
-    let lut: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+    let lut: Vec<f32> = (0..=255u8).map(e4m3_decode).collect();
     let scale_cols = cols.div_ceil(block[1]);
     let mut out = Vec::with_capacity(rows * cols);
     for r in 0..rows {
@@ -82,40 +53,6 @@ pub fn fp4_packed(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn e4m3_matches_its_definition_on_every_code() {
-        // Independent construction: enumerate every (sign, exponent, mantissa) and compare.
-        let mut finite = 0;
-        for byte in 0..=255u8 {
-            let v = e4m3_to_f32(byte);
-            let (s, e, m) = (byte >> 7, (byte >> 3) & 15, byte & 7);
-            if e == 15 && m == 7 {
-                assert!(v.is_nan(), "{byte:#x}");
-                continue;
-            }
-            finite += 1;
-            let expected = if e == 0 {
-                f64::from(m) * 2f64.powi(-9)
-            } else {
-                (8.0 + f64::from(m)) * 2f64.powi(i32::from(e) - 10)
-            } * if s == 1 { -1.0 } else { 1.0 };
-            assert_eq!(f64::from(v), expected, "{byte:#x}");
-        }
-        assert_eq!(finite, 254);
-        assert_eq!(e4m3_to_f32(0x7e), 448.0); // the largest finite value
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9)); // the smallest subnormal
-        assert_eq!(e4m3_to_f32(0x38), 1.0);
-    }
-
-    #[test]
-    fn e8m0_is_a_power_of_two() {
-        assert_eq!(e8m0_to_f32(127), 1.0);
-        assert_eq!(e8m0_to_f32(128), 2.0);
-        assert_eq!(e8m0_to_f32(0), 2f32.powi(-127));
-        assert_eq!(e8m0_to_f32(254), 2f32.powi(127));
-        assert!(e8m0_to_f32(255).is_nan());
-    }
 
     #[test]
     fn ragged_fp8_blocks_use_their_own_scales() {

@@ -342,7 +342,11 @@ impl<'a> Loader<'a> {
             ));
         }
         match raw.dtype {
-            StDtype::F8_E8M0 => Ok(raw.bytes.iter().map(|&b| dequant::e8m0_to_f32(b)).collect()),
+            StDtype::F8_E8M0 => Ok(raw
+                .bytes
+                .iter()
+                .map(|&b| crate::formats::e8m0_decode(b))
+                .collect()),
             StDtype::F32 | StDtype::BF16 | StDtype::F16 => Ok(floats(&raw)),
             other => Err(format!(
                 "scale `{stored}`: expected dtype F8_E8M0 (or F32), found {other:?}"
