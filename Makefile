@@ -13,7 +13,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean
+.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward
 
 all: lib
 
@@ -75,6 +75,13 @@ test-pkgconfig: test-c
 
 test-python: venv test-c
 	DSV4_LIBRARY=$(STAGE)/lib/libdsv4.so.$(MAJOR) $(VENV)/bin/python -m pytest -q tests/python
+
+# Forward-pass speed against transformers on the same weights (needs torch + transformers 5.23.0
+# in $(PYTHON) for the comparison; without them dsv4's numbers alone).
+PYTHON ?= python3
+bench-forward: deps
+	$(CARGO) build --release --example bench_forward
+	$(PYTHON) scripts/bench_forward.py
 
 clean:
 	$(CARGO) clean

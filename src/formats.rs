@@ -58,7 +58,7 @@ pub fn e2m1_encode(x: f32) -> u8 {
     let mut code = 0u8;
     for (i, &mid) in MIDPOINTS.iter().enumerate() {
         let upper = i as u8 + 1;
-        if a > mid || (a == mid && upper % 2 == 0) {
+        if a > mid || (a == mid && upper.is_multiple_of(2)) {
             code = upper;
         }
     }

@@ -164,6 +164,10 @@ pub trait Backend: Send + Sync + 'static {
     /// A short name for logs and reports ("cpu").
     fn name(&self) -> &'static str;
 
+    /// Runs `f` with the backend's workers ready (the CPU backend enters its thread pool once
+    /// for a whole forward step instead of once per op).
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
+
     // --- memory -------------------------------------------------------------------------
     fn tensor(&self, data: &[f32]) -> Self::Tensor;
     fn zeros(&self, len: usize) -> Self::Tensor;
@@ -225,6 +229,8 @@ pub trait Backend: Send + Sync + 'static {
     );
     /// `a += b`.
     fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor);
+    /// Splits `[rows, Σ widths]` by columns into one `[rows, width]` tensor per width.
+    fn split(&self, x: &Self::Tensor, rows: usize, widths: &[usize]) -> Vec<Self::Tensor>;
     /// Rows `rows` of a `[_, cols]` tensor.
     fn take_rows(&self, x: &Self::Tensor, cols: usize, rows: &[usize]) -> Self::Tensor;
     /// SwiGLU with DeepSeek's clamp: `silu(min(gate, limit)) · clamp(up, ±limit)` for a
@@ -279,12 +285,14 @@ pub trait Backend: Send + Sync + 'static {
         window: usize,
         dim: usize,
     );
-    /// Scores every causally visible indexer key for each new token and keeps the top k:
-    /// `[new_rows, k]`, k = `min(top_k, n_keys)`, ascending, −1 where fewer are visible.
-    fn indexer_top_k(&self, args: &IndexerArgs<'_, Self>) -> (Self::Index, usize);
-    /// Attention with sinks over each new token's window plus its compressed rows; writes the
-    /// rows of `out` (`[batch_rows, heads·head_dim]`) in `args.rows`.
-    fn attention(&self, args: &AttentionArgs<'_, Self>, out: &mut Self::Tensor);
+    /// For each sequence: scores every causally visible indexer key for each new token and
+    /// keeps the top k: `[new_rows, k]`, k = `min(top_k, n_keys)`, ascending, −1 where fewer
+    /// are visible. Sequences may run in parallel.
+    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Vec<(Self::Index, usize)>;
+    /// Attention with sinks over each new token's window plus its compressed rows, for every
+    /// sequence of the batch (in parallel); each writes its rows of `out`
+    /// (`[batch_rows, heads·head_dim]`).
+    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut Self::Tensor);
 
     // --- mixture of experts -------------------------------------------------------------
     fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>>;

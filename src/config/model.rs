@@ -957,7 +957,7 @@ fn weight_formats(r: &mut Reader, form: ConfigForm) -> (DenseFormat, ExpertForma
 }
 
 fn check_consistency(r: &mut Reader, c: &ModelConfig) {
-    if c.rope_head_dim % 2 != 0 || c.rope_head_dim >= c.head_dim {
+    if !c.rope_head_dim.is_multiple_of(2) || c.rope_head_dim >= c.head_dim {
         r.problem(format!(
             "rope head dim {} must be even and smaller than head_dim {}",
             c.rope_head_dim, c.head_dim
@@ -969,7 +969,7 @@ fn check_consistency(r: &mut Reader, c: &ModelConfig) {
             c.rope_head_dim, c.index_head_dim
         ));
     }
-    if c.o_groups > 0 && c.num_heads % c.o_groups != 0 {
+    if c.o_groups > 0 && !c.num_heads.is_multiple_of(c.o_groups) {
         r.problem(format!(
             "num_attention_heads {} is not a multiple of o_groups {}",
             c.num_heads, c.o_groups

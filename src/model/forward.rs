@@ -44,6 +44,10 @@ impl<B: Backend> Model<B> {
     /// Runs one step and returns, per chunk, the requested logits (`[n, vocab]` row-major).
     /// Each chunk's state advances by its tokens.
     pub fn forward(&self, chunks: &mut [Chunk<'_, B>]) -> Result<Vec<Vec<f32>>> {
+        self.backend().scope(|| self.step(chunks))
+    }
+
+    fn step(&self, chunks: &mut [Chunk<'_, B>]) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let b = self.backend();
         let mut ids = Vec::new();
@@ -170,49 +174,59 @@ impl<B: Backend> Model<B> {
             AttentionKind::Swa => &self.rope_main,
             AttentionKind::Csa | AttentionKind::Hca => &self.rope_compress,
         };
-        let qr = b.rms_norm(
-            &b.matmul(x, n, &w.wq_a),
-            n,
-            c.q_lora_rank,
-            Some(&w.q_norm),
-            eps,
+        // One product per input: x feeds the query latent, kv and every compressor; the query
+        // latent feeds the queries and the indexer's queries.
+        let (coff, id, ih) = (
+            if kind == AttentionKind::Csa { 2 } else { 1 },
+            c.index_head_dim,
+            c.index_n_heads,
         );
-        let mut q = b.rms_norm(&b.matmul(&qr, n, &w.wq_b), n * heads, hd, None, eps);
+        let mut x_widths = vec![c.q_lora_rank, hd];
+        if w.compressor.is_some() {
+            x_widths.extend([coff * hd, coff * hd]);
+        }
+        if w.indexer.is_some() {
+            x_widths.extend([2 * id, 2 * id, ih]);
+        }
+        let mut x_parts = b
+            .split(&b.matmul(x, n, &w.x_proj), n, &x_widths)
+            .into_iter();
+        let mut take = || x_parts.next().expect("one part per width");
+        let qr = b.rms_norm(&take(), n, c.q_lora_rank, Some(&w.q_norm), eps);
+        let mut kv = b.rms_norm(&take(), n, hd, Some(&w.kv_norm), eps);
+        let comp_proj = w.compressor.as_ref().map(|_| (take(), take()));
+        let index_x = w.indexer.as_ref().map(|_| ((take(), take()), take()));
+        let mut qr_widths = vec![heads * hd];
+        if w.indexer.is_some() {
+            qr_widths.push(ih * id);
+        }
+        let mut qr_parts = b
+            .split(&b.matmul(&qr, n, &w.qr_proj), n, &qr_widths)
+            .into_iter();
+        let mut q = b.rms_norm(&qr_parts.next().expect("queries"), n * heads, hd, None, eps);
         b.rope_apply(&mut q, heads, hd, rope, positions, false);
-        let mut kv = b.rms_norm(&b.matmul(x, n, &w.wkv), n, hd, Some(&w.kv_norm), eps);
         b.rope_apply(&mut kv, 1, hd, rope, positions, false);
         let official = self.numerics == NumericsMode::Official;
         if official {
             b.fp8_round_trip(&mut kv, hd, c.nope_head_dim(), FP8_KV_BLOCK);
         }
-        let projected =
-            |comp: &super::Compressor<B>| (b.matmul(x, n, &comp.wkv), b.matmul(x, n, &comp.wgate));
-        let comp_proj = w.compressor.as_ref().map(projected);
-        let index_proj = w.indexer.as_ref().map(|ix| {
-            let mut qi = b.matmul(&qr, n, &ix.wq_b);
-            b.rope_apply(
-                &mut qi,
-                c.index_n_heads,
-                c.index_head_dim,
-                &self.rope_compress,
-                positions,
-                false,
-            );
+        let index_proj = index_x.map(|(kv_gate, weights)| {
+            let mut qi = qr_parts.next().expect("indexer queries");
+            b.rope_apply(&mut qi, ih, id, &self.rope_compress, positions, false);
             if official {
-                b.hadamard_fp4_round_trip(&mut qi, c.index_head_dim, FP4_BLOCK);
+                b.hadamard_fp4_round_trip(&mut qi, id, FP4_BLOCK);
             }
-            let weights = b.matmul(x, n, &ix.weights_proj);
-            (projected(&ix.compressor), qi, weights)
+            (kv_gate, qi, weights)
         });
 
-        let mut o = b.zeros(n * heads * hd);
+        // State updates run per sequence; the searches and attention then run for all
+        // sequences at once.
         for (seg, chunk) in segments.iter().zip(chunks.iter_mut()) {
             let state = &mut *chunk.state;
             if let (Some(comp), Some((kv_c, gate_c))) = (&w.compressor, &comp_proj) {
                 self.advance_compressor(comp, state, l, Stream::Main, kv_c, gate_c, seg);
             }
-            let mut selection = None;
-            if let (Some(ix), Some(((kv_i, gate_i), qi, weights))) = (&w.indexer, &index_proj) {
+            if let (Some(ix), Some(((kv_i, gate_i), _, _))) = (&w.indexer, &index_proj) {
                 self.advance_compressor(
                     &ix.compressor,
                     state,
@@ -222,42 +236,66 @@ impl<B: Backend> Model<B> {
                     gate_i,
                     seg,
                 );
-                let (keys, n_keys) = state.rows(l, Stream::Indexer).expect("CSA layers index");
+            }
+        }
+        let selections: Vec<Option<(B::Index, usize)>> = match &index_proj {
+            Some((_, qi, weights)) => {
                 let scale =
                     (c.index_head_dim as f32).powf(-0.5) * (c.index_n_heads as f32).powf(-0.5);
-                selection = Some(b.indexer_top_k(&IndexerArgs {
-                    q: qi,
-                    weights,
-                    rows: seg.rows.clone(),
-                    start_pos: seg.start_pos,
-                    keys,
-                    n_keys,
-                    ratio: c.csa_ratio,
-                    top_k: c.index_topk,
-                    heads: c.index_n_heads,
-                    dim: c.index_head_dim,
-                    score_scale: scale,
-                }));
+                let args: Vec<IndexerArgs<'_, B>> = segments
+                    .iter()
+                    .zip(chunks.iter())
+                    .map(|(seg, chunk)| {
+                        let (keys, n_keys) = chunk
+                            .state
+                            .rows(l, Stream::Indexer)
+                            .expect("CSA layers index");
+                        IndexerArgs {
+                            q: qi,
+                            weights,
+                            rows: seg.rows.clone(),
+                            start_pos: seg.start_pos,
+                            keys,
+                            n_keys,
+                            ratio: c.csa_ratio,
+                            top_k: c.index_topk,
+                            heads: c.index_n_heads,
+                            dim: c.index_head_dim,
+                            score_scale: scale,
+                        }
+                    })
+                    .collect();
+                b.indexer_top_k(&args).into_iter().map(Some).collect()
             }
-            b.attention(
-                &AttentionArgs {
-                    q: &q,
-                    kv: &kv,
-                    rows: seg.rows.clone(),
-                    start_pos: seg.start_pos,
-                    ring: state.window(l),
-                    window: c.sliding_window,
-                    compressed: state.rows(l, Stream::Main),
-                    ratio: c.ratio(kind).max(1),
-                    selection: selection.as_ref().map(|(sel, k)| (sel, *k)),
-                    sinks: &w.sinks,
-                    heads,
-                    head_dim: hd,
-                    scale: (hd as f32).powf(-0.5),
-                },
-                &mut o,
-            );
-            state.write_window(b, l, &kv, seg.rows.clone(), c.sliding_window, hd);
+            None => segments.iter().map(|_| None).collect(),
+        };
+        let mut o = b.zeros(n * heads * hd);
+        let args: Vec<AttentionArgs<'_, B>> = segments
+            .iter()
+            .zip(chunks.iter())
+            .zip(&selections)
+            .map(|((seg, chunk), selection)| AttentionArgs {
+                q: &q,
+                kv: &kv,
+                rows: seg.rows.clone(),
+                start_pos: seg.start_pos,
+                ring: chunk.state.window(l),
+                window: c.sliding_window,
+                compressed: chunk.state.rows(l, Stream::Main),
+                ratio: c.ratio(kind).max(1),
+                selection: selection.as_ref().map(|(sel, k)| (sel, *k)),
+                sinks: &w.sinks,
+                heads,
+                head_dim: hd,
+                scale: (hd as f32).powf(-0.5),
+            })
+            .collect();
+        b.attention(&args, &mut o);
+        drop(args);
+        for (seg, chunk) in segments.iter().zip(chunks.iter_mut()) {
+            chunk
+                .state
+                .write_window(b, l, &kv, seg.rows.clone(), c.sliding_window, hd);
         }
         // Undo the values' rotation so each contributes relative to the query position.
         b.rope_apply(&mut o, heads, hd, rope, positions, true);
@@ -320,7 +358,13 @@ impl<B: Backend> Model<B> {
         let c = &self.config;
         let b = self.backend();
         let n = ids.len();
-        let logits = b.matmul(x, n, &w.gate);
+        let inter_shared = c.moe_intermediate_size * c.n_shared_experts;
+        let mut widths = vec![c.n_routed_experts];
+        if w.shared_w2.is_some() {
+            widths.push(2 * inter_shared);
+        }
+        let mut parts = b.split(&b.matmul(x, n, &w.x_proj), n, &widths).into_iter();
+        let logits = parts.next().expect("router logits");
         let kind = match &w.router {
             Router::Hash(table) => RouteKind::Hash {
                 table,
@@ -342,9 +386,8 @@ impl<B: Backend> Model<B> {
         })?;
         let limit = c.swiglu_limit as f32;
         let mut y = b.moe(x, n, &routing, &w.experts, c.moe_intermediate_size, limit);
-        if let Some((w13, w2)) = &w.shared {
-            let inter = c.moe_intermediate_size * c.n_shared_experts;
-            let h = b.swiglu(&b.matmul(x, n, w13), n, inter, limit);
+        if let (Some(w2), Some(gate_up)) = (&w.shared_w2, parts.next()) {
+            let h = b.swiglu(&gate_up, n, inter_shared, limit);
             b.add_assign(&mut y, &b.matmul(&h, n, w2));
         }
         Ok(y)

@@ -32,9 +32,8 @@ pub(crate) struct Hc<B: Backend> {
     scale: B::Tensor,
 }
 
+/// A compressor; its `wkv` and `wgate` projections live in the layer's `x_proj`.
 pub(crate) struct Compressor<B: Backend> {
-    wkv: B::Matrix,
-    wgate: B::Matrix,
     ape: B::Tensor,
     norm: B::Tensor,
     ratio: usize,
@@ -42,17 +41,20 @@ pub(crate) struct Compressor<B: Backend> {
     overlap: bool,
 }
 
+/// The lightning indexer; its `wq_b` lives in `qr_proj`, its `weights_proj` and compressor
+/// projections in `x_proj`.
 pub(crate) struct Indexer<B: Backend> {
-    wq_b: B::Matrix,
-    weights_proj: B::Matrix,
     compressor: Compressor<B>,
 }
 
+/// One attention. Projections that share an input are stacked by rows so a step reads each
+/// input once and runs one product: `x_proj` = [wq_a; wkv; compressor wkv; compressor wgate;
+/// indexer compressor wkv; indexer compressor wgate; indexer weights_proj] (the parts the layer
+/// has), `qr_proj` = [wq_b; indexer wq_b].
 pub(crate) struct Attention<B: Backend> {
-    wq_a: B::Matrix,
+    x_proj: B::Matrix,
+    qr_proj: B::Matrix,
     q_norm: B::Tensor,
-    wq_b: B::Matrix,
-    wkv: B::Matrix,
     kv_norm: B::Tensor,
     wo_a: B::Matrix,
     wo_b: B::Matrix,
@@ -66,12 +68,13 @@ pub(crate) enum Router<B: Backend> {
     TopK(Option<B::Tensor>),
 }
 
+/// One MoE. `x_proj` stacks the router gate and the shared expert's `[w1; w3]`.
 pub(crate) struct Moe<B: Backend> {
-    gate: B::Matrix,
+    x_proj: B::Matrix,
     router: Router<B>,
     experts: Vec<Expert<B>>,
-    /// `[w1; w3]` and `w2` of the shared expert.
-    shared: Option<(B::Matrix, B::Matrix)>,
+    /// The shared expert's `w2`.
+    shared_w2: Option<B::Matrix>,
 }
 
 pub(crate) struct Block<B: Backend> {
@@ -289,15 +292,21 @@ impl<B: Backend> Builder<'_, B> {
         self.matrix_at(name, self.precision)
     }
 
-    /// Two matrices stacked by rows: `[a; b]`.
-    fn stacked(&mut self, a: &str, b: &str) -> Option<B::Matrix> {
-        let top = self.floats(a);
-        let bottom = self.floats(b);
-        let ((mut values, shape), (more, _)) = (top?, bottom?);
-        values.extend(more);
+    /// Matrices with the same number of columns stacked by rows: `[a; b; …]`.
+    fn stack(&mut self, names: &[String]) -> Option<B::Matrix> {
+        let parts: Vec<Option<(Vec<f32>, Vec<usize>)>> =
+            names.iter().map(|n| self.floats(n)).collect();
+        let parts: Vec<(Vec<f32>, Vec<usize>)> = parts.into_iter().collect::<Option<_>>()?;
+        let cols = parts.first()?.1[1];
+        if parts.iter().any(|(_, shape)| shape[1] != cols) {
+            self.failed = true;
+            return None;
+        }
+        let rows = parts.iter().map(|(_, shape)| shape[0]).sum();
+        let values: Vec<f32> = parts.into_iter().flat_map(|(v, _)| v).collect();
         let m = self
             .backend
-            .matrix(2 * shape[0], shape[1], values, self.precision)
+            .matrix(rows, cols, values, self.precision)
             .ok()?;
         *self
             .bytes
@@ -334,13 +343,9 @@ impl<B: Backend> Builder<'_, B> {
         width: usize,
         overlap: bool,
     ) -> Option<Compressor<B>> {
-        let wkv = self.matrix(&format!("{p}wkv.weight"));
-        let wgate = self.matrix(&format!("{p}wgate.weight"));
         let ape = self.vector(&format!("{p}ape"));
         let norm = self.vector(&format!("{p}norm.weight"));
         Some(Compressor {
-            wkv: wkv?,
-            wgate: wgate?,
             ape: ape?,
             norm: norm?,
             ratio,
@@ -369,10 +374,21 @@ impl<B: Backend> Builder<'_, B> {
             &format!("{p}hc_ffn_scale"),
         );
         let a = format!("{p}attn.");
-        let wq_a = self.matrix(&format!("{a}wq_a.weight"));
+        let mut x_names = vec![format!("{a}wq_a.weight"), format!("{a}wkv.weight")];
+        let mut qr_names = vec![format!("{a}wq_b.weight")];
+        if kind != AttentionKind::Swa {
+            x_names.push(format!("{a}compressor.wkv.weight"));
+            x_names.push(format!("{a}compressor.wgate.weight"));
+        }
+        if kind == AttentionKind::Csa {
+            x_names.push(format!("{a}indexer.compressor.wkv.weight"));
+            x_names.push(format!("{a}indexer.compressor.wgate.weight"));
+            x_names.push(format!("{a}indexer.weights_proj.weight"));
+            qr_names.push(format!("{a}indexer.wq_b.weight"));
+        }
+        let x_proj = self.stack(&x_names);
+        let qr_proj = self.stack(&qr_names);
         let q_norm = self.vector(&format!("{a}q_norm.weight"));
-        let wq_b = self.matrix(&format!("{a}wq_b.weight"));
-        let wkv = self.matrix(&format!("{a}wkv.weight"));
         let kv_norm = self.vector(&format!("{a}kv_norm.weight"));
         let wo_a = self.matrix(&format!("{a}wo_a.weight"));
         let wo_b = self.matrix(&format!("{a}wo_b.weight"));
@@ -387,8 +403,6 @@ impl<B: Backend> Builder<'_, B> {
             }
         };
         let indexer = (kind == AttentionKind::Csa).then(|| {
-            let wq_b = self.matrix(&format!("{a}indexer.wq_b.weight"));
-            let weights_proj = self.matrix(&format!("{a}indexer.weights_proj.weight"));
             let compressor = self.compressor(
                 &format!("{a}indexer.compressor."),
                 c.csa_ratio,
@@ -396,13 +410,16 @@ impl<B: Backend> Builder<'_, B> {
                 true,
             );
             Some(Indexer {
-                wq_b: wq_b?,
-                weights_proj: weights_proj?,
                 compressor: compressor?,
             })
         });
         let f = format!("{p}ffn.");
-        let gate = self.matrix(&format!("{f}gate.weight"));
+        let mut moe_names = vec![format!("{f}gate.weight")];
+        if c.n_shared_experts > 0 {
+            moe_names.push(format!("{f}shared_experts.w1.weight"));
+            moe_names.push(format!("{f}shared_experts.w3.weight"));
+        }
+        let moe_proj = self.stack(&moe_names);
         let router = if hash {
             let name = format!("{f}gate.tid2eid");
             let spec = self.spec(&name).cloned();
@@ -421,17 +438,13 @@ impl<B: Backend> Builder<'_, B> {
         let experts: Vec<Option<Expert<B>>> = (0..c.n_routed_experts)
             .map(|e| {
                 let ex = format!("{f}experts.{e}.");
-                let w13 = self.stacked(&format!("{ex}w1.weight"), &format!("{ex}w3.weight"));
+                let w13 = self.stack(&[format!("{ex}w1.weight"), format!("{ex}w3.weight")]);
                 let w2 = self.matrix(&format!("{ex}w2.weight"));
                 Some(Expert { w13: w13?, w2: w2? })
             })
             .collect();
-        let shared = (c.n_shared_experts > 0).then(|| {
-            let s = format!("{f}shared_experts.");
-            let w13 = self.stacked(&format!("{s}w1.weight"), &format!("{s}w3.weight"));
-            let w2 = self.matrix(&format!("{s}w2.weight"));
-            Some((w13?, w2?))
-        });
+        let shared_w2 =
+            (c.n_shared_experts > 0).then(|| self.matrix(&format!("{f}shared_experts.w2.weight")));
         Some(Block {
             kind,
             attn_norm: attn_norm?,
@@ -439,10 +452,9 @@ impl<B: Backend> Builder<'_, B> {
             attn_hc: attn_hc?,
             ffn_hc: ffn_hc?,
             attn: Attention {
-                wq_a: wq_a?,
+                x_proj: x_proj?,
+                qr_proj: qr_proj?,
                 q_norm: q_norm?,
-                wq_b: wq_b?,
-                wkv: wkv?,
                 kv_norm: kv_norm?,
                 wo_a: wo_a?,
                 wo_b: wo_b?,
@@ -451,10 +463,10 @@ impl<B: Backend> Builder<'_, B> {
                 indexer: indexer.flatten_failure()?,
             },
             ffn: Moe {
-                gate: gate?,
+                x_proj: moe_proj?,
                 router: router?,
                 experts: experts.into_iter().collect::<Option<Vec<_>>>()?,
-                shared: shared.flatten_failure()?,
+                shared_w2: shared_w2.flatten_failure()?,
             },
         })
     }

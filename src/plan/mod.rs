@@ -219,7 +219,7 @@ fn check_against_model(params: &Params, model: &ModelConfig, problems: &mut Vec<
             ));
         }
     }
-    if model.n_routed_experts % ep != 0 {
+    if !model.n_routed_experts.is_multiple_of(ep) {
         problems.push(format!(
             "`parallel.ep` = {ep} does not divide the model's {} routed experts: use a divisor",
             model.n_routed_experts
@@ -234,7 +234,7 @@ fn check_against_model(params: &Params, model: &ModelConfig, problems: &mut Vec<
             ));
         }
     }
-    if params.indexer_dtype() == IndexerDtype::Fp4 && model.index_head_dim % 32 != 0 {
+    if params.indexer_dtype() == IndexerDtype::Fp4 && !model.index_head_dim.is_multiple_of(32) {
         problems.push(format!(
             "`kv.indexer_dtype` = fp4 needs index_head_dim to be a multiple of 32, the model has \
              {}: use fp8",

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{CpuBackend, CpuTensor};
+use super::{gemm, CpuBackend, CpuTensor};
 use crate::backend::{AttentionArgs, CompressArgs, IndexerArgs};
 
 /// Advances a frontier by the new tokens and pools every window they close.
@@ -123,25 +123,24 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
     if k == 0 {
         return (out, 0);
     }
-    let (q, w, keys) = (&a.q.0, &a.weights.0, &a.keys.0);
-    let (heads, dim) = (a.heads, a.dim);
+    let (heads, dim, n_keys) = (a.heads, a.dim, a.n_keys);
+    // Every (query, head) against every key in one product: [n_new·heads, n_keys].
+    let q_rows = &a.q.0[a.rows.start * heads * dim..a.rows.end * heads * dim];
+    let mut dots = vec![0.0f32; n_new * heads * n_keys];
+    let keys = &a.keys.0[..n_keys * dim];
+    gemm::product(q_rows, n_new * heads, dim, keys, n_keys, &mut dots);
+    let w = &a.weights.0;
     out.par_chunks_mut(k).enumerate().for_each(|(i, sel)| {
         let r = a.rows.start + i;
-        let visible = visible_rows(a.start_pos + i, a.ratio, a.n_keys);
-        let qr = &q[r * heads * dim..(r + 1) * heads * dim];
+        let visible = visible_rows(a.start_pos + i, a.ratio, n_keys);
         let wr = &w[r * heads..(r + 1) * heads];
+        let block = &dots[i * heads * n_keys..(i + 1) * heads * n_keys];
         let mut scored: Vec<(f32, usize)> = (0..visible)
             .map(|s| {
-                let key = &keys[s * dim..(s + 1) * dim];
-                let score: f32 = qr
-                    .chunks(dim)
-                    .zip(wr)
-                    .map(|(qh, &wh)| {
-                        let dot: f32 = qh.iter().zip(key).map(|(a, b)| a * b).sum();
-                        dot.max(0.0) * a.score_scale * wh
-                    })
+                let score: f32 = (0..heads)
+                    .map(|h| block[h * n_keys + s].max(0.0) * wr[h])
                     .sum();
-                (score, s)
+                (score * a.score_scale, s)
             })
             .collect();
         // Highest score first; ties go to the earlier row.
@@ -158,68 +157,84 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
     (out, k)
 }
 
-pub(super) fn attention(a: &AttentionArgs<'_, CpuBackend>, out: &mut CpuTensor) {
-    let (heads, hd) = (a.heads, a.head_dim);
-    let width = heads * hd;
-    let (q, kv, ring, sinks) = (&a.q.0, &a.kv.0, &a.ring.0, &a.sinks.0);
-    let rows = a.rows.clone();
-    let out_rows = &mut out.0[rows.start * width..rows.end * width];
-    out_rows
-        .par_chunks_mut(hd)
-        .enumerate()
-        .for_each(|(idx, o)| {
-            let (i, h) = (idx / heads, idx % heads);
-            let pos = a.start_pos + i;
-            let r = rows.start + i;
-            let qh = &q[r * width + h * hd..r * width + (h + 1) * hd];
-            // Window keys in position order, then compressed rows in index order.
-            let first = (pos + 1).saturating_sub(a.window);
-            let mut keys: Vec<&[f32]> = Vec::with_capacity(a.window + 64);
-            for p in first..=pos {
-                keys.push(if p < a.start_pos {
-                    let slot = p % a.window;
-                    &ring[slot * hd..(slot + 1) * hd]
-                } else {
-                    let rr = rows.start + (p - a.start_pos);
-                    &kv[rr * hd..(rr + 1) * hd]
-                });
+pub(super) fn attention(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTensor) {
+    let Some(first) = seqs.first() else { return };
+    let width = first.heads * first.head_dim;
+    // Which sequence (and which of its tokens) each batch row belongs to.
+    let mut owner: Vec<Option<(usize, usize)>> = vec![None; out.0.len() / width.max(1)];
+    for (s, a) in seqs.iter().enumerate() {
+        for (i, r) in a.rows.clone().enumerate() {
+            owner[r] = Some((s, i));
+        }
+    }
+    // Every query of every sequence in parallel; all heads of a query together: the heads share
+    // every key (K = V, one KV head), so keys are gathered once and both products run as small
+    // matrix multiplications.
+    out.0
+        .par_chunks_mut(width)
+        .zip(owner.par_iter())
+        .for_each(|(o, owner)| {
+            if let Some((s, i)) = *owner {
+                attend_query(&seqs[s], i, o);
             }
-            if let Some((comp, n)) = a.compressed {
-                let comp = &comp.0;
-                match a.selection {
-                    Some((sel, k)) => {
-                        for &s in &sel.0[i * k..(i + 1) * k] {
-                            if s >= 0 {
-                                let s = s as usize;
-                                keys.push(&comp[s * hd..(s + 1) * hd]);
-                            }
-                        }
-                    }
-                    None => {
-                        for s in 0..visible_rows(pos, a.ratio, n) {
-                            keys.push(&comp[s * hd..(s + 1) * hd]);
-                        }
-                    }
-                }
-            }
-            attend(qh, &keys, sinks[h], a.scale, o);
         });
 }
 
-/// Softmax over `q·k · scale` and the sink logit (which adds to the denominator only), then
-/// the weighted sum of the keys (K = V).
-fn attend(q: &[f32], keys: &[&[f32]], sink: f32, scale: f32, out: &mut [f32]) {
-    let scores: Vec<f32> = keys
-        .iter()
-        .map(|k| q.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>() * scale)
-        .collect();
-    let max = scores.iter().copied().fold(sink, f32::max);
-    let mut den = (sink - max).exp();
-    out.fill(0.0);
-    for (k, &s) in keys.iter().zip(&scores) {
-        let e = (s - max).exp();
-        den += e;
-        out.iter_mut().zip(*k).for_each(|(o, &v)| *o += e * v);
+fn attend_query(a: &AttentionArgs<'_, CpuBackend>, i: usize, o: &mut [f32]) {
+    let (heads, hd) = (a.heads, a.head_dim);
+    let width = heads * hd;
+    let (q, kv, ring, sinks) = (&a.q.0, &a.kv.0, &a.ring.0, &a.sinks.0);
+    let pos = a.start_pos + i;
+    let r = a.rows.start + i;
+    let mut keys: Vec<f32> = Vec::with_capacity((a.window + 64) * hd);
+    // Window keys in position order, then compressed rows in index order.
+    let first = (pos + 1).saturating_sub(a.window);
+    for p in first..=pos {
+        keys.extend_from_slice(if p < a.start_pos {
+            let slot = p % a.window;
+            &ring[slot * hd..(slot + 1) * hd]
+        } else {
+            let rr = a.rows.start + (p - a.start_pos);
+            &kv[rr * hd..(rr + 1) * hd]
+        });
     }
-    out.iter_mut().for_each(|o| *o /= den);
+    if let Some((comp, n)) = a.compressed {
+        let comp = &comp.0;
+        match a.selection {
+            Some((sel, k)) => {
+                for &s in &sel.0[i * k..(i + 1) * k] {
+                    if s >= 0 {
+                        let s = s as usize;
+                        keys.extend_from_slice(&comp[s * hd..(s + 1) * hd]);
+                    }
+                }
+            }
+            None => keys.extend_from_slice(&comp[..visible_rows(pos, a.ratio, n) * hd]),
+        }
+    }
+    let n_keys = keys.len() / hd;
+    let mut scores = vec![0.0f32; heads * n_keys];
+    gemm::product(
+        &q[r * width..(r + 1) * width],
+        heads,
+        hd,
+        &keys,
+        n_keys,
+        &mut scores,
+    );
+    // Softmax per head with the sink logit in the denominator only.
+    for (h, row) in scores.chunks_mut(n_keys.max(1)).enumerate().take(heads) {
+        let max = row.iter().fold(sinks[h], |m, &s| m.max(s * a.scale));
+        let mut den = (sinks[h] - max).exp();
+        for s in row.iter_mut() {
+            *s = (*s * a.scale - max).exp();
+            den += *s;
+        }
+        row.iter_mut().for_each(|s| *s /= den);
+    }
+    if n_keys == 0 {
+        o.fill(0.0);
+        return;
+    }
+    gemm::weighted_sum(&scores, heads, n_keys, &keys, hd, o);
 }

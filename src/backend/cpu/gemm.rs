@@ -42,6 +42,9 @@ pub(super) fn gemm_into(
     dst: &mut [f32],
     dst_at: Strided,
 ) {
+    if rows <= super::gemv::MAX_ROWS {
+        return super::gemv::gemv_into(x, x_at, rows, w, w_rows, dst, dst_at);
+    }
     let k = w.cols;
     let n = w_rows.len();
     if rows == 0 || n == 0 {
@@ -57,6 +60,37 @@ pub(super) fn gemm_into(
     );
     assert!(w_rows.end <= w.rows, "weight rows out of range");
     // Enough blocks to keep every thread busy, none so small the kernel call dominates.
+    if let MatrixData::F32(v) = &w.data {
+        // One call: the crate packs the input once and splits the work over the pool.
+        let rhs = &v[w_rows.start * k..w_rows.end * k];
+        // SAFETY: the lhs rows lie inside `x` and the destination rows inside `dst` (asserted
+        // above); `rhs` is the requested weight rows; `dst` does not alias `x` or the weights.
+        unsafe {
+            gemm::gemm(
+                rows,
+                n,
+                k,
+                dst.as_mut_ptr().add(dst_at.offset),
+                1,
+                dst_at.row_stride as isize,
+                false,
+                x.as_ptr().add(x_at.offset),
+                1,
+                x_at.row_stride as isize,
+                rhs.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                Parallelism::Rayon(0),
+            );
+        }
+        return;
+    }
+    // bf16: widen blocks of output features, each multiplied on one thread.
     let threads = rayon::current_num_threads().max(1);
     let work = rows * n * k;
     let blocks = if work < 1 << 16 {
@@ -106,6 +140,76 @@ pub(super) fn gemm_into(
             );
         }
     });
+}
+
+/// `out[i, j] = Σ_k a[i, k] · b[j, k]` on the calling thread: `a [m, k]`, `b [n, k]`,
+/// `out [m, n]`, all row-major (both operands contiguous).
+pub(super) fn product(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, out: &mut [f32]) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
+    // SAFETY: the bounds are asserted above; `out` does not alias `a` or `b` (distinct borrows).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+/// `out[i, c] = Σ_j p[i, j] · v[j, c]` on the calling thread: `p [m, n]`, `v [n, width]`,
+/// `out [m, width]`.
+pub(super) fn weighted_sum(
+    p: &[f32],
+    m: usize,
+    n: usize,
+    v: &[f32],
+    width: usize,
+    out: &mut [f32],
+) {
+    assert!(p.len() >= m * n && v.len() >= n * width && out.len() >= m * width);
+    // SAFETY: the bounds are asserted above; `out` does not alias `p` or `v`.
+    unsafe {
+        gemm::gemm(
+            m,
+            width,
+            n,
+            out.as_mut_ptr(),
+            1,
+            width as isize,
+            false,
+            p.as_ptr(),
+            1,
+            n as isize,
+            v.as_ptr(),
+            1,
+            width as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
 }
 
 fn widen(v: &[bf16]) -> Vec<f32> {

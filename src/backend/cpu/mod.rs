@@ -3,6 +3,7 @@
 
 mod attention;
 mod gemm;
+mod gemv;
 mod hc;
 mod moe;
 mod ops;
@@ -89,6 +90,10 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
     }
 
     fn tensor(&self, data: &[f32]) -> CpuTensor {
@@ -230,6 +235,23 @@ impl Backend for CpuBackend {
         a.0.iter_mut().zip(&b.0).for_each(|(x, y)| *x += y);
     }
 
+    fn split(&self, x: &CpuTensor, rows: usize, widths: &[usize]) -> Vec<CpuTensor> {
+        let total: usize = widths.iter().sum();
+        debug_assert_eq!(x.0.len(), rows * total);
+        let mut parts: Vec<Vec<f32>> = widths
+            .iter()
+            .map(|w| Vec::with_capacity(rows * w))
+            .collect();
+        for row in x.0.chunks(total.max(1)) {
+            let mut at = 0;
+            for (part, &w) in parts.iter_mut().zip(widths) {
+                part.extend_from_slice(&row[at..at + w]);
+                at += w;
+            }
+        }
+        parts.into_iter().map(CpuTensor).collect()
+    }
+
     fn take_rows(&self, x: &CpuTensor, cols: usize, rows: &[usize]) -> CpuTensor {
         CpuTensor(ops::take_rows(&x.0, cols, rows))
     }
@@ -295,13 +317,20 @@ impl Backend for CpuBackend {
         attention::ring_write(&mut ring.0, &kv.0, rows, start_pos, window, dim);
     }
 
-    fn indexer_top_k(&self, args: &IndexerArgs<'_, Self>) -> (CpuIndex, usize) {
-        let (sel, k) = self.run(|| attention::indexer_top_k(args));
-        (CpuIndex(sel), k)
+    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Vec<(CpuIndex, usize)> {
+        use rayon::prelude::*;
+        self.run(|| {
+            seqs.par_iter()
+                .map(|args| {
+                    let (sel, k) = attention::indexer_top_k(args);
+                    (CpuIndex(sel), k)
+                })
+                .collect()
+        })
     }
 
-    fn attention(&self, args: &AttentionArgs<'_, Self>, out: &mut CpuTensor) {
-        self.run(|| attention::attention(args, out));
+    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut CpuTensor) {
+        self.run(|| attention::attention(seqs, out));
     }
 
     fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>> {

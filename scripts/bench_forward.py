@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""`make bench-forward`: dsv4's CPU forward pass against Hugging Face transformers on the same
+weights, in one run. Runs examples/bench_forward (dsv4) on the flash-like fixture and on a larger
+random model (hidden 1024, 8 layers, every layer kind), then — when torch and transformers 5.23
+are importable — transformers on the same checkpoints with the same prompts, thread count and
+decode steps, and prints the ratios. The last line is
+
+    ratios decode_b1_vs_hf=X decode_b8_vs_hf=Y prefill_vs_hf=Z decode_b8_vs_b1=W
+
+for the larger model with fp32 weights on both sides (HF ratios are `n/a` without torch). A
+second dsv4 run with bf16 weights (`model.weight_dtype`, its cheaper CPU setting; transformers'
+bf16 is slower than its fp32 on CPU) is printed above it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "target" / "release" / "examples" / "bench_forward"
+
+
+def dsv4(model, threads, weights="f32"):
+    out = subprocess.run([str(EXAMPLE), "--model", model, "--threads", str(threads),
+                          "--weights", weights, "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def hf_model(checkpoint):
+    """transformers' DeepseekV4ForCausalLM with the checkpoint's weights (either naming)."""
+    import numpy as np
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    sys.path.insert(0, str(ROOT / "tests" / "reference"))
+    from make_fixtures import HF_BLOCK, HF_TOP
+
+    config_json = json.loads((checkpoint / "config.json").read_text())
+    fields = {k: v for k, v in config_json.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    config = DeepseekV4Config(**fields)
+    config._experts_implementation = "eager"
+    model = DeepseekV4ForCausalLM(config).float().eval()
+    import safetensors.numpy
+    stored = safetensors.numpy.load_file(str(checkpoint / "model.safetensors"))
+    if any(name.startswith("model.") for name in stored):
+        state = {k: torch.from_numpy(v) for k, v in stored.items()}
+    else:
+        state, inter = {}, config.moe_intermediate_size
+        experts = {}
+        for name, value in stored.items():
+            if name.startswith("mtp."):
+                continue
+            if name in HF_TOP:
+                state[HF_TOP[name]] = torch.from_numpy(value)
+                continue
+            layer, rest = name[len("layers."):].split(".", 1)
+            if ".experts." in rest:
+                x, part = rest[len("ffn.experts."):].split(".", 1)
+                experts.setdefault(int(layer), {})[(int(x), part)] = value
+                continue
+            state[f"model.layers.{layer}.{HF_BLOCK[rest]}"] = torch.from_numpy(value)
+        for layer, parts in experts.items():
+            n = config.n_routed_experts
+            gate_up = np.stack([np.concatenate([parts[(e, "w1.weight")], parts[(e, "w3.weight")]]) for e in range(n)])
+            down = np.stack([parts[(e, "w2.weight")] for e in range(n)])
+            state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.from_numpy(gate_up)
+            state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.from_numpy(down)
+    model.load_state_dict(state)
+    return model
+
+
+def tokens(vocab, seed, n):
+    import numpy as np
+    return np.random.default_rng(seed).integers(2, vocab, size=n).tolist()
+
+
+def hf(report):
+    """The same measurements as examples/bench_forward, with transformers."""
+    import torch
+    torch.set_num_threads(report["threads"])
+    model = hf_model(Path(report["checkpoint"]))
+    vocab, prompt, steps = model.config.vocab_size, report["prompt"], report["decode_steps"]
+    with torch.no_grad():
+        ids = torch.tensor([tokens(vocab, 1, prompt)])
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            model(ids, use_cache=False, logits_to_keep=1)
+            best = max(best, prompt / (time.perf_counter() - t))
+        rates = {}
+        for batch in (1, 8):
+            ids = torch.tensor([tokens(vocab, 10 + i, prompt) for i in range(batch)])
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            past = out.past_key_values
+            nxt = torch.tensor([tokens(vocab, 100 + i, steps) for i in range(batch)])
+            t = time.perf_counter()
+            for step in range(steps):
+                out = model(nxt[:, step:step + 1], past_key_values=past, use_cache=True, logits_to_keep=1)
+                past = out.past_key_values
+            rates[batch] = batch * steps / (time.perf_counter() - t)
+    return {"prefill_tok_s": best, "decode_b1_tok_s": rates[1], "decode_b8_tok_s": rates[8]}
+
+
+def main():
+    threads = int(os.environ.get("DSV4_BENCH_THREADS", "0")) or os.cpu_count() or 1
+    try:
+        import torch  # noqa: F401
+        import transformers
+        have_hf = transformers.__version__ == "5.23.0"
+        why = "" if have_hf else f"transformers {transformers.__version__} (need 5.23.0)"
+    except ImportError as e:
+        have_hf, why = False, f"{e.name} not installed"
+    line = ""
+    fmt = lambda r: (f"prefill {r['prefill_tok_s']:9.1f} tok/s   decode b1 {r['decode_b1_tok_s']:8.1f} "
+                     f"tok/s   decode b8 {r['decode_b8_tok_s']:8.1f} tok/s")
+    for model in ("fixture", "large"):
+        ours = dsv4(model, threads)
+        print(f"{model}: {ours['prompt']}-token prompt, {ours['decode_steps']} decode steps, "
+              f"{ours['threads']} threads")
+        print(f"  dsv4 (f32)          {fmt(ours)}")
+        theirs = hf(ours) if have_hf else None
+        if theirs:
+            print(f"  transformers (f32)  {fmt(theirs)}")
+        else:
+            print(f"  transformers        skipped: {why}")
+
+        def ratios(mine):
+            r = (lambda k: f"{mine[k] / theirs[k]:.2f}") if theirs else (lambda k: "n/a")
+            return (f"ratios decode_b1_vs_hf={r('decode_b1_tok_s')} decode_b8_vs_hf={r('decode_b8_tok_s')} "
+                    f"prefill_vs_hf={r('prefill_tok_s')} "
+                    f"decode_b8_vs_b1={mine['decode_b8_tok_s'] / mine['decode_b1_tok_s']:.2f}")
+
+        if model == "large":
+            bf16 = dsv4(model, threads, "bf16")
+            print(f"  dsv4 (bf16)         {fmt(bf16)}")
+            print(f"  (bf16 weights: {ratios(bf16)})")
+        line = ratios(ours)
+        if model == "fixture":
+            print(f"  ({line})")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

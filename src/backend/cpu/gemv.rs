@@ -1,0 +1,398 @@
+//! Matrix products for a few rows (decode steps): weight rows are streamed once, four at a
+//! time, and dotted with every input row while they sit in L1, so these bandwidth-bound products
+//! run at memory speed. The kernels use AVX-512 or AVX2+FMA when the CPU has them (detected at
+//! run time); bf16 weights are widened in registers.
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::gemm::Strided;
+use super::{CpuMatrix, MatrixData};
+
+/// Products with at most this many input rows take this path.
+pub(super) const MAX_ROWS: usize = 16;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Simd {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+fn simd() -> Simd {
+    static LEVEL: OnceLock<Simd> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Portable
+    })
+}
+
+/// Four weight rows of one matrix, as stored.
+#[derive(Clone, Copy)]
+pub(super) enum Rows4<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+/// The dot products of `x` with four consecutive weight rows of length `x.len()`.
+fn dot4(level: Simd, x: &[f32], w: Rows4) -> [f32; 4] {
+    match (level, w) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F was detected at run time; the slices hold 4 rows of x.len().
+        (Simd::Avx512, Rows4::F32(w)) => unsafe { x86::dot4_f32_avx512(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Simd::Avx512, Rows4::Bf16(w)) => unsafe { x86::dot4_bf16_avx512(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA were detected at run time; the slice holds 4 rows of x.len().
+        (Simd::Avx2, Rows4::F32(w)) => unsafe { x86::dot4_f32_avx2(x, w) },
+        (_, w) => dot4_portable(x, w),
+    }
+}
+
+fn dot4_portable(x: &[f32], w: Rows4) -> [f32; 4] {
+    let k = x.len();
+    let mut out = [0.0f32; 4];
+    for (r, o) in out.iter_mut().enumerate() {
+        // Eight partial sums per row let the compiler vectorise without reassociating.
+        let mut acc = [0.0f32; 8];
+        for i in 0..k {
+            let wv = match w {
+                Rows4::F32(v) => v[r * k + i],
+                Rows4::Bf16(v) => v[r * k + i].to_f32(),
+            };
+            acc[i % 8] += x[i] * wv;
+        }
+        *o = acc.iter().sum();
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use half::bf16;
+    use std::arch::x86_64::*;
+
+    /// Horizontal sums of four vectors.
+    #[target_feature(enable = "avx512f")]
+    fn reduce4_512(a: [__m512; 4]) -> [f32; 4] {
+        [
+            _mm512_reduce_add_ps(a[0]),
+            _mm512_reduce_add_ps(a[1]),
+            _mm512_reduce_add_ps(a[2]),
+            _mm512_reduce_add_ps(a[3]),
+        ]
+    }
+
+    /// # Safety
+    /// AVX-512F available; `w` holds 4 rows of `x.len()` floats.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot4_f32_avx512(x: &[f32], w: &[f32]) -> [f32; 4] {
+        let k = x.len();
+        assert!(w.len() >= 4 * k);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 16 <= k {
+            // SAFETY: i + 16 <= k, and row r spans w[r·k .. (r+1)·k].
+            unsafe {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(i));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w.as_ptr().add(r * k + i)), *a);
+                }
+            }
+            i += 16;
+        }
+        let mut out = reduce4_512(acc);
+        for (r, o) in out.iter_mut().enumerate() {
+            *o += (i..k).map(|j| x[j] * w[r * k + j]).sum::<f32>();
+        }
+        out
+    }
+
+    /// # Safety
+    /// AVX-512F available; `w` holds 4 rows of `x.len()` bf16 values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot4_bf16_avx512(x: &[f32], w: &[bf16]) -> [f32; 4] {
+        let k = x.len();
+        assert!(w.len() >= 4 * k);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 16 <= k {
+            // SAFETY: i + 16 <= k; a bf16 is a u16, 16 of them are one 256-bit load within row r.
+            unsafe {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(i));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let raw = _mm256_loadu_si256(w.as_ptr().add(r * k + i).cast());
+                    let wv =
+                        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+                    *a = _mm512_fmadd_ps(xv, wv, *a);
+                }
+            }
+            i += 16;
+        }
+        let mut out = reduce4_512(acc);
+        for (r, o) in out.iter_mut().enumerate() {
+            *o += (i..k).map(|j| x[j] * w[r * k + j].to_f32()).sum::<f32>();
+        }
+        out
+    }
+
+    /// Loads 16 weights of row `r` at column `i` as f32.
+    ///
+    /// # Safety
+    /// AVX-512F available; `i + 16 <= k` and `w` holds 4 rows of `k` values.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(w: super::Rows4, k: usize, r: usize, i: usize) -> __m512 {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe {
+            match w {
+                super::Rows4::F32(v) => _mm512_loadu_ps(v.as_ptr().add(r * k + i)),
+                super::Rows4::Bf16(v) => {
+                    let raw = _mm256_loadu_si256(v.as_ptr().add(r * k + i).cast());
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+                }
+            }
+        }
+    }
+
+    /// Dot products of four inputs with four weight rows: `out[input][row]`.
+    ///
+    /// # Safety
+    /// AVX-512F available; every input has `k` floats and `w` holds 4 rows of `k` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot4x4_avx512(x: [&[f32]; 4], w: super::Rows4, k: usize) -> [[f32; 4]; 4] {
+        assert!(x.iter().all(|xi| xi.len() >= k));
+        assert!(match w {
+            super::Rows4::F32(v) => v.len() >= 4 * k,
+            super::Rows4::Bf16(v) => v.len() >= 4 * k,
+        });
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut i = 0;
+        while i + 16 <= k {
+            // SAFETY: i + 16 <= k for every load; the bounds are asserted above.
+            unsafe {
+                let wv = [
+                    load16(w, k, 0, i),
+                    load16(w, k, 1, i),
+                    load16(w, k, 2, i),
+                    load16(w, k, 3, i),
+                ];
+                for (xi, acc_i) in x.iter().zip(acc.iter_mut()) {
+                    let xv = _mm512_loadu_ps(xi.as_ptr().add(i));
+                    for (a, &wr) in acc_i.iter_mut().zip(&wv) {
+                        *a = _mm512_fmadd_ps(xv, wr, *a);
+                    }
+                }
+            }
+            i += 16;
+        }
+        let mut out = [[0.0f32; 4]; 4];
+        for (xi_n, (xi, acc_i)) in x.iter().zip(&acc).enumerate() {
+            out[xi_n] = reduce4_512(*acc_i);
+            for (r, o) in out[xi_n].iter_mut().enumerate() {
+                *o += (i..k)
+                    .map(|j| {
+                        xi[j]
+                            * match w {
+                                super::Rows4::F32(v) => v[r * k + j],
+                                super::Rows4::Bf16(v) => v[r * k + j].to_f32(),
+                            }
+                    })
+                    .sum::<f32>();
+            }
+        }
+        out
+    }
+
+    /// # Safety
+    /// AVX2 and FMA available; `w` holds 4 rows of `x.len()` floats.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4_f32_avx2(x: &[f32], w: &[f32]) -> [f32; 4] {
+        let k = x.len();
+        assert!(w.len() >= 4 * k);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 8 <= k {
+            // SAFETY: i + 8 <= k, and row r spans w[r·k .. (r+1)·k].
+            unsafe {
+                let xv = _mm256_loadu_ps(x.as_ptr().add(i));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w.as_ptr().add(r * k + i)), *a);
+                }
+            }
+            i += 8;
+        }
+        let mut out = [0.0f32; 4];
+        for (r, o) in out.iter_mut().enumerate() {
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: `lanes` holds exactly 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+            *o = lanes.iter().sum::<f32>() + (i..k).map(|j| x[j] * w[r * k + j]).sum::<f32>();
+        }
+        out
+    }
+}
+
+/// The same contract as [`super::gemm::gemm_into`], for `rows <= MAX_ROWS`.
+pub(super) fn gemv_into(
+    x: &[f32],
+    x_at: Strided,
+    rows: usize,
+    w: &CpuMatrix,
+    w_rows: Range<usize>,
+    dst: &mut [f32],
+    dst_at: Strided,
+) {
+    let k = w.cols;
+    let n = w_rows.len();
+    if rows == 0 || n == 0 {
+        return;
+    }
+    assert!(rows <= MAX_ROWS);
+    assert!(
+        x.len() >= x_at.offset + (rows - 1) * x_at.row_stride + k,
+        "lhs too short"
+    );
+    assert!(
+        dst.len() >= dst_at.offset + (rows - 1) * dst_at.row_stride + n,
+        "dst too short"
+    );
+    let level = simd();
+    let inputs: Vec<&[f32]> = (0..rows)
+        .map(|r| &x[x_at.offset + r * x_at.row_stride..][..k])
+        .collect();
+    // Blocks of weight rows (multiples of 4) in parallel; each returns [row][input] results.
+    // Small matrices run in one block: a fork-join costs more than their few microseconds.
+    let threads = rayon::current_num_threads().max(1);
+    let block = if n * k * rows < 1 << 18 {
+        n
+    } else {
+        n.div_ceil(threads * 4).next_multiple_of(4).max(16)
+    };
+    let results: Vec<Vec<f32>> = (0..n.div_ceil(block))
+        .into_par_iter()
+        .map(|b| {
+            let start = w_rows.start + b * block;
+            let end = (start + block).min(w_rows.end);
+            let mut out = vec![0.0f32; (end - start) * rows];
+            let mut j = start;
+            while j < end {
+                let take = (end - j).min(4);
+                let mut padded_f32;
+                let mut padded_bf16;
+                let quad: Rows4 = match &w.data {
+                    MatrixData::F32(v) if take == 4 => Rows4::F32(&v[j * k..(j + 4) * k]),
+                    MatrixData::Bf16(v) if take == 4 => Rows4::Bf16(&v[j * k..(j + 4) * k]),
+                    // The last 1-3 rows: pad to four with zeros.
+                    MatrixData::F32(v) => {
+                        padded_f32 = vec![0.0f32; 4 * k];
+                        padded_f32[..take * k].copy_from_slice(&v[j * k..(j + take) * k]);
+                        Rows4::F32(&padded_f32)
+                    }
+                    MatrixData::Bf16(v) => {
+                        padded_bf16 = vec![bf16::ZERO; 4 * k];
+                        padded_bf16[..take * k].copy_from_slice(&v[j * k..(j + take) * k]);
+                        Rows4::Bf16(&padded_bf16)
+                    }
+                };
+                let mut ri = 0;
+                #[cfg(target_arch = "x86_64")]
+                if level == Simd::Avx512 {
+                    while ri + 4 <= rows {
+                        let four = [inputs[ri], inputs[ri + 1], inputs[ri + 2], inputs[ri + 3]];
+                        // SAFETY: AVX-512F was detected; inputs have k floats, `quad` 4 rows of k.
+                        let d = unsafe { x86::dot4x4_avx512(four, quad, k) };
+                        for (n, row) in d.iter().enumerate() {
+                            for (t, &value) in row.iter().enumerate().take(take) {
+                                out[(j - start + t) * rows + ri + n] = value;
+                            }
+                        }
+                        ri += 4;
+                    }
+                }
+                for (ri, xi) in inputs.iter().enumerate().skip(ri) {
+                    let d = dot4(level, xi, quad);
+                    for (t, &value) in d.iter().enumerate().take(take) {
+                        out[(j - start + t) * rows + ri] = value;
+                    }
+                }
+                j += take;
+            }
+            out
+        })
+        .collect();
+    for (b, block_out) in results.iter().enumerate() {
+        for (jj, values) in block_out.chunks(rows).enumerate() {
+            let j = b * block + jj;
+            for (r, &v) in values.iter().enumerate() {
+                dst[dst_at.offset + r * dst_at.row_stride + j] = v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_four_by_four_kernel_agrees_with_four_row_kernels() {
+        let k = 100;
+        let xs: Vec<Vec<f32>> = (0..4)
+            .map(|n| (0..k).map(|i| ((i + 7 * n) as f32 * 0.3).sin()).collect())
+            .collect();
+        let w: Vec<f32> = (0..4 * k).map(|i| (i as f32 * 0.17).cos()).collect();
+        let w16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        #[cfg(target_arch = "x86_64")]
+        if simd() == Simd::Avx512 {
+            for quad in [Rows4::F32(&w), Rows4::Bf16(&w16)] {
+                let four = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
+                // SAFETY: AVX-512F was detected; the slices have the sizes the kernel needs.
+                let got = unsafe { x86::dot4x4_avx512(four, quad, k) };
+                for n in 0..4 {
+                    let expected = dot4_portable(&xs[n], quad);
+                    for r in 0..4 {
+                        assert!((got[n][r] - expected[r]).abs() < 1e-3);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_agrees_with_exact_dot_products() {
+        for k in [1, 7, 16, 33, 100, 1024] {
+            let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<f32> = (0..4 * k).map(|i| (i as f32 * 0.11).cos()).collect();
+            let w16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            for r in 0..4 {
+                let exact = |row: &dyn Fn(usize) -> f32| -> f64 {
+                    (0..k)
+                        .map(|i| f64::from(x[i]) * f64::from(row(r * k + i)))
+                        .sum()
+                };
+                let e32 = exact(&|i| w[i]);
+                let e16 = exact(&|i| w16[i].to_f32());
+                for level in [simd(), Simd::Portable] {
+                    let got = dot4(level, &x, Rows4::F32(&w))[r];
+                    assert!((f64::from(got) - e32).abs() < 1e-3, "{level:?} f32 k={k}");
+                    let got = dot4(level, &x, Rows4::Bf16(&w16))[r];
+                    assert!((f64::from(got) - e16).abs() < 1e-3, "{level:?} bf16 k={k}");
+                }
+            }
+        }
+    }
+}
