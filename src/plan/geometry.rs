@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use crate::config::params::{IndexerDtype, KvDtype};
 use crate::config::{AttentionKind, ModelConfig};
+use crate::formats::rows::RowCodec;
 
 /// What one unit of a pool is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -18,33 +19,40 @@ pub enum Unit {
     Snapshot,
 }
 
-/// Bytes of one compressed or window KV row (one 512-wide K=V head for V4).
+/// How a compressed or window KV row (one K=V head) is stored for `dtype`.
 ///
 /// fp8 is SGLang's packed row: e4m3 nope channels, bf16 rope channels, one ue8m0 scale per 64
 /// nope channels, padded to 8 bytes (448 + 128 + 7 + 1 = 584 for V4).
-pub fn kv_row_bytes(dtype: KvDtype, model: &ModelConfig) -> u64 {
-    let (head, nope, rope) = (
-        model.head_dim as u64,
-        model.nope_head_dim() as u64,
-        model.rope_head_dim as u64,
-    );
+pub fn kv_codec(dtype: KvDtype, model: &ModelConfig) -> RowCodec {
     match dtype {
-        KvDtype::F32 | KvDtype::Auto => head * 4,
-        KvDtype::Bf16 => head * 2,
-        KvDtype::Fp8 => (nope + 2 * rope + nope.div_ceil(64)).next_multiple_of(8),
+        KvDtype::F32 | KvDtype::Auto => RowCodec::F32,
+        KvDtype::Bf16 => RowCodec::Bf16,
+        KvDtype::Fp8 => RowCodec::Fp8Kv {
+            nope: model.nope_head_dim(),
+            rope: model.rope_head_dim,
+        },
     }
 }
 
-/// Bytes of one indexer key row: fp8 values with one f32 scale per 128 channels (132 B for V4),
-/// or fp4 values packed two per byte with one ue8m0 scale per 32 channels (68 B).
-pub fn indexer_row_bytes(dtype: IndexerDtype, model: &ModelConfig) -> u64 {
-    let d = model.index_head_dim as u64;
+/// How an indexer key row is stored: fp8 values with one f32 scale per 128 channels (132 B
+/// for V4), or fp4 values packed two per byte with one ue8m0 scale per 32 channels (68 B).
+pub fn indexer_codec(dtype: IndexerDtype) -> RowCodec {
     match dtype {
-        IndexerDtype::F32 | IndexerDtype::Auto => d * 4,
-        IndexerDtype::Bf16 => d * 2,
-        IndexerDtype::Fp8 => d + 4 * d.div_ceil(128),
-        IndexerDtype::Fp4 => d.div_ceil(2) + d.div_ceil(32),
+        IndexerDtype::F32 | IndexerDtype::Auto => RowCodec::F32,
+        IndexerDtype::Bf16 => RowCodec::Bf16,
+        IndexerDtype::Fp8 => RowCodec::Fp8Index,
+        IndexerDtype::Fp4 => RowCodec::Fp4Index,
     }
+}
+
+/// Bytes of one compressed or window KV row.
+pub fn kv_row_bytes(dtype: KvDtype, model: &ModelConfig) -> u64 {
+    kv_codec(dtype, model).row_bytes(model.head_dim) as u64
+}
+
+/// Bytes of one indexer key row.
+pub fn indexer_row_bytes(dtype: IndexerDtype, model: &ModelConfig) -> u64 {
+    indexer_codec(dtype).row_bytes(model.index_head_dim) as u64
 }
 
 /// The shape of one pool, before it is given any units.

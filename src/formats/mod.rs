@@ -2,6 +2,8 @@
 //! power-of-two `ue8m0` scales, and the official release's round trips built from them
 //! (docs/model-dsv4.md §2.11, §4.2). Encoders round to nearest, ties to even.
 
+pub mod rows;
+
 /// `float8_e4m3fn` → f32: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities,
 /// S.1111.111 is NaN.
 pub fn e4m3_decode(byte: u8) -> f32 {
