@@ -4,17 +4,20 @@
 //! the same weights (scripts/bench_forward.py), and prints the ratios.
 //!
 //!     cargo run --release --example bench_forward -- [--model fixture|large] [--threads N]
-//!         [--weights f32|bf16] [--phase prefill|decode1|decode8] [--json]
+//!         [--weights f32|bf16] [--kv f32|bf16|fp8] [--phase prefill|decode1|decode8] [--json]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use dsv4::backend::cpu::CpuBackend;
+use dsv4::config::params::Params;
 use dsv4::config::params::WeightDtype;
 use dsv4::config::tensors::{checkpoint_tensors, Storage};
 use dsv4::config::ModelConfig;
-use dsv4::model::{Chunk, Logits, Model, SeqState};
+use dsv4::kv::{KvPools, SeqKv};
+use dsv4::model::{Chunk, Logits, Model};
+use dsv4::plan;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::json;
 
@@ -119,6 +122,7 @@ fn write_large(dir: &Path) -> ModelConfig {
 
 struct Bench {
     model: Model<CpuBackend>,
+    kv: KvPools<CpuBackend>,
     prompt: usize,
     steps: usize,
 }
@@ -132,55 +136,63 @@ impl Bench {
             .collect()
     }
 
-    fn prefill(&self, state: &mut SeqState<CpuBackend>, ids: &[u32]) {
+    fn prefill(&mut self, seq: &mut SeqKv, ids: &[u32]) {
+        self.kv.reserve(seq, ids.len() + self.steps).unwrap();
         self.model
-            .forward(&mut [Chunk {
-                tokens: ids,
-                state,
-                logits: Logits::Last,
-            }])
+            .forward(
+                &mut self.kv,
+                &mut [Chunk {
+                    tokens: ids,
+                    seq,
+                    logits: Logits::Last,
+                }],
+            )
             .unwrap();
     }
 
     /// Prompt tokens per second of one full prefill (best of 5).
-    fn prefill_rate(&self) -> f64 {
+    fn prefill_rate(&mut self) -> f64 {
         let ids = self.tokens(1, self.prompt);
         (0..5)
             .map(|_| {
-                let mut state = self.model.new_state();
+                let mut seq = self.kv.open().unwrap();
                 let t = Instant::now();
-                self.prefill(&mut state, &ids);
-                self.prompt as f64 / t.elapsed().as_secs_f64()
+                self.prefill(&mut seq, &ids);
+                let rate = self.prompt as f64 / t.elapsed().as_secs_f64();
+                self.kv.close(seq);
+                rate
             })
             .fold(0.0, f64::max)
     }
 
     /// Generated tokens per second with `batch` sequences decoding together, from the median
     /// step time (robust to a noisy machine).
-    fn decode_rate(&self, batch: usize) -> f64 {
-        let mut states: Vec<SeqState<CpuBackend>> =
-            (0..batch).map(|_| self.model.new_state()).collect();
-        for (i, state) in states.iter_mut().enumerate() {
+    fn decode_rate(&mut self, batch: usize) -> f64 {
+        let mut seqs: Vec<SeqKv> = (0..batch).map(|_| self.kv.open().unwrap()).collect();
+        for (i, seq) in seqs.iter_mut().enumerate() {
             let ids = self.tokens(10 + i as u64, self.prompt);
-            self.prefill(state, &ids);
+            self.prefill(seq, &ids);
         }
         let next: Vec<Vec<u32>> = (0..batch)
             .map(|i| self.tokens(100 + i as u64, self.steps))
             .collect();
         let mut times = Vec::with_capacity(self.steps);
         for step in 0..self.steps {
-            let mut chunks: Vec<Chunk<'_, CpuBackend>> = states
+            let mut chunks: Vec<Chunk<'_>> = seqs
                 .iter_mut()
                 .zip(&next)
-                .map(|(state, ids)| Chunk {
+                .map(|(seq, ids)| Chunk {
                     tokens: &ids[step..step + 1],
-                    state,
+                    seq,
                     logits: Logits::Last,
                 })
                 .collect();
             let t = Instant::now();
-            self.model.forward(&mut chunks).unwrap();
+            self.model.forward(&mut self.kv, &mut chunks).unwrap();
             times.push(t.elapsed().as_secs_f64());
+        }
+        for seq in seqs {
+            self.kv.close(seq);
         }
         times.sort_by(f64::total_cmp);
         batch as f64 / times[times.len() / 2]
@@ -215,10 +227,18 @@ fn main() {
     };
     let backend = Arc::new(CpuBackend::new(threads).unwrap());
     let threads = backend.threads();
-    let model = Model::load(&dir, config, backend, weights).unwrap();
+    let model = Model::load(&dir, config.clone(), backend.clone(), weights).unwrap();
     let steps = value("--steps").map_or(steps, |s| s.parse().unwrap());
-    let bench = Bench {
+    let kv_dtype = value("--kv").unwrap_or_else(|| "f32".into());
+    let params = Params::from_value(&json!({"kv": {
+        "dtype": kv_dtype, "device_memory_bytes": "1GiB", "max_running_requests": 8,
+        "page_size": 128}}))
+    .unwrap();
+    let plan = plan::plan_with(&params, config, &plan::numa::SystemProbe::new()).unwrap();
+    let kv = KvPools::new(backend, &plan).unwrap();
+    let mut bench = Bench {
         model,
+        kv,
         prompt,
         steps,
     };
@@ -242,7 +262,7 @@ fn main() {
     };
     let report = json!({
         "model": which, "checkpoint": dir, "threads": threads, "prompt": prompt,
-        "decode_steps": steps, "weights": format!("{weights:?}").to_lowercase(),
+        "decode_steps": steps, "weights": format!("{weights:?}").to_lowercase(), "kv": kv_dtype,
         "prefill_tok_s": prefill, "decode_b1_tok_s": b1, "decode_b8_tok_s": b8,
     });
     if args.iter().any(|a| a == "--json") {

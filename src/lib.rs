@@ -8,6 +8,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod formats;
+pub mod kv;
 pub mod model;
 pub mod plan;
 

@@ -1,13 +1,15 @@
 //! The exact forward pass against Hugging Face transformers 5.23.0 (goldens from
 //! tests/reference/make_fixtures.py): every fixture, both naming schemes, fp32 and FP8/FP4.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use dsv4::backend::cpu::CpuBackend;
 use dsv4::config::params::{NumericsMode, WeightDtype};
 use dsv4::config::ModelConfig;
-use dsv4::model::{Chunk, Logits, Model};
+use dsv4::model::Model;
 use safetensors::SafeTensors;
 
 fn fixtures() -> PathBuf {
@@ -61,14 +63,10 @@ fn load_as(dir: &Path, dtype: WeightDtype) -> Model<CpuBackend> {
     Model::load(dir, config, backend, dtype).unwrap()
 }
 
+/// Every position's logits, with f32 KV pools sized by the planner.
 fn score(model: &Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
-    let mut state = model.new_state();
-    let mut chunks = [Chunk {
-        tokens: ids,
-        state: &mut state,
-        logits: Logits::All,
-    }];
-    model.forward(&mut chunks).unwrap().remove(0)
+    let mut kv = common::pools(model);
+    common::full(model, &mut kv, ids)
 }
 
 /// Max abs error and argmax agreement of `ours` against `expected`, both `[n, vocab]`.

@@ -1,92 +1,41 @@
 //! Chunked prefill, token-by-token decode and batched steps give the same logits as one full
 //! pass (≤ 1e-4 in fp32) on every fixture, including chunks that end inside CSA windows and
-//! exactly on 4-, 128- and page-multiples.
+//! exactly on 4-, 128- and page-multiples. State lives in the planner-sized KV pools.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+mod common;
 
+use common::{fixture, full, ids, max_diff, model, plan_for, pools, step};
 use dsv4::backend::cpu::CpuBackend;
-use dsv4::config::params::WeightDtype;
-use dsv4::config::ModelConfig;
-use dsv4::model::{Chunk, Logits, Model, SeqState};
-use safetensors::SafeTensors;
-
-fn fixture(parts: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(parts)
-}
-
-fn ids(name: &str) -> Vec<u32> {
-    let bytes = std::fs::read(fixture(name).join("golden.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    st.tensor("input_ids")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
-        .collect()
-}
-
-fn model(name: &str) -> Model<CpuBackend> {
-    let dir = fixture(name).join("hf-f32");
-    let config = ModelConfig::load(&dir).unwrap();
-    Model::load(
-        &dir,
-        config,
-        Arc::new(CpuBackend::new(2).unwrap()),
-        WeightDtype::F32,
-    )
-    .unwrap()
-}
-
-fn full(model: &Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
-    let mut state = model.new_state();
-    model
-        .forward(&mut [Chunk {
-            tokens: ids,
-            state: &mut state,
-            logits: Logits::All,
-        }])
-        .unwrap()
-        .remove(0)
-}
+use dsv4::kv::{KvLayout, KvPools};
+use dsv4::model::{Chunk, Logits, Model};
+use serde_json::json;
 
 /// Runs `ids` in chunks of the given sizes (the rest token by token) and returns all logits.
-fn chunked(model: &Model<CpuBackend>, ids: &[u32], sizes: &[usize]) -> Vec<f32> {
-    let mut state = model.new_state();
+fn chunked(
+    model: &Model<CpuBackend>,
+    kv: &mut KvPools<CpuBackend>,
+    ids: &[u32],
+    sizes: &[usize],
+) -> Vec<f32> {
+    let mut seq = kv.open().unwrap();
     let mut out = Vec::new();
     let mut at = 0;
     let mut sizes = sizes.iter().copied();
     while at < ids.len() {
         let n = sizes.next().unwrap_or(1).min(ids.len() - at);
-        let logits = model
-            .forward(&mut [Chunk {
-                tokens: &ids[at..at + n],
-                state: &mut state,
-                logits: Logits::All,
-            }])
-            .unwrap()
-            .remove(0);
-        out.extend(logits);
+        out.extend(step(model, kv, &mut seq, &ids[at..at + n], Logits::All));
         at += n;
     }
-    assert_eq!(state.position, ids.len());
+    assert_eq!(seq.position(), ids.len());
+    kv.close(seq);
     out
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 fn check_schedules(name: &str) {
     let model = model(name);
+    let mut kv = pools(&model);
     let ids = ids(name);
-    let reference = full(&model, &ids);
+    let reference = full(&model, &mut kv, &ids);
     let schedules: &[(&str, Vec<usize>)] = &[
         (
             "odd chunks inside CSA windows",
@@ -99,11 +48,14 @@ fn check_schedules(name: &str) {
         ("prefill 137 then decode", vec![137]),
     ];
     for (what, sizes) in schedules {
-        let got = chunked(&model, &ids, sizes);
+        let got = chunked(&model, &mut kv, &ids, sizes);
         let diff = max_diff(&got, &reference);
         eprintln!("{name}: {what}: max diff {diff:.2e}");
         assert!(diff <= 1e-4, "{name}: {what}: {diff}");
     }
+    kv.check().unwrap();
+    assert_eq!(kv.page_allocator().used_count(), 0, "pages leaked");
+    assert_eq!(kv.slot_allocator().used_count(), 0, "slots leaked");
 }
 
 #[test]
@@ -119,11 +71,12 @@ fn pro_like_chunking_matches_the_full_pass() {
 #[test]
 fn a_batch_of_sequences_in_different_phases_matches_each_alone() {
     let model = model("flash-like");
+    let mut kv = pools(&model);
     let ids = ids("flash-like");
     let (a, b, c) = (&ids[..200], &ids[40..300], &ids[7..9]);
-    let reference: Vec<Vec<f32>> = [a, b, c].iter().map(|s| full(&model, s)).collect();
+    let reference: Vec<Vec<f32>> = [a, b, c].iter().map(|s| full(&model, &mut kv, s)).collect();
     let vocab = model.config.vocab_size;
-    let mut states: Vec<SeqState<CpuBackend>> = (0..3).map(|_| model.new_state()).collect();
+    let mut seqs_kv: Vec<_> = (0..3).map(|_| kv.open().unwrap()).collect();
     let mut got: Vec<Vec<f32>> = vec![Vec::new(); 3];
     // Step 1: A prefills 150, B prefills 7, C prefills both tokens.
     // Step 2..: A finishes its prompt in one chunk and decodes; B prefills in 64-token chunks.
@@ -139,29 +92,30 @@ fn a_batch_of_sequences_in_different_phases_matches_each_alone() {
             _ => 2,
         }
     };
-    let mut step = 0;
+    let mut step_no = 0;
     while (0..3).any(|s| at[s] < seqs[s].len()) {
         let mut chunks = Vec::new();
         let mut which = Vec::new();
-        for (s, state) in states.iter_mut().enumerate() {
+        for (s, seq) in seqs_kv.iter_mut().enumerate() {
             if at[s] >= seqs[s].len() {
                 continue;
             }
-            let n = plan(step, s).min(seqs[s].len() - at[s]);
+            let n = plan(step_no, s).min(seqs[s].len() - at[s]);
+            kv.reserve(seq, at[s] + n).unwrap();
             chunks.push(Chunk {
                 tokens: &seqs[s][at[s]..at[s] + n],
-                state,
+                seq,
                 logits: Logits::All,
             });
             which.push((s, n));
         }
-        let outs = model.forward(&mut chunks).unwrap();
+        let outs = model.forward(&mut kv, &mut chunks).unwrap();
         for ((s, n), logits) in which.into_iter().zip(outs) {
             assert_eq!(logits.len(), n * vocab);
             got[s].extend(logits);
             at[s] += n;
         }
-        step += 1;
+        step_no += 1;
     }
     for s in 0..3 {
         let diff = max_diff(&got[s], &reference[s]);
@@ -170,34 +124,22 @@ fn a_batch_of_sequences_in_different_phases_matches_each_alone() {
 }
 
 #[test]
-fn the_state_carries_an_mtp_window_when_the_checkpoint_has_mtp() {
-    let dir = fixture("flash-like").join("official-fp8");
-    let config = ModelConfig::load(&dir).unwrap();
-    let with_mtp = Model::load(
-        &dir,
-        config,
-        Arc::new(CpuBackend::new(1).unwrap()),
-        WeightDtype::F32,
-    )
-    .unwrap();
-    assert_eq!(with_mtp.new_state().mtp_windows(), 1);
-    assert_eq!(model("flash-like").new_state().mtp_windows(), 0);
+fn the_window_pool_holds_a_ring_for_every_layer_and_the_mtp_block() {
+    let plan = plan_for(&fixture("flash-like").join("official-fp8"), json!({}));
+    let layout = KvLayout::new(&plan).unwrap();
+    assert_eq!(layout.num_layers(), 6);
+    assert_eq!(layout.swa_layers(), 7, "6 layers + 1 MTP block");
 }
 
 #[test]
 fn last_logits_only_are_the_last_row() {
     let model = model("pro-like");
+    let mut kv = pools(&model);
     let ids = ids("pro-like");
-    let reference = full(&model, &ids[..50]);
-    let mut state = model.new_state();
-    let last = model
-        .forward(&mut [Chunk {
-            tokens: &ids[..50],
-            state: &mut state,
-            logits: Logits::Last,
-        }])
-        .unwrap()
-        .remove(0);
+    let reference = full(&model, &mut kv, &ids[..50]);
+    let mut seq = kv.open().unwrap();
+    let last = step(&model, &mut kv, &mut seq, &ids[..50], Logits::Last);
+    kv.close(seq);
     let vocab = model.config.vocab_size;
     assert!(max_diff(&last, &reference[49 * vocab..]) <= 1e-5);
 }

@@ -13,6 +13,7 @@ pub mod cpu;
 use std::ops::Range;
 
 use crate::error::Result;
+use crate::formats::rows::RowCodec;
 
 /// Where a weight matrix keeps its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +107,65 @@ pub struct CompressArgs<'a, B: Backend + ?Sized> {
     pub overlap: bool,
 }
 
+/// Where the rows of one layer live inside a pool buffer.
+#[derive(Debug, Clone, Copy)]
+pub enum Placement<'a> {
+    /// Growing rows: row r is row `r % rows_per_unit` of unit `pages[r / rows_per_unit]`,
+    /// units being `unit_bytes` apart.
+    Paged {
+        pages: &'a [u32],
+        rows_per_unit: usize,
+        unit_bytes: usize,
+    },
+    /// A ring of `rows` rows: row r (a position) is stored at `r % rows`.
+    Ring { rows: usize },
+}
+
+/// The format and placement of one layer's rows in a pool buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct RowLayout<'a> {
+    /// Byte offset of the layer's first row inside each unit (paged) or in the buffer (ring).
+    pub offset: usize,
+    pub row_bytes: usize,
+    /// Values per row.
+    pub width: usize,
+    pub codec: RowCodec,
+    pub placement: Placement<'a>,
+}
+
+impl RowLayout<'_> {
+    /// Byte offset of row `r` in the buffer.
+    pub fn row_offset(&self, r: usize) -> usize {
+        match self.placement {
+            Placement::Paged {
+                pages,
+                rows_per_unit,
+                unit_bytes,
+            } => {
+                pages[r / rows_per_unit] as usize * unit_bytes
+                    + self.offset
+                    + (r % rows_per_unit) * self.row_bytes
+            }
+            Placement::Ring { rows } => self.offset + (r % rows) * self.row_bytes,
+        }
+    }
+}
+
+/// Rows a step reads: a layout in a buffer, and how many rows are valid.
+pub struct Rows<'a, B: Backend + ?Sized> {
+    pub buffer: &'a B::Buffer,
+    pub layout: RowLayout<'a>,
+    pub count: usize,
+}
+
+/// One copy between two buffers, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRegion {
+    pub src: usize,
+    pub dst: usize,
+    pub len: usize,
+}
+
 /// Sparse/windowed attention of one sequence's new tokens.
 pub struct AttentionArgs<'a, B: Backend + ?Sized> {
     /// `[batch_rows, heads·head_dim]` queries (normed, roped).
@@ -114,12 +174,11 @@ pub struct AttentionArgs<'a, B: Backend + ?Sized> {
     pub kv: &'a B::Tensor,
     pub rows: Range<usize>,
     pub start_pos: usize,
-    /// `[window, head_dim]` ring: position p lives in row `p % window` (positions before
-    /// `start_pos` only).
-    pub ring: &'a B::Tensor,
+    /// The window ring (rows are positions; only positions before `start_pos` are read).
+    pub ring: Rows<'a, B>,
     pub window: usize,
-    /// `[n, head_dim]` compressed rows of this sequence, all windows closed so far.
-    pub compressed: Option<(&'a B::Tensor, usize)>,
+    /// This sequence's compressed rows, every window closed so far.
+    pub compressed: Option<Rows<'a, B>>,
     pub ratio: usize,
     /// `[new_rows, k]` CSA selection (indices into `compressed`, −1 = none); `None` attends to
     /// every causally visible compressed row (HCA).
@@ -139,9 +198,8 @@ pub struct IndexerArgs<'a, B: Backend + ?Sized> {
     pub weights: &'a B::Tensor,
     pub rows: Range<usize>,
     pub start_pos: usize,
-    /// `[n_keys, dim]` the sequence's indexer key rows.
-    pub keys: &'a B::Tensor,
-    pub n_keys: usize,
+    /// The sequence's indexer key rows (`count` of them).
+    pub keys: Rows<'a, B>,
     pub ratio: usize,
     pub top_k: usize,
     pub heads: usize,
@@ -160,6 +218,8 @@ pub trait Backend: Send + Sync + 'static {
     type Index: Send + Sync;
     /// A RoPE frequency set.
     type Rope: Send + Sync;
+    /// Raw bytes of one KV pool (device memory; host RAM on the CPU backend).
+    type Buffer: Send + Sync;
 
     /// A short name for logs and reports ("cpu").
     fn name(&self) -> &'static str;
@@ -190,6 +250,32 @@ pub trait Backend: Send + Sync + 'static {
     fn read_index(&self, i: &Self::Index) -> Vec<i32>;
     /// A RoPE frequency set from its inverse frequencies (one per rotated pair).
     fn rope(&self, inv_freq: &[f32]) -> Self::Rope;
+
+    // --- pool memory ---------------------------------------------------------------------
+    /// A zeroed buffer of exactly `bytes` bytes; an allocation failure is a capacity error.
+    fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
+    /// Bytes the buffer's allocation holds.
+    fn buffer_bytes(&self, b: &Self::Buffer) -> usize;
+    /// Copies `out.len()` bytes at `offset` to the host.
+    fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]);
+    /// Copies host bytes into the buffer at `offset`.
+    fn write_bytes(&self, b: &mut Self::Buffer, offset: usize, data: &[u8]);
+    /// Copies regions from one buffer to another (snapshots, restores, transfers).
+    fn copy_regions(&self, src: &Self::Buffer, dst: &mut Self::Buffer, regions: &[CopyRegion]);
+    /// Encodes rows `rows` of `x` (`[_, layout.width]`) into rows `first..` of the layout.
+    fn write_rows(
+        &self,
+        dst: &mut Self::Buffer,
+        layout: &RowLayout<'_>,
+        first: usize,
+        x: &Self::Tensor,
+        rows: Range<usize>,
+    );
+    /// Decodes rows `range` to f32 `[range.len(), width]`.
+    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> Self::Tensor;
+    /// Replaces every `width`-wide row of `x` by its value after a trip through `codec`, so
+    /// rows used straight from a step equal the stored ones.
+    fn codec_round_trip(&self, x: &mut Self::Tensor, width: usize, codec: RowCodec);
 
     // --- dense ops ----------------------------------------------------------------------
     /// Rows `ids` of `table`, as f32 `[ids.len(), cols]`.
@@ -265,26 +351,16 @@ pub trait Backend: Send + Sync + 'static {
     fn hc_expand(&self, x: &Self::Tensor, rows: usize, hc: usize, dim: usize) -> Self::Tensor;
 
     // --- attention state ----------------------------------------------------------------
-    /// Advances a compressor frontier (`[coff·ratio, 2·coff·width]`: rows of kv ‖ score, the
-    /// overlap window first when `overlap`) by the sequence's new rows and returns the rows of
-    /// every window they closed, pooled but not yet normed or roped, `[n_new, width]`.
+    /// Advances a compressor frontier — f32 `[coff·ratio, 2·coff·width]` (rows of kv ‖ score,
+    /// the overlap window first when `overlap`) at byte offset `frontier` of `state` — by the
+    /// sequence's new rows and returns the rows of every window they closed, pooled but not
+    /// yet normed or roped, `[n_new, width]`.
     fn compress(
         &self,
-        frontier: &mut Self::Tensor,
+        state: &mut Self::Buffer,
+        frontier: usize,
         args: &CompressArgs<'_, Self>,
     ) -> (Self::Tensor, usize);
-    /// Appends `rows [n, cols]` to a growing row store.
-    fn append_rows(&self, store: &mut Self::Tensor, rows: &Self::Tensor);
-    /// Writes the sequence's new K=V rows into its window ring.
-    fn ring_write(
-        &self,
-        ring: &mut Self::Tensor,
-        kv: &Self::Tensor,
-        rows: Range<usize>,
-        start_pos: usize,
-        window: usize,
-        dim: usize,
-    );
     /// For each sequence: scores every causally visible indexer key for each new token and
     /// keeps the top k: `[new_rows, k]`, k = `min(top_k, n_keys)`, ascending, −1 where fewer
     /// are visible. Sequences may run in parallel.

@@ -3,13 +3,14 @@
 //! path (queues, scheduler, sampling, events) builds on it.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
 use crate::backend::cpu::CpuBackend;
-use crate::config::params::{Backend as BackendKind, IndexerDtype, KvDtype, Params, Role};
+use crate::config::params::{Backend as BackendKind, Params, Role};
 use crate::error::{Error, ErrorKind, Result};
+use crate::kv::KvPools;
 use crate::model::{Chunk, Logits, Model};
 use crate::plan::{self, Plan};
 
@@ -18,6 +19,7 @@ pub struct Engine {
     params: Params,
     plan: Plan,
     model: Model<CpuBackend>,
+    kv: Mutex<KvPools<CpuBackend>>,
 }
 
 impl Engine {
@@ -41,14 +43,16 @@ impl Engine {
         let model = Model::load(
             Path::new(path),
             plan.model.clone(),
-            backend,
+            backend.clone(),
             params.model.weight_dtype,
         )?
         .with_numerics(params.numerics.mode);
+        let kv = KvPools::new(backend, &plan)?;
         Ok(Self {
             params,
             plan,
             model,
+            kv: Mutex::new(kv),
         })
     }
 
@@ -67,13 +71,23 @@ impl Engine {
     /// Logits of every position of one fresh sequence, `[tokens.len(), vocab]` row-major.
     pub fn score(&self, tokens: &[i32]) -> Result<Vec<f32>> {
         let ids = self.check_tokens(tokens)?;
-        let mut state = self.model.new_state();
-        let mut out = self.model.forward(&mut [Chunk {
-            tokens: &ids,
-            state: &mut state,
-            logits: Logits::All,
-        }])?;
-        Ok(out.remove(0))
+        let mut kv = self
+            .kv
+            .lock()
+            .map_err(|_| Error::internal("the KV pools were poisoned by an earlier panic"))?;
+        let mut seq = kv.open()?;
+        let result = kv.reserve(&mut seq, ids.len()).and_then(|()| {
+            self.model.forward(
+                &mut kv,
+                &mut [Chunk {
+                    tokens: &ids,
+                    seq: &mut seq,
+                    logits: Logits::All,
+                }],
+            )
+        });
+        kv.close(seq);
+        Ok(result?.remove(0))
     }
 
     /// Configuration summary, parameter count and resident bytes by dtype.
@@ -130,13 +144,6 @@ fn refuse_unbuilt(p: &Params) -> Result<()> {
     }
     if p.hicache.enabled {
         missing.push("`hicache.enabled`: the host tier is not built yet; set it to false".into());
-    }
-    if p.kv_dtype() != KvDtype::F32 || p.indexer_dtype() != IndexerDtype::F32 {
-        missing.push(
-            "`kv.dtype` / `kv.indexer_dtype` other than f32: the paged KV pools (and their bf16/fp8/fp4 \
-             rows) are not built yet; use f32"
-                .into(),
-        );
     }
     if missing.is_empty() {
         Ok(())

@@ -11,7 +11,8 @@ use crate::backend::{
 use crate::config::params::NumericsMode;
 use crate::config::AttentionKind;
 use crate::error::{Error, Result};
-use crate::model::state::{SeqState, Stream};
+use crate::formats::rows::RowCodec;
+use crate::kv::{KvPools, SeqKv, Stream};
 
 /// Official numerics: FP8 blocks over the non-rope kv channels, FP4 blocks in the indexer.
 const FP8_KV_BLOCK: usize = 64;
@@ -27,10 +28,10 @@ pub enum Logits {
     All,
 }
 
-/// One sequence's part of a step: its new tokens and its state.
-pub struct Chunk<'a, B: Backend> {
+/// One sequence's part of a step: its new tokens and its place in the KV pools.
+pub struct Chunk<'a> {
     pub tokens: &'a [u32],
-    pub state: &'a mut SeqState<B>,
+    pub seq: &'a mut SeqKv,
     pub logits: Logits,
 }
 
@@ -42,12 +43,13 @@ struct Segment {
 
 impl<B: Backend> Model<B> {
     /// Runs one step and returns, per chunk, the requested logits (`[n, vocab]` row-major).
-    /// Each chunk's state advances by its tokens.
-    pub fn forward(&self, chunks: &mut [Chunk<'_, B>]) -> Result<Vec<Vec<f32>>> {
-        self.backend().scope(|| self.step(chunks))
+    /// Each chunk's sequence advances by its tokens; its pages must already be reserved
+    /// ([`KvPools::reserve`]).
+    pub fn forward(&self, kv: &mut KvPools<B>, chunks: &mut [Chunk<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.backend().scope(|| self.step(kv, chunks))
     }
 
-    fn step(&self, chunks: &mut [Chunk<'_, B>]) -> Result<Vec<Vec<f32>>> {
+    fn step(&self, kv: &mut KvPools<B>, chunks: &mut [Chunk<'_>]) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let b = self.backend();
         let mut ids = Vec::new();
@@ -70,7 +72,16 @@ impl<B: Backend> Model<B> {
                     c.vocab_size
                 )));
             }
-            let start_pos = chunk.state.position;
+            let start_pos = chunk.seq.position();
+            let end = start_pos + chunk.tokens.len();
+            if kv.pages_for(end) > chunk.seq.pages().len() {
+                return Err(Error::invalid_argument(format!(
+                    "sequence {s} of the batch holds {} KV pages but reaching position {end} \
+                     needs {}: reserve them first (KvPools::reserve)",
+                    chunk.seq.pages().len(),
+                    kv.pages_for(end)
+                )));
+            }
             let rows = ids.len()..ids.len() + chunk.tokens.len();
             ids.extend_from_slice(chunk.tokens);
             positions.extend((start_pos..start_pos + chunk.tokens.len()).map(|p| p as u32));
@@ -81,7 +92,7 @@ impl<B: Backend> Model<B> {
         let x = b.embed(&self.embed, &ids);
         let mut streams = b.hc_expand(&x, n, c.hc_mult, d);
         for (l, block) in self.blocks.iter().enumerate() {
-            streams = self.block(l, block, &streams, &ids, &positions, &segments, chunks)?;
+            streams = self.block(l, block, &streams, &ids, &positions, &segments, kv, chunks)?;
         }
         let h = b.hc_head(&streams, n, &self.hc(&self.hc_head));
         let h = b.rms_norm(&h, n, d, Some(&self.norm), c.rms_norm_eps as f32);
@@ -110,7 +121,7 @@ impl<B: Backend> Model<B> {
             };
             out.push(logits[next * vocab..(next + count) * vocab].to_vec());
             next += count;
-            chunk.state.position += chunk.tokens.len();
+            chunk.seq.advance(chunk.tokens.len());
         }
         Ok(out)
     }
@@ -138,7 +149,8 @@ impl<B: Backend> Model<B> {
         ids: &[u32],
         positions: &[u32],
         segments: &[Segment],
-        chunks: &mut [Chunk<'_, B>],
+        kv: &mut KvPools<B>,
+        chunks: &mut [Chunk<'_>],
     ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
@@ -146,7 +158,16 @@ impl<B: Backend> Model<B> {
         let eps = c.rms_norm_eps as f32;
         let mix = b.hc_pre(streams, n, &self.hc(&block.attn_hc));
         let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.attn_norm), eps);
-        let a = self.attention(l, block.kind, &block.attn, &x, positions, segments, chunks);
+        let a = self.attention(
+            l,
+            block.kind,
+            &block.attn,
+            &x,
+            positions,
+            segments,
+            kv,
+            chunks,
+        );
         let streams = b.hc_post(&a, streams, &mix, n, hc, d);
         let mix = b.hc_pre(&streams, n, &self.hc(&block.ffn_hc));
         let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.ffn_norm), eps);
@@ -163,7 +184,8 @@ impl<B: Backend> Model<B> {
         x: &B::Tensor,
         positions: &[u32],
         segments: &[Segment],
-        chunks: &mut [Chunk<'_, B>],
+        kv_pools: &mut KvPools<B>,
+        chunks: &mut [Chunk<'_>],
     ) -> B::Tensor {
         let c = &self.config;
         let b = self.backend();
@@ -210,6 +232,13 @@ impl<B: Backend> Model<B> {
         if official {
             b.fp8_round_trip(&mut kv, hd, c.nope_head_dim(), FP8_KV_BLOCK);
         }
+        // The step's own keys go through the pool's row format too, so a token sees the same
+        // keys whether they come from this step or from the pools (chunking and prefix hits
+        // stay exact at every kv dtype).
+        let kv_codec = kv_pools.layout().kv_codec;
+        if kv_codec != RowCodec::F32 {
+            b.codec_round_trip(&mut kv, hd, kv_codec);
+        }
         let index_proj = index_x.map(|(kv_gate, weights)| {
             let mut qi = qr_parts.next().expect("indexer queries");
             b.rope_apply(&mut qi, ih, id, &self.rope_compress, positions, false);
@@ -221,15 +250,16 @@ impl<B: Backend> Model<B> {
 
         // State updates run per sequence; the searches and attention then run for all
         // sequences at once.
-        for (seg, chunk) in segments.iter().zip(chunks.iter_mut()) {
-            let state = &mut *chunk.state;
+        for (seg, chunk) in segments.iter().zip(chunks.iter()) {
+            let seq = &*chunk.seq;
             if let (Some(comp), Some((kv_c, gate_c))) = (&w.compressor, &comp_proj) {
-                self.advance_compressor(comp, state, l, Stream::Main, kv_c, gate_c, seg);
+                self.advance_compressor(comp, kv_pools, seq, l, Stream::Main, kv_c, gate_c, seg);
             }
             if let (Some(ix), Some(((kv_i, gate_i), _, _))) = (&w.indexer, &index_proj) {
                 self.advance_compressor(
                     &ix.compressor,
-                    state,
+                    kv_pools,
+                    seq,
                     l,
                     Stream::Indexer,
                     kv_i,
@@ -246,9 +276,9 @@ impl<B: Backend> Model<B> {
                     .iter()
                     .zip(chunks.iter())
                     .map(|(seg, chunk)| {
-                        let (keys, n_keys) = chunk
-                            .state
-                            .rows(l, Stream::Indexer)
+                        let closed = (seg.start_pos + seg.rows.len()) / c.csa_ratio;
+                        let keys = kv_pools
+                            .rows(chunk.seq, l, Stream::Indexer, closed)
                             .expect("CSA layers index");
                         IndexerArgs {
                             q: qi,
@@ -256,7 +286,6 @@ impl<B: Backend> Model<B> {
                             rows: seg.rows.clone(),
                             start_pos: seg.start_pos,
                             keys,
-                            n_keys,
                             ratio: c.csa_ratio,
                             top_k: c.index_topk,
                             heads: c.index_n_heads,
@@ -279,9 +308,14 @@ impl<B: Backend> Model<B> {
                 kv: &kv,
                 rows: seg.rows.clone(),
                 start_pos: seg.start_pos,
-                ring: chunk.state.window(l),
+                ring: kv_pools.ring(chunk.seq, l),
                 window: c.sliding_window,
-                compressed: chunk.state.rows(l, Stream::Main),
+                compressed: kv_pools.rows(
+                    chunk.seq,
+                    l,
+                    Stream::Main,
+                    (seg.start_pos + seg.rows.len()) / c.ratio(kind).max(1),
+                ),
                 ratio: c.ratio(kind).max(1),
                 selection: selection.as_ref().map(|(sel, k)| (sel, *k)),
                 sinks: &w.sinks,
@@ -292,10 +326,8 @@ impl<B: Backend> Model<B> {
             .collect();
         b.attention(&args, &mut o);
         drop(args);
-        for (seg, chunk) in segments.iter().zip(chunks.iter_mut()) {
-            chunk
-                .state
-                .write_window(b, l, &kv, seg.rows.clone(), c.sliding_window, hd);
+        for (seg, chunk) in segments.iter().zip(chunks.iter()) {
+            kv_pools.write_window(chunk.seq, l, &kv, seg.rows.clone(), seg.start_pos);
         }
         // Undo the values' rotation so each contributes relative to the query position.
         b.rope_apply(&mut o, heads, hd, rope, positions, true);
@@ -309,7 +341,8 @@ impl<B: Backend> Model<B> {
     fn advance_compressor(
         &self,
         comp: &super::Compressor<B>,
-        state: &mut SeqState<B>,
+        kv_pools: &mut KvPools<B>,
+        seq: &SeqKv,
         l: usize,
         stream: Stream,
         kv: &B::Tensor,
@@ -327,7 +360,7 @@ impl<B: Backend> Model<B> {
             width: comp.width,
             overlap: comp.overlap,
         };
-        let (rows, count, first) = state.compress(b, l, stream, &args);
+        let (rows, count, first) = kv_pools.compress(seq, l, stream, &args);
         if count == 0 {
             return;
         }
@@ -351,7 +384,7 @@ impl<B: Backend> Model<B> {
                 Stream::Indexer => b.hadamard_fp4_round_trip(&mut rows, comp.width, FP4_BLOCK),
             }
         }
-        state.append_rows(b, l, stream, &rows, count);
+        kv_pools.write_rows(seq, l, stream, first, &rows, count);
     }
 
     fn moe(&self, w: &Moe<B>, x: &B::Tensor, ids: &[u32]) -> Result<B::Tensor> {

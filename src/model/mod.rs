@@ -2,11 +2,10 @@
 //!
 //! [`Model::load`] reads a checkpoint (official or Hugging Face naming; f32/bf16/f16, FP8 with
 //! block scales, FP4 experts) and [`Model::forward`] runs one step over a batch of sequences,
-//! each with its own new tokens and [`SeqState`]. Exact mode follows transformers 5.23.0.
+//! each with its own new tokens and its place in the KV pools ([`crate::kv`]). Exact mode follows transformers 5.23.0.
 
 mod forward;
 pub mod rope;
-pub mod state;
 pub mod weights;
 
 use std::collections::BTreeMap;
@@ -22,7 +21,6 @@ use crate::config::tensors::{checkpoint_tensors, TensorSpec};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::error::{Error, Result};
 pub use forward::{Chunk, Logits};
-pub use state::SeqState;
 use weights::{Checkpoint, Loader};
 
 /// The three parameters of one hyper-connection instance.
@@ -196,14 +194,14 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
+    /// The backend, shared (KV pools live on the model's backend).
+    pub fn backend_arc(&self) -> Arc<B> {
+        Arc::clone(&self.backend)
+    }
+
     /// MTP blocks loaded (0 when the checkpoint has none).
     pub fn mtp_blocks(&self) -> usize {
         self.mtp.len()
-    }
-
-    /// A fresh per-sequence state.
-    pub fn new_state(&self) -> SeqState<B> {
-        SeqState::new(self)
     }
 
     /// Configuration summary, parameter count and resident bytes by dtype.

@@ -18,7 +18,9 @@ use crate::config::size::{grouped, human_bytes};
 use crate::config::tensors::{checkpoint_tensors, Dtype, TensorSpec};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::error::{Error, ErrorKind, Result};
-pub use geometry::{indexer_row_bytes, kv_row_bytes, Geometry, PoolShape, Unit};
+pub use geometry::{
+    indexer_codec, indexer_row_bytes, kv_codec, kv_row_bytes, Geometry, PoolShape, Unit,
+};
 use numa::{MemoryProbe, NodeMemory, SystemProbe};
 
 /// HiCache ratio used when neither `hicache.ratio` nor `hicache.size_bytes` is set.
@@ -231,6 +233,16 @@ fn check_against_model(params: &Params, model: &ModelConfig, problems: &mut Vec<
                 "`kv.max_context_tokens` = {ctx} exceeds the model's max_position_embeddings = \
                  {}: lower it",
                 model.max_position_embeddings
+            ));
+        }
+    }
+    let page = params.kv.page_size as usize;
+    for (what, ratio) in [("CSA", model.csa_ratio), ("HCA", model.hca_ratio)] {
+        if ratio > 0 && !page.is_multiple_of(ratio) {
+            problems.push(format!(
+                "`kv.page_size` = {page} is not a multiple of the model's {what} compression ratio \
+                 {ratio}: compressed rows would straddle pages; use {}",
+                page.next_multiple_of(ratio)
             ));
         }
     }

@@ -1,11 +1,9 @@
 //! Per-sequence attention state and attention itself: compressor frontiers, the window ring,
 //! the lightning indexer and windowed + compressed attention with sinks.
 
-use std::ops::Range;
-
 use rayon::prelude::*;
 
-use super::{gemm, gemv, CpuBackend, CpuTensor};
+use super::{gemm, gemv, pool, CpuBackend, CpuTensor};
 use crate::backend::{AttentionArgs, CompressArgs, IndexerArgs};
 
 /// Advances a frontier by the new tokens and pools every window they close.
@@ -92,24 +90,6 @@ fn pool_window(
     }
 }
 
-pub(super) fn ring_write(
-    ring: &mut [f32],
-    kv: &[f32],
-    rows: Range<usize>,
-    start_pos: usize,
-    window: usize,
-    dim: usize,
-) {
-    // Only the last `window` tokens survive; earlier ones would be overwritten anyway.
-    let n = rows.len();
-    let skip = n.saturating_sub(window);
-    for i in skip..n {
-        let slot = (start_pos + i) % window;
-        let r = rows.start + i;
-        ring[slot * dim..(slot + 1) * dim].copy_from_slice(&kv[r * dim..(r + 1) * dim]);
-    }
-}
-
 /// Keys visible to a query at `pos` among `n` rows of ratio `ratio`: rows whose window has
 /// closed by `pos` (its last token ≤ pos).
 fn visible_rows(pos: usize, ratio: usize, n: usize) -> usize {
@@ -117,18 +97,19 @@ fn visible_rows(pos: usize, ratio: usize, n: usize) -> usize {
 }
 
 pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize) {
-    let k = a.top_k.min(a.n_keys);
+    let n_keys = a.keys.count;
+    let k = a.top_k.min(n_keys);
     let n_new = a.rows.len();
     let mut out = vec![-1i32; n_new * k];
     if k == 0 {
         return (out, 0);
     }
-    let (heads, dim, n_keys) = (a.heads, a.dim, a.n_keys);
+    let (heads, dim) = (a.heads, a.dim);
     // Every (query, head) against every key in one product: [n_new·heads, n_keys].
     let q_rows = &a.q.0[a.rows.start * heads * dim..a.rows.end * heads * dim];
     let mut dots = vec![0.0f32; n_new * heads * n_keys];
-    let keys = &a.keys.0[..n_keys * dim];
-    gemm::product(q_rows, n_new * heads, dim, keys, n_keys, &mut dots);
+    let keys = pool::gather(&a.keys, 0..n_keys);
+    gemm::product(q_rows, n_new * heads, dim, &keys, n_keys, &mut dots);
     let w = &a.weights.0;
     out.par_chunks_mut(k).enumerate().for_each(|(i, sel)| {
         let r = a.rows.start + i;
@@ -183,33 +164,34 @@ pub(super) fn attention(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTen
 fn attend_query(a: &AttentionArgs<'_, CpuBackend>, i: usize, o: &mut [f32]) {
     let (heads, hd) = (a.heads, a.head_dim);
     let width = heads * hd;
-    let (q, kv, ring, sinks) = (&a.q.0, &a.kv.0, &a.ring.0, &a.sinks.0);
+    let (q, kv, sinks) = (&a.q.0, &a.kv.0, &a.sinks.0);
     let pos = a.start_pos + i;
     let r = a.rows.start + i;
     let mut keys: Vec<f32> = Vec::with_capacity((a.window + 64) * hd);
     // Window keys in position order, then compressed rows in index order.
     let first = (pos + 1).saturating_sub(a.window);
     for p in first..=pos {
-        keys.extend_from_slice(if p < a.start_pos {
-            let slot = p % a.window;
-            &ring[slot * hd..(slot + 1) * hd]
+        if p < a.start_pos {
+            pool::push_row(&a.ring, p, &mut keys);
         } else {
             let rr = a.rows.start + (p - a.start_pos);
-            &kv[rr * hd..(rr + 1) * hd]
-        });
+            keys.extend_from_slice(&kv[rr * hd..(rr + 1) * hd]);
+        }
     }
-    if let Some((comp, n)) = a.compressed {
-        let comp = &comp.0;
+    if let Some(comp) = &a.compressed {
         match a.selection {
             Some((sel, k)) => {
                 for &s in &sel.0[i * k..(i + 1) * k] {
                     if s >= 0 {
-                        let s = s as usize;
-                        keys.extend_from_slice(&comp[s * hd..(s + 1) * hd]);
+                        pool::push_row(comp, s as usize, &mut keys);
                     }
                 }
             }
-            None => keys.extend_from_slice(&comp[..visible_rows(pos, a.ratio, n) * hd]),
+            None => {
+                for s in 0..visible_rows(pos, a.ratio, comp.count) {
+                    pool::push_row(comp, s, &mut keys);
+                }
+            }
         }
     }
     let n_keys = keys.len() / hd;

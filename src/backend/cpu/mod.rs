@@ -7,16 +7,21 @@ mod gemv;
 mod hc;
 mod moe;
 mod ops;
+mod pool;
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use half::bf16;
 
 use super::{
-    AttentionArgs, Backend, CompressArgs, Expert, HcMix, HcParams, IndexerArgs, Precision,
-    RouteArgs, Routing,
+    AttentionArgs, Backend, CompressArgs, CopyRegion, Expert, HcMix, HcParams, IndexerArgs,
+    Precision, RouteArgs, Routing, RowLayout, Rows,
 };
 use crate::error::{Error, Result};
+use crate::formats::rows::RowCodec;
+pub use pool::CpuBuffer;
 
 /// f32 values in host memory.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -47,6 +52,8 @@ pub struct CpuRope(Vec<f32>);
 /// The CPU backend and its thread pool.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
+    /// Bytes held by live pool buffers.
+    allocated: Arc<AtomicU64>,
 }
 
 impl CpuBackend {
@@ -62,11 +69,19 @@ impl CpuBackend {
             .thread_name(|i| format!("dsv4-cpu-{i}"))
             .build()
             .map_err(|e| Error::internal(format!("cannot start {threads} CPU threads: {e}")))?;
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            allocated: Arc::default(),
+        })
     }
 
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
+    }
+
+    /// Bytes held by live pool buffers of this backend (measured at allocation and free).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocated.load(Ordering::Relaxed)
     }
 
     fn wrap(&self, v: Vec<f32>) -> CpuTensor {
@@ -87,6 +102,7 @@ impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type Index = CpuIndex;
     type Rope = CpuRope;
+    type Buffer = CpuBuffer;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -94,6 +110,61 @@ impl Backend for CpuBackend {
 
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
+        CpuBuffer::new(bytes, self.allocated.clone())
+    }
+
+    fn buffer_bytes(&self, b: &CpuBuffer) -> usize {
+        b.len()
+    }
+
+    fn read_bytes(&self, b: &CpuBuffer, offset: usize, out: &mut [u8]) {
+        out.copy_from_slice(&b.bytes()[offset..offset + out.len()]);
+    }
+
+    fn write_bytes(&self, b: &mut CpuBuffer, offset: usize, data: &[u8]) {
+        b.bytes_mut()[offset..offset + data.len()].copy_from_slice(data);
+    }
+
+    fn copy_regions(&self, src: &CpuBuffer, dst: &mut CpuBuffer, regions: &[CopyRegion]) {
+        let (src, dst) = (src.bytes(), dst.bytes_mut());
+        for r in regions {
+            dst[r.dst..r.dst + r.len].copy_from_slice(&src[r.src..r.src + r.len]);
+        }
+    }
+
+    fn write_rows(
+        &self,
+        dst: &mut CpuBuffer,
+        layout: &RowLayout<'_>,
+        first: usize,
+        x: &CpuTensor,
+        rows: Range<usize>,
+    ) {
+        pool::write_rows(dst.bytes_mut(), layout, first, &x.0, rows);
+    }
+
+    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> CpuTensor {
+        CpuTensor(pool::gather(rows, range))
+    }
+
+    fn codec_round_trip(&self, x: &mut CpuTensor, width: usize, codec: RowCodec) {
+        use rayon::prelude::*;
+        if codec == RowCodec::F32 {
+            return;
+        }
+        let row_bytes = codec.row_bytes(width);
+        self.run(|| {
+            x.0.par_chunks_mut(width).for_each_init(
+                || vec![0u8; row_bytes],
+                |bytes, row| {
+                    codec.encode(row, bytes);
+                    codec.decode(bytes, row);
+                },
+            )
+        });
     }
 
     fn tensor(&self, data: &[f32]) -> CpuTensor {
@@ -294,27 +365,16 @@ impl Backend for CpuBackend {
 
     fn compress(
         &self,
-        frontier: &mut CpuTensor,
+        state: &mut CpuBuffer,
+        frontier: usize,
         args: &CompressArgs<'_, Self>,
     ) -> (CpuTensor, usize) {
-        let (rows, n) = attention::compress(&mut frontier.0, args);
+        let coff = if args.overlap { 2 } else { 1 };
+        let len = coff * args.ratio * 2 * coff * args.width * 4;
+        let values: &mut [f32] =
+            bytemuck::cast_slice_mut(&mut state.bytes_mut()[frontier..frontier + len]);
+        let (rows, n) = attention::compress(values, args);
         (CpuTensor(rows), n)
-    }
-
-    fn append_rows(&self, store: &mut CpuTensor, rows: &CpuTensor) {
-        store.0.extend_from_slice(&rows.0);
-    }
-
-    fn ring_write(
-        &self,
-        ring: &mut CpuTensor,
-        kv: &CpuTensor,
-        rows: Range<usize>,
-        start_pos: usize,
-        window: usize,
-        dim: usize,
-    ) {
-        attention::ring_write(&mut ring.0, &kv.0, rows, start_pos, window, dim);
     }
 
     fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Vec<(CpuIndex, usize)> {

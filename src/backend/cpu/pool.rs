@@ -1,0 +1,119 @@
+//! KV pool memory on the CPU backend: exact-size, 16-byte-aligned, zeroed host allocations,
+//! and the row codecs applied while writing and gathering rows.
+
+use std::alloc::{self, Layout};
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::backend::{RowLayout, Rows};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Pool bytes are viewed as f32 in place. 16 is also the most the system allocator's
+/// `calloc` path takes: a larger alignment makes `alloc_zeroed` write every byte, while
+/// `calloc` maps zero pages lazily (a large pool costs nothing until used).
+const ALIGN: usize = 16;
+
+/// One pool's bytes. Frees itself (and updates its backend's byte count) on drop.
+pub struct CpuBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    allocated: Arc<AtomicU64>,
+}
+
+// SAFETY: the buffer exclusively owns its allocation (like a `Vec<u8>`); shared access only
+// reads it and mutation needs `&mut`.
+unsafe impl Send for CpuBuffer {}
+// SAFETY: as above; `&CpuBuffer` only hands out shared slices.
+unsafe impl Sync for CpuBuffer {}
+
+impl CpuBuffer {
+    pub(super) fn new(bytes: usize, allocated: Arc<AtomicU64>) -> Result<Self> {
+        let layout = Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| too_big(bytes))?;
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(|| too_big(bytes))?;
+        allocated.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(Self {
+            ptr,
+            len: bytes,
+            allocated,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes this the only live reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for CpuBuffer {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len.max(1), ALIGN).expect("checked at alloc");
+        // SAFETY: allocated in `new` with this same layout and not freed before.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+        self.allocated.fetch_sub(self.len as u64, Ordering::Relaxed);
+    }
+}
+
+fn too_big(bytes: usize) -> Error {
+    Error::new(
+        ErrorKind::Capacity,
+        format!(
+            "cannot allocate a {bytes}-byte KV pool in host memory: lower kv.device_memory_bytes \
+             or kv.max_running_requests"
+        ),
+    )
+}
+
+/// Encodes `rows` of `x` into rows `first..` of `layout`.
+pub(super) fn write_rows(
+    dst: &mut [u8],
+    layout: &RowLayout<'_>,
+    first: usize,
+    x: &[f32],
+    rows: Range<usize>,
+) {
+    let (w, rb) = (layout.width, layout.row_bytes);
+    for (i, r) in rows.enumerate() {
+        let at = layout.row_offset(first + i);
+        layout
+            .codec
+            .encode(&x[r * w..(r + 1) * w], &mut dst[at..at + rb]);
+    }
+}
+
+/// Appends the decoded row `r` to `out`.
+pub(super) fn push_row(rows: &Rows<'_, super::CpuBackend>, r: usize, out: &mut Vec<f32>) {
+    let l = &rows.layout;
+    let at = l.row_offset(r);
+    let start = out.len();
+    out.resize(start + l.width, 0.0);
+    l.codec.decode(
+        &rows.buffer.bytes()[at..at + l.row_bytes],
+        &mut out[start..],
+    );
+}
+
+/// Decodes rows `range` into a contiguous `[range.len(), width]` block.
+pub(super) fn gather(rows: &Rows<'_, super::CpuBackend>, range: Range<usize>) -> Vec<f32> {
+    let mut out = Vec::with_capacity(range.len() * rows.layout.width);
+    for r in range {
+        push_row(rows, r, &mut out);
+    }
+    out
+}

@@ -1,0 +1,21 @@
+//! The KV cache: DeepSeek V4 state in the pools the planner sizes (ARCHITECTURE.md "pool
+//! geometry"), and exact prefix reuse across requests.
+//!
+//! - [`layout`]: where each layer's rows, rings and frontiers live in each pool.
+//! - [`pools`]: the device pools, their allocators and the per-request handle [`SeqKv`].
+//! - [`radix`]: the prefix tree over token pages, with snapshots at page boundaries.
+//! - [`cache`]: pools + tree: starting, growing, snapshotting and ending requests.
+//!
+//! `kv` stores bytes in a geometry `plan` defines; it never imports `model`.
+
+pub mod cache;
+pub mod layout;
+pub mod pools;
+pub mod radix;
+pub mod units;
+
+pub use cache::{CacheStats, PrefixCache, Request};
+pub use layout::{KvLayout, PoolId, Stream};
+pub use pools::{KvPools, SeqKv};
+pub use radix::RadixTree;
+pub use units::UnitAllocator;

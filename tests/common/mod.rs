@@ -1,0 +1,126 @@
+//! Shared helpers of the integration tests: fixtures, models and KV pools sized by the planner.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use dsv4::backend::cpu::CpuBackend;
+use dsv4::config::params::{Params, WeightDtype};
+use dsv4::config::ModelConfig;
+use dsv4::kv::{KvPools, SeqKv};
+use dsv4::model::{Chunk, Logits, Model};
+use dsv4::plan::{self, Plan};
+use safetensors::SafeTensors;
+use serde_json::{json, Value};
+
+pub fn fixture(parts: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(parts)
+}
+
+/// `input_ids` of a fixture's golden file.
+pub fn ids(name: &str) -> Vec<u32> {
+    let bytes = std::fs::read(fixture(name).join("golden.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor("input_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect()
+}
+
+pub fn load_model(dir: &Path, dtype: WeightDtype, threads: usize) -> Model<CpuBackend> {
+    let config = ModelConfig::load(dir).unwrap();
+    Model::load(
+        dir,
+        config,
+        Arc::new(CpuBackend::new(threads).unwrap()),
+        dtype,
+    )
+    .unwrap()
+}
+
+/// A fixture's f32 model (Hugging Face naming, f32 weights).
+pub fn model(name: &str) -> Model<CpuBackend> {
+    load_model(&fixture(name).join("hf-f32"), WeightDtype::F32, 2)
+}
+
+fn test_params(model_path: Option<&Path>, kv: Value) -> Params {
+    let mut doc = json!({
+        "kv": {"device_memory_bytes": "24MiB", "max_running_requests": 8, "page_size": 128}
+    });
+    if let Some(dir) = model_path {
+        doc["model_path"] = dir.to_str().unwrap().into();
+    }
+    if let Value::Object(extra) = kv {
+        for (k, v) in extra {
+            doc["kv"][k] = v;
+        }
+    }
+    Params::from_value(&doc).unwrap()
+}
+
+/// The plan for the checkpoint at `dir` with small test pools (128-token pages, 8 slots,
+/// 24 MiB), `kv` merged over those.
+pub fn plan_for(dir: &Path, kv: Value) -> Plan {
+    plan::plan(&test_params(Some(dir), kv)).unwrap()
+}
+
+/// The same for a loaded model.
+pub fn plan_for_model(model: &Model<CpuBackend>, kv: Value) -> Plan {
+    plan::plan_with(
+        &test_params(None, kv),
+        model.config.clone(),
+        &plan::numa::SystemProbe::new(),
+    )
+    .unwrap()
+}
+
+/// Pools for `model` on the model's own backend, `kv` params merged over the test defaults.
+pub fn pools_with(model: &Model<CpuBackend>, kv: Value) -> KvPools<CpuBackend> {
+    KvPools::new(model.backend_arc(), &plan_for_model(model, kv)).unwrap()
+}
+
+pub fn pools(model: &Model<CpuBackend>) -> KvPools<CpuBackend> {
+    pools_with(model, json!({}))
+}
+
+/// Runs `tokens` as one chunk of `seq` (reserving its pages) and returns the logits asked for.
+pub fn step(
+    model: &Model<CpuBackend>,
+    kv: &mut KvPools<CpuBackend>,
+    seq: &mut SeqKv,
+    tokens: &[u32],
+    logits: Logits,
+) -> Vec<f32> {
+    kv.reserve(seq, seq.position() + tokens.len()).unwrap();
+    model
+        .forward(
+            kv,
+            &mut [Chunk {
+                tokens,
+                seq,
+                logits,
+            }],
+        )
+        .unwrap()
+        .remove(0)
+}
+
+/// Every position's logits of `ids` in one pass on a fresh sequence.
+pub fn full(model: &Model<CpuBackend>, kv: &mut KvPools<CpuBackend>, ids: &[u32]) -> Vec<f32> {
+    let mut seq = kv.open().unwrap();
+    let out = step(model, kv, &mut seq, ids, Logits::All);
+    kv.close(seq);
+    out
+}
+
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
