@@ -13,7 +13,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward
+.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix
 
 all: lib
 
@@ -82,6 +82,10 @@ PYTHON ?= python3
 bench-forward: deps
 	$(CARGO) build --release --example bench_forward
 	$(PYTHON) scripts/bench_forward.py
+
+# Prefix-cache match/insert vs memcmp on a 1.2M-token tree, page alloc/free rate.
+bench-radix: deps
+	$(CARGO) run --release --example bench_radix
 
 clean:
 	$(CARGO) clean

@@ -228,7 +228,7 @@ fn property(seed: u64, ops: usize) {
     assert_eq!(pools.snapshot_allocator().used_count(), 0);
     assert_eq!(pools.slot_allocator().used_count(), 0);
     eprintln!(
-        "seed {seed}: {ops} ops, {hits} hits, {finished} finished, {capacity_errors} capacity refusals, {:?}",
+        "seed {seed}: {pages_cap} pages, {snaps_cap} snapshots, 4 slots; {ops} ops, {hits} hits, {finished} finished, {capacity_errors} capacity refusals, {:?}",
         cache.stats()
     );
     assert!(

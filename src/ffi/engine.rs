@@ -28,13 +28,14 @@ unsafe fn engine_ref<'a>(engine: *const dsv4_engine) -> Result<&'a Engine, Error
 /// Creates an engine from a params document (JSON, merged over the defaults): validates the
 /// params, computes the memory plan and refuses a plan that does not fit this machine
 /// (`DSV4_ERR_CAPACITY`, with the plan's reason), then loads config.json and the weights at
-/// `model_path`. Blocks while the weights load.
+/// `model_path` and allocates the KV pools exactly as the plan sizes them (on the CPU backend
+/// in host memory, mapped lazily). Blocks while the weights load.
 ///
 /// On success `*out` receives the handle; on failure `*out` is set to NULL and nothing stays
 /// allocated. Errors: `DSV4_ERR_CONFIG` (params), `DSV4_ERR_IO` (files missing or unreadable),
 /// `DSV4_ERR_MODEL_FORMAT` (checkpoint problems, each tensor named), `DSV4_ERR_CAPACITY`,
 /// `DSV4_ERR_UNSUPPORTED` (valid params this build does not implement yet: backend cuda,
-/// prefill/decode roles, tp/ep > 1, HiCache, non-f32 KV, official numerics).
+/// prefill/decode roles, tp/ep > 1, HiCache).
 ///
 /// # Safety
 /// `params_json` is a NUL-terminated string; `out` is valid for one pointer write.
@@ -81,11 +82,13 @@ pub unsafe extern "C" fn dsv4_engine_destroy(engine: *mut dsv4_engine) {
 /// Runs one fresh sequence of `n_tokens` token ids through the model and writes the logits of
 /// every position, row-major `[n_tokens, vocab]` f32, to `logits_out`. `logits_len` counts
 /// floats: fewer than `n_tokens × vocab` returns `DSV4_ERR_BUFFER_TOO_SMALL` (the message
-/// states the number needed) and writes nothing. Blocks while the forward pass runs; thread-safe.
+/// states the number needed) and writes nothing. Blocks while the forward pass runs;
+/// thread-safe (calls on one engine share its KV pools and run one at a time).
 ///
 /// Errors: `DSV4_ERR_INVALID_ARGUMENT` for NULL pointers, `n_tokens == 0`, more tokens than
 /// `kv.max_context_tokens`, or a token id outside the vocabulary (the message names its
-/// position and value).
+/// position and value); `DSV4_ERR_CAPACITY` when the sequence needs more KV pages than the
+/// pools hold (raise `kv.device_memory_bytes`).
 ///
 /// # Safety
 /// `engine` is a live handle; `tokens` is valid for `n_tokens` reads; `logits_out` is valid for

@@ -10,6 +10,8 @@
 //! - `Fp4Index`: indexer keys as e2m1 pairs (element 2j in the low nibble) with one ue8m0 scale
 //!   per 32 channels, as in the official FP4 round trip; layout `[packed][scales]` (68 bytes).
 
+use std::sync::LazyLock;
+
 use half::bf16;
 
 use super::{ceil_log2, e2m1_encode, e4m3_decode, e4m3_encode, e8m0_decode, E2M1};
@@ -23,6 +25,11 @@ pub enum RowCodec {
     Fp8Index,
     Fp4Index,
 }
+
+/// Every e4m3 code's value: decoding is on the attention hot path (keys are decoded while they
+/// are gathered).
+static E4M3_VALUES: LazyLock<[f32; 256]> =
+    LazyLock::new(|| std::array::from_fn(|b| e4m3_decode(b as u8)));
 
 const KV_BLOCK: usize = 64;
 const INDEX_FP8_BLOCK: usize = 128;
@@ -124,8 +131,16 @@ impl RowCodec {
             }
             Self::Fp8Kv { nope, rope } => {
                 let scales = &bytes[nope + 2 * rope..];
-                for (i, o) in out[..nope].iter_mut().enumerate() {
-                    *o = e4m3_decode(bytes[i]) * e8m0_decode(scales[i / KV_BLOCK]);
+                let table = &*E4M3_VALUES;
+                for (b, (o, v)) in out[..nope]
+                    .chunks_mut(KV_BLOCK)
+                    .zip(bytes[..nope].chunks(KV_BLOCK))
+                    .enumerate()
+                {
+                    let scale = e8m0_decode(scales[b]);
+                    for (o, &v) in o.iter_mut().zip(v) {
+                        *o = table[v as usize] * scale;
+                    }
                 }
                 for (o, b) in out[nope..]
                     .iter_mut()
@@ -136,15 +151,17 @@ impl RowCodec {
             }
             Self::Fp8Index => {
                 let scales = &bytes[width..];
-                for (i, o) in out.iter_mut().enumerate() {
-                    let b = 4 * (i / INDEX_FP8_BLOCK);
-                    let scale = f32::from_le_bytes([
-                        scales[b],
-                        scales[b + 1],
-                        scales[b + 2],
-                        scales[b + 3],
-                    ]);
-                    *o = e4m3_decode(bytes[i]) * scale;
+                let table = &*E4M3_VALUES;
+                for (b, (o, v)) in out
+                    .chunks_mut(INDEX_FP8_BLOCK)
+                    .zip(bytes[..width].chunks(INDEX_FP8_BLOCK))
+                    .enumerate()
+                {
+                    let s = &scales[4 * b..4 * b + 4];
+                    let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                    for (o, &v) in o.iter_mut().zip(v) {
+                        *o = table[v as usize] * scale;
+                    }
                 }
             }
             Self::Fp4Index => {
