@@ -20,14 +20,22 @@
  *   - Strings returned (last error, status names, version) belong to dsv4: never free them.
  *
  * THREAD SAFETY
- *   - Every function in this header may be called from any thread, concurrently.
+ *   - Every function in this header may be called from any thread, concurrently; engine handles
+ *     are thread-safe. dsv4_submit, dsv4_abort and dsv4_poll(timeout 0) never block;
+ *     dsv4_engine_create blocks while weights load; dsv4_score blocks for its forward pass;
+ *     dsv4_poll waits up to its timeout; dsv4_engine_shutdown and dsv4_engine_destroy wait for
+ *     the engine thread.
+ *   - Each engine runs one engine thread (and its backend's worker threads). Event callbacks
+ *     run on the engine thread, one event at a time.
  *   - The log callback is process-global and is invoked from any dsv4 thread; see
  *     dsv4_set_log_callback.
  *
  * FORK AND UNLOAD
- *   - These functions start no threads and hold no global state beyond the log callback, so
- *     fork() and dlclose() are safe while no other dsv4 call is running. Engines (which own
- *     threads) must be destroyed before fork() or unload.
+ *   - Functions without an engine start no threads and hold no global state beyond the log
+ *     callback, so fork() and dlclose() are safe while no other dsv4 call is running.
+ *   - An engine owns threads, which fork() does not copy: a child process must not use (or
+ *     destroy) engines created by its parent; create new ones in the child. Destroy every engine
+ *     before dlclose(); unloading the library with a live engine is undefined behaviour.
  */
 
 
@@ -77,9 +85,60 @@
 #define DSV4_LOG_TRACE 5
 
 /**
- * An engine: a loaded model and, later, its request queues and threads. Opaque; create with
- * `dsv4_engine_create`, free with `dsv4_engine_destroy`. Engine handles are thread-safe: any
- * function taking one may be called from several threads at once.
+ * A TOKEN event: one generated token (`token`, and `logprob` when asked for).
+ */
+#define DSV4_EVENT_TOKEN 1
+
+/**
+ * The request ended normally; `finish_reason` says why. Terminal.
+ */
+#define DSV4_EVENT_FINISHED 2
+
+/**
+ * The request ended with an error; `status` says which. Terminal.
+ */
+#define DSV4_EVENT_ERROR 3
+
+/**
+ * Not finished (TOKEN and ERROR events).
+ */
+#define DSV4_FINISH_NONE 0
+
+/**
+ * `max_new_tokens` generated, or the context limit reached.
+ */
+#define DSV4_FINISH_LENGTH 1
+
+/**
+ * A stop token or the model's EOS was generated (it is the last TOKEN event).
+ */
+#define DSV4_FINISH_STOP 2
+
+/**
+ * `dsv4_abort`, or an abort shutdown.
+ */
+#define DSV4_FINISH_ABORTED 3
+
+/**
+ * `deadline_ms` or `admission.queue_timeout_ms` passed.
+ */
+#define DSV4_FINISH_TIMEOUT 4
+
+/**
+ * Shutdown: every accepted request runs to its end.
+ */
+#define DSV4_SHUTDOWN_DRAIN 0
+
+/**
+ * Shutdown: every accepted request ends now with FINISHED / ABORTED.
+ */
+#define DSV4_SHUTDOWN_ABORT 1
+
+/**
+ * An engine: a loaded model, its KV pools and prefix cache, and the engine thread that runs
+ * every request. Opaque; create with `dsv4_engine_create`, free with `dsv4_engine_destroy`.
+ * Engine handles are thread-safe: any function taking one may be called from several threads
+ * at once (each function says whether it blocks).
  */
 typedef struct dsv4_engine dsv4_engine;
 
@@ -95,6 +154,145 @@ typedef int32_t dsv4_status;
  * only during the call.
  */
 typedef void (*dsv4_log_fn)(void *user_data, int32_t level, const char *target, const char *message);
+
+/**
+ * A generation request (version 1). Initialise with `dsv4_request_init`, then set fields.
+ * Fields are only appended in later versions; `struct_size` tells the library which you have.
+ * Every pointer is read during `dsv4_submit` only.
+ */
+typedef struct {
+    /**
+     * `sizeof(dsv4_request)` as compiled by the caller.
+     */
+    uint32_t struct_size;
+    /**
+     * Prompt token ids (required, at least one).
+     */
+    const int32_t *prompt;
+    size_t prompt_len;
+    /**
+     * Default 128; at least 1.
+     */
+    uint32_t max_new_tokens;
+    /**
+     * Extra stopping tokens; the model's EOS always stops.
+     */
+    const int32_t *stop_tokens;
+    size_t stop_tokens_len;
+    /**
+     * Default 1.0; 0 = greedy.
+     */
+    float temperature;
+    /**
+     * 0 = off.
+     */
+    int32_t top_k;
+    /**
+     * 1.0 = off.
+     */
+    float top_p;
+    /**
+     * 0 = off.
+     */
+    float min_p;
+    /**
+     * 0 = drawn from the engine's RNG; the same seed gives the same tokens.
+     */
+    uint64_t seed;
+    /**
+     * Added to the logits of these tokens before sampling.
+     */
+    const int32_t *logit_bias_tokens;
+    const float *logit_bias_values;
+    size_t logit_bias_len;
+    /**
+     * Higher runs first among waiting requests; default 0.
+     */
+    int32_t priority;
+    /**
+     * From submit, covering waiting and running; 0 = none.
+     */
+    uint32_t deadline_ms;
+    /**
+     * NUL-terminated; NULL = none. Requests share cached prefixes only with the same salt.
+     */
+    const char *cache_salt;
+    /**
+     * Echoed in every event of the request.
+     */
+    uint64_t user_tag;
+    /**
+     * Non-zero: fill `dsv4_event.logprob`.
+     */
+    uint8_t logprobs;
+} dsv4_request;
+
+/**
+ * One event (version 1). Fields are only appended in later versions.
+ */
+typedef struct {
+    /**
+     * Bytes of this struct the library filled (`sizeof(dsv4_event)` of version 1 or later).
+     */
+    uint32_t struct_size;
+    uint64_t request_id;
+    uint64_t user_tag;
+    /**
+     * `DSV4_EVENT_TOKEN`, `DSV4_EVENT_FINISHED` or `DSV4_EVENT_ERROR`.
+     */
+    int32_t kind;
+    /**
+     * TOKEN events: the token id; otherwise −1.
+     */
+    int32_t token;
+    /**
+     * TOKEN events with `logprobs` set: the token's log-probability under the model's
+     * distribution with the logit bias applied (before temperature and filters); otherwise 0.
+     */
+    float logprob;
+    /**
+     * `DSV4_FINISH_*`.
+     */
+    int32_t finish_reason;
+    /**
+     * ERROR events: why (a `DSV4_ERR_*`); otherwise `DSV4_OK`.
+     */
+    dsv4_status status;
+    uint32_t prompt_tokens;
+    /**
+     * Prompt tokens reused from the device prefix cache (not recomputed).
+     */
+    uint32_t cached_tokens_device;
+    /**
+     * Prompt tokens loaded back from the host tier (0 until HiCache lands).
+     */
+    uint32_t cached_tokens_host;
+    uint32_t generated_tokens;
+    /**
+     * Submit → running.
+     */
+    uint64_t queue_us;
+    /**
+     * Submit → first token (0 before it).
+     */
+    uint64_t ttft_us;
+    /**
+     * Submit → this event.
+     */
+    uint64_t elapsed_us;
+} dsv4_event;
+
+/**
+ * Receives one event in push mode. Called on the engine thread, one event at a time, never
+ * concurrently; `event` is valid during the call only. It must not block for long (the engine
+ * waits) and must not call `dsv4_engine_shutdown` or `dsv4_engine_destroy` on its engine.
+ */
+typedef void (*dsv4_event_fn)(const dsv4_event *event, void *user_data);
+
+/**
+ * Releases `user_data` once the library no longer calls the callback it was registered with.
+ */
+typedef void (*dsv4_drop_fn)(void *user_data);
 
 /**
  * Success.
@@ -201,8 +399,11 @@ const char *dsv4_last_error(void);
 dsv4_status dsv4_engine_create(const char *params_json, dsv4_engine **out);
 
 /**
- * Destroys an engine and frees everything it holds. NULL is ignored. The handle must not be
- * used afterwards, and no other call may be using it concurrently.
+ * Destroys an engine and frees everything it holds. NULL is ignored. A live engine is first shut
+ * down with `DSV4_SHUTDOWN_ABORT`: every request in flight ends with FINISHED / ABORTED (an event
+ * callback still receives those terminal events; unpolled events are dropped), then the engine
+ * thread and the backend's threads are joined. The handle must not be used afterwards, no other
+ * call may be using it concurrently, and it must not be called from the engine's callback.
  *
  * # Safety
  * `engine` is NULL or a live handle from `dsv4_engine_create`, not yet destroyed.
@@ -312,6 +513,90 @@ dsv4_status dsv4_plan(const char *params_json, char *buf, size_t cap, size_t *ne
  * As `dsv4_params_validate`.
  */
 dsv4_status dsv4_plan_text(const char *params_json, char *buf, size_t cap, size_t *needed);
+
+/**
+ * Fills `*request` with the defaults (max_new_tokens 128, temperature 1, top_p 1, everything
+ * else off or empty) and sets `struct_size`. Bytes past version 1 are zeroed.
+ *
+ * # Safety
+ * `request` is valid for `struct_size` bytes of writes.
+ */
+dsv4_status dsv4_request_init(dsv4_request *request, size_t struct_size);
+
+/**
+ * Submits a request. Never blocks: it is accepted (`*request_id` set, events follow) or
+ * refused at once with nothing allocated and no event: `DSV4_ERR_INVALID_ARGUMENT` (bad
+ * fields, each named), `DSV4_ERR_CAPACITY` (longer than `kv.max_context_tokens` or than the
+ * pools can ever hold), `DSV4_ERR_QUEUE_FULL` (`admission.max_queued_requests` or
+ * `admission.max_queued_tokens`; the message names the limit and the current queue),
+ * `DSV4_ERR_SHUTDOWN`. Everything the request points to is copied before returning.
+ * Every accepted request gets exactly one terminal event (FINISHED or ERROR).
+ *
+ * # Safety
+ * `engine` is a live handle; `request` points to an initialised request whose pointers are
+ * valid for their lengths; `request_id` is valid for one write.
+ */
+dsv4_status dsv4_submit(const dsv4_engine *engine,
+                        const dsv4_request *request,
+                        uint64_t *request_id);
+
+/**
+ * Takes up to `cap` queued events into `events`, `*n_out` of them. Set `events[0].struct_size
+ * = sizeof(dsv4_event)` before the call: it gives the array's element size (so callers built
+ * against an older header keep working). `timeout_ms`: −1 waits for an event (or for the
+ * engine to stop), 0 never blocks, > 0 waits at most that long; a timeout is `DSV4_OK` with
+ * `*n_out == 0`. While an event callback is set: `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL
+ * pointers: `DSV4_ERR_INVALID_ARGUMENT`. Thread-safe: concurrent pollers each get different
+ * events.
+ *
+ * # Safety
+ * `engine` is a live handle; `events` is valid for `cap` elements of `events[0].struct_size`
+ * bytes; `n_out` is valid for one write.
+ */
+dsv4_status dsv4_poll(const dsv4_engine *engine,
+                      dsv4_event *events,
+                      size_t cap,
+                      size_t *n_out,
+                      int32_t timeout_ms);
+
+/**
+ * Push mode: every event goes to `callback(event, user_data)` on the engine thread, one at a
+ * time, never concurrently; events queued before are delivered to it first. A NULL `callback`
+ * returns to polling. While a callback is set, `dsv4_poll` returns `DSV4_ERR_UNSUPPORTED`.
+ * When the callback is replaced, cleared or the engine destroyed, `on_drop(user_data)` (if not
+ * NULL) is called once the library no longer uses it. Blocks until the engine thread has
+ * switched; must not be called from the callback itself.
+ *
+ * # Safety
+ * `engine` is a live handle; `callback` and `on_drop` are NULL or valid functions that may be
+ * called from another thread with `user_data`.
+ */
+dsv4_status dsv4_set_event_callback(const dsv4_engine *engine,
+                                    dsv4_event_fn callback,
+                                    void *user_data,
+                                    dsv4_drop_fn on_drop);
+
+/**
+ * Ends a request: it gets FINISHED / ABORTED (its pages go back to the pools). Does not block.
+ * `DSV4_ERR_NOT_FOUND` for an unknown id or one that already had its terminal event.
+ *
+ * # Safety
+ * `engine` is a live handle.
+ */
+dsv4_status dsv4_abort(const dsv4_engine *engine, uint64_t request_id);
+
+/**
+ * Stops intake (later `dsv4_submit` → `DSV4_ERR_SHUTDOWN`) and ends the requests in flight:
+ * `DSV4_SHUTDOWN_DRAIN` lets every accepted request run to its end, `DSV4_SHUTDOWN_ABORT` ends
+ * them now with FINISHED / ABORTED. Their terminal events stay pollable until destroy. Waits
+ * for the engine thread to finish: `timeout_ms` −1 as long as it takes, ≥ 0 at most that long
+ * (`DSV4_ERR_TIMEOUT` if still draining; the shutdown continues). Calling it again is allowed
+ * (an abort overrides a drain). Must not be called from an event callback.
+ *
+ * # Safety
+ * `engine` is a live handle.
+ */
+dsv4_status dsv4_engine_shutdown(const dsv4_engine *engine, int32_t mode, int32_t timeout_ms);
 
 /**
  * The name of a status code, e.g. `"DSV4_ERR_CONFIG"`; `"DSV4_STATUS_UNKNOWN"` for values

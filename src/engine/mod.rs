@@ -1,29 +1,51 @@
-//! The engine a host embeds. Today: creation (params validated, plan checked against this
-//! machine, weights loaded on the CPU backend) and scoring of single sequences; the request
-//! path (queues, scheduler, sampling, events) builds on it.
+//! The engine a host embeds: parameters validated, the plan checked against this machine, the
+//! model loaded, KV pools allocated, and one engine thread that owns them. Callers submit
+//! requests through a bounded channel and receive events by polling or through a callback;
+//! admission control answers at submit time.
+
+mod event;
+mod request;
+mod sampling;
+mod worker;
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
+use crossbeam_channel::{bounded, Sender, TrySendError};
 use serde_json::Value;
 
+pub use event::{Event, EventCallback, EventKind, FinishReason};
+pub use request::RequestSpec;
+pub use sampling::{filtered, Sampler, SamplingParams};
+use worker::{Command, Limits, Pending, Shared, Worker};
+pub use worker::{PoolUsage, ShutdownMode};
+
 use crate::backend::cpu::CpuBackend;
-use crate::config::params::{Backend as BackendKind, Params, Role};
+use crate::config::params::{Backend as BackendKind, Params, Role, SchedulerPolicy};
 use crate::error::{Error, ErrorKind, Result};
-use crate::kv::KvPools;
-use crate::model::{Chunk, Logits, Model};
+use crate::kv::{KvPools, PrefixCache};
+use crate::model::Model;
 use crate::plan::{self, Plan};
 
 /// A loaded engine. Thread-safe: every method takes `&self`.
 pub struct Engine {
     params: Params,
     plan: Plan,
-    model: Model<CpuBackend>,
-    kv: Mutex<KvPools<CpuBackend>>,
+    model: Arc<Model<CpuBackend>>,
+    shared: Arc<Shared>,
+    commands: Sender<Command>,
+    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+    /// Prompt + generated tokens one request may reach: the smaller of kv.max_context_tokens
+    /// and what the device pages hold.
+    context_limit: usize,
 }
 
 impl Engine {
-    /// Validates `params`, checks the plan fits this machine and loads the model.
+    /// Validates `params`, checks the plan fits this machine, loads the model, allocates the
+    /// KV pools and starts the engine thread.
     pub fn create(params: Params) -> Result<Self> {
         refuse_unbuilt(&params)?;
         let plan = plan::plan(&params)?;
@@ -40,19 +62,44 @@ impl Engine {
             plan.model.name,
             backend.threads()
         );
-        let model = Model::load(
-            Path::new(path),
-            plan.model.clone(),
-            backend.clone(),
-            params.model.weight_dtype,
-        )?
-        .with_numerics(params.numerics.mode);
-        let kv = KvPools::new(backend, &plan)?;
+        let model = Arc::new(
+            Model::load(
+                Path::new(path),
+                plan.model.clone(),
+                backend.clone(),
+                params.model.weight_dtype,
+            )?
+            .with_numerics(params.numerics.mode),
+        );
+        let pools = KvPools::new(backend, &plan)?;
+        let cache = PrefixCache::new(pools, params.kv.snapshot_interval() as usize)?;
+        let context_limit = (plan.max_context_tokens as usize).min(plan.device_tokens() as usize);
+        let shared = Arc::new(Shared::new());
+        // Room for every request admission allows plus control messages: a submit that passed
+        // admission never finds the channel full.
+        let (tx, rx) = bounded(params.admission.max_queued_requests as usize + 1024);
+        let limits = Limits {
+            max_running: params.kv.max_running_requests as usize,
+            chunk_tokens: params.scheduler.chunked_prefill_tokens as usize,
+            batch_tokens: params.scheduler.max_batch_tokens as usize,
+            queue_timeout: match params.admission.queue_timeout_ms {
+                0 => None,
+                ms => Some(Duration::from_millis(ms.into())),
+            },
+        };
+        let worker = Worker::new(model.clone(), cache, shared.clone(), rx, limits);
+        let thread = std::thread::Builder::new()
+            .name("dsv4-engine".into())
+            .spawn(move || worker.run())
+            .map_err(|e| Error::internal(format!("cannot start the engine thread: {e}")))?;
         Ok(Self {
             params,
             plan,
             model,
-            kv: Mutex::new(kv),
+            shared,
+            commands: tx,
+            thread: std::sync::Mutex::new(Some(thread)),
+            context_limit,
         })
     }
 
@@ -68,26 +115,217 @@ impl Engine {
         self.model.config.vocab_size
     }
 
+    /// Accepts a request or refuses it at once: `InvalidArgument` (bad fields), `Capacity`
+    /// (a prompt no pool could ever hold), `QueueFull` (admission limits), `Shutdown`. Does not
+    /// block. Returns the request id.
+    pub fn submit(&self, spec: RequestSpec) -> Result<u64> {
+        if !self.shared.accepting.load(Ordering::SeqCst) {
+            return Err(Error::new(
+                ErrorKind::Shutdown,
+                "the engine is shutting down: it accepts no new requests",
+            ));
+        }
+        spec.validate(self.vocab_size())?;
+        let prompt = spec.prompt.len();
+        if prompt > self.context_limit {
+            return Err(Error::new(
+                ErrorKind::Capacity,
+                format!(
+                    "the prompt has {prompt} tokens but one request can hold at most {} (kv.max_context_tokens \
+                     = {}, device KV pages hold {} tokens): shorten it or raise kv.max_context_tokens / \
+                     kv.device_memory_bytes",
+                    self.context_limit,
+                    self.plan.max_context_tokens,
+                    self.plan.device_tokens()
+                ),
+            ));
+        }
+        let limits = &self.params.admission;
+        {
+            let mut a = self.shared.admission();
+            if a.queued_requests + 1 > u64::from(limits.max_queued_requests) {
+                return Err(Error::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "admission.max_queued_requests = {} reached ({} requests waiting): retry \
+                         later, or raise the limit if the server can absorb the burst",
+                        limits.max_queued_requests, a.queued_requests
+                    ),
+                ));
+            }
+            if a.queued_tokens + prompt as u64 > limits.max_queued_tokens {
+                return Err(Error::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "admission.max_queued_tokens = {} would be exceeded: {} prompt tokens are \
+                         queued and this prompt adds {prompt}: retry later, or raise the limit",
+                        limits.max_queued_tokens, a.queued_tokens
+                    ),
+                ));
+            }
+            a.queued_requests += 1;
+            a.queued_tokens += prompt as u64;
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
+        self.shared.live().insert(id);
+        let max_gen = (spec.max_new_tokens as usize).min(self.context_limit - prompt + 1);
+        let pending = Box::new(Pending {
+            id,
+            spec,
+            submitted: Instant::now(),
+            max_gen,
+        });
+        match self.commands.try_send(Command::Submit(pending)) {
+            Ok(()) => Ok(id),
+            Err(e) => {
+                self.shared.live().remove(&id);
+                let mut a = self.shared.admission();
+                a.queued_requests -= 1;
+                a.queued_tokens -= prompt as u64;
+                Err(match e {
+                    TrySendError::Full(_) => Error::new(
+                        ErrorKind::QueueFull,
+                        "the engine's command queue is full: retry later",
+                    ),
+                    TrySendError::Disconnected(_) => Error::new(
+                        ErrorKind::Shutdown,
+                        "the engine thread has stopped: it accepts no new requests",
+                    ),
+                })
+            }
+        }
+    }
+
+    /// Up to `max` events; waits up to `timeout` for the first (`None` = until one arrives or
+    /// the engine stops, `Some(0)` = never blocks). `Unsupported` while a callback is set.
+    pub fn poll(&self, max: usize, timeout: Option<Duration>) -> Result<Vec<Event>> {
+        let timeout = match timeout {
+            // Waiting forever on a stopped engine with nothing queued would hang the caller.
+            None if self.stopped() => Some(Duration::ZERO),
+            t => t,
+        };
+        self.shared.sink.poll(max, timeout)
+    }
+
+    /// Ends a request with FINISHED/ABORTED. `NotFound` for unknown or already ended ids.
+    pub fn abort(&self, id: u64) -> Result<()> {
+        if !self.shared.live().contains(&id) {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!("request {id} is not in flight (unknown, or it already ended)"),
+            ));
+        }
+        self.send(Command::Abort(id))
+    }
+
+    /// Push mode: `callback` receives every event on the engine thread (`None`: back to
+    /// polling). Events queued before are delivered to it first. Blocks until the engine
+    /// thread has switched.
+    pub fn set_callback(&self, callback: Option<Arc<dyn EventCallback>>) -> Result<()> {
+        let (tx, rx) = bounded(1);
+        match self
+            .commands
+            .send(Command::SetCallback(callback.clone(), tx))
+        {
+            Ok(()) if rx.recv().is_ok() => Ok(()),
+            _ => {
+                // The engine thread has ended: nothing else emits, so switch here.
+                for e in self.shared.sink.set_callback(callback) {
+                    self.shared.sink.emit(e);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Stops intake and ends the requests in flight per `mode`; waits up to `timeout` (None =
+    /// as long as it takes) for the engine thread to finish. `Timeout` if it is still draining.
+    pub fn shutdown(&self, mode: ShutdownMode, timeout: Option<Duration>) -> Result<()> {
+        if self.on_engine_thread() {
+            return Err(Error::invalid_argument(
+                "shutdown called from an event callback (the engine thread would wait for \
+                 itself): call it from another thread",
+            ));
+        }
+        self.shared.accepting.store(false, Ordering::SeqCst);
+        let _ = self.commands.send(Command::Shutdown(mode));
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut stopped = self
+            .shared
+            .stopped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        while !*stopped {
+            match deadline {
+                None => {
+                    stopped = self
+                        .shared
+                        .stopped_cv
+                        .wait(stopped)
+                        .unwrap_or_else(|e| e.into_inner())
+                }
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            "the engine is still draining its requests: poll for their events, \
+                             or shut down with DSV4_SHUTDOWN_ABORT",
+                        ));
+                    }
+                    stopped = self
+                        .shared
+                        .stopped_cv
+                        .wait_timeout(stopped, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
+        }
+        drop(stopped);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+        Ok(())
+    }
+
+    fn on_engine_thread(&self) -> bool {
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        t.as_ref()
+            .is_some_and(|h| h.thread().id() == std::thread::current().id())
+    }
+
+    fn stopped(&self) -> bool {
+        *self
+            .shared
+            .stopped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn send(&self, c: Command) -> Result<()> {
+        self.commands
+            .send(c)
+            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
+    }
+
     /// Logits of every position of one fresh sequence, `[tokens.len(), vocab]` row-major.
+    /// Runs on the engine thread between steps.
     pub fn score(&self, tokens: &[i32]) -> Result<Vec<f32>> {
         let ids = self.check_tokens(tokens)?;
-        let mut kv = self
-            .kv
-            .lock()
-            .map_err(|_| Error::internal("the KV pools were poisoned by an earlier panic"))?;
-        let mut seq = kv.open()?;
-        let result = kv.reserve(&mut seq, ids.len()).and_then(|()| {
-            self.model.forward(
-                &mut kv,
-                &mut [Chunk {
-                    tokens: &ids,
-                    seq: &mut seq,
-                    logits: Logits::All,
-                }],
-            )
-        });
-        kv.close(seq);
-        Ok(result?.remove(0))
+        let (tx, rx) = bounded(1);
+        self.send(Command::Score(ids, tx))?;
+        rx.recv()
+            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))?
+    }
+
+    /// Drops every unlocked cached prefix and reports the units still in use (running
+    /// requests' pages, slots and snapshots). Blocks until the engine thread has done it.
+    pub fn flush_cache(&self) -> Result<PoolUsage> {
+        let (tx, rx) = bounded(1);
+        self.send(Command::FlushCache(tx))?;
+        rx.recv()
+            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
     }
 
     /// Configuration summary, parameter count and resident bytes by dtype.
@@ -126,6 +364,22 @@ impl Engine {
     }
 }
 
+impl Drop for Engine {
+    /// An abort shutdown: every request in flight gets its terminal event (callbacks see them;
+    /// unpolled events are dropped), then the engine thread is joined.
+    fn drop(&mut self) {
+        if self.on_engine_thread() {
+            // Destroyed from its own callback: stop it, but it cannot join itself.
+            log::error!("engine destroyed from its event callback; its thread is detached");
+            self.shared.accepting.store(false, Ordering::SeqCst);
+            let _ = self.commands.send(Command::Shutdown(ShutdownMode::Abort));
+            return;
+        }
+        let _ = self.shutdown(ShutdownMode::Abort, None);
+        self.shared.sink.clear();
+    }
+}
+
 /// Parameters that are valid (they plan) but whose implementation has not landed yet.
 fn refuse_unbuilt(p: &Params) -> Result<()> {
     let mut missing = Vec::new();
@@ -144,6 +398,12 @@ fn refuse_unbuilt(p: &Params) -> Result<()> {
     }
     if p.hicache.enabled {
         missing.push("`hicache.enabled`: the host tier is not built yet; set it to false".into());
+    }
+    if p.scheduler.policy != SchedulerPolicy::Fcfs {
+        missing.push(
+            "`scheduler.policy` = lpm: longest-prefix-first scheduling is not built yet; use fcfs"
+                .into(),
+        );
     }
     if missing.is_empty() {
         Ok(())

@@ -8,9 +8,10 @@ use crate::config::params::Params;
 use crate::engine::Engine;
 use crate::error::{Error, ErrorKind};
 
-/// An engine: a loaded model and, later, its request queues and threads. Opaque; create with
-/// `dsv4_engine_create`, free with `dsv4_engine_destroy`. Engine handles are thread-safe: any
-/// function taking one may be called from several threads at once.
+/// An engine: a loaded model, its KV pools and prefix cache, and the engine thread that runs
+/// every request. Opaque; create with `dsv4_engine_create`, free with `dsv4_engine_destroy`.
+/// Engine handles are thread-safe: any function taking one may be called from several threads
+/// at once (each function says whether it blocks).
 #[allow(non_camel_case_types)]
 pub struct dsv4_engine {
     inner: Engine,
@@ -18,7 +19,7 @@ pub struct dsv4_engine {
 
 /// # Safety
 /// `engine` is NULL or a live handle from `dsv4_engine_create`.
-unsafe fn engine_ref<'a>(engine: *const dsv4_engine) -> Result<&'a Engine, Error> {
+pub(super) unsafe fn engine_ref<'a>(engine: *const dsv4_engine) -> Result<&'a Engine, Error> {
     // SAFETY: forwarded from the caller's contract; the handle stays alive for the call.
     unsafe { engine.as_ref() }.map(|e| &e.inner).ok_or_else(|| {
         Error::invalid_argument("engine is NULL: pass a handle from dsv4_engine_create")
@@ -63,8 +64,11 @@ pub unsafe extern "C" fn dsv4_engine_create(
     })
 }
 
-/// Destroys an engine and frees everything it holds. NULL is ignored. The handle must not be
-/// used afterwards, and no other call may be using it concurrently.
+/// Destroys an engine and frees everything it holds. NULL is ignored. A live engine is first shut
+/// down with `DSV4_SHUTDOWN_ABORT`: every request in flight ends with FINISHED / ABORTED (an event
+/// callback still receives those terminal events; unpolled events are dropped), then the engine
+/// thread and the backend's threads are joined. The handle must not be used afterwards, no other
+/// call may be using it concurrently, and it must not be called from the engine's callback.
 ///
 /// # Safety
 /// `engine` is NULL or a live handle from `dsv4_engine_create`, not yet destroyed.

@@ -7,6 +7,7 @@ mod boundary;
 mod engine;
 mod log_bridge;
 mod planning;
+mod requests;
 mod status;
 mod version;
 
@@ -16,6 +17,7 @@ pub use engine::{
 };
 pub use log_bridge::{dsv4_log_fn, dsv4_set_log_callback};
 pub use planning::{dsv4_params_default, dsv4_params_validate, dsv4_plan, dsv4_plan_text};
+pub use requests::*;
 pub use status::*;
 pub use version::dsv4_version;
 

@@ -10,6 +10,11 @@
     with dsv4.Engine({"model_path": "/models/DeepSeek-V4-Flash"}) as engine:
         logits = engine.score([0, 1234, 5678])   # numpy float32 [3, vocab]
         engine.model_info()                      # dict
+        tokens = engine.generate([0, 1234], max_new_tokens=32, temperature=0)
+        for event in engine.stream([0, 1234], max_new_tokens=32, top_p=0.9, seed=7):
+            ...                                  # dsv4.Event: TOKEN events, then FINISHED
+        rid = engine.submit([0, 1234], user_tag=5)   # raises dsv4.QueueFull when refused
+        engine.poll(timeout_s=1.0)               # events of submit()-ed requests
 
 Failures raise a subclass of dsv4.Error carrying `.status` and `.message`.
 
@@ -19,8 +24,10 @@ target/release.
 
 import ctypes
 import json
+import queue
 
 from . import _native
+from .requests import Event, EventKind, FinishReason, Router, ShutdownMode, build_request
 from .errors import (  # noqa: F401  (re-exported)
     Aborted,
     BufferTooSmall,
@@ -42,6 +49,10 @@ from .errors import (  # noqa: F401  (re-exported)
 
 __all__ = [
     "Engine",
+    "Event",
+    "EventKind",
+    "FinishReason",
+    "ShutdownMode",
     "version",
     "default_params",
     "validate_params",
@@ -132,6 +143,8 @@ class Engine:
     """A loaded dsv4 engine. Use as a context manager, or call close() when done.
 
     Methods may be called from several threads at once; close() must not race with them.
+    One internal thread polls the library and routes each event to the generate()/stream()
+    call waiting for it, or to the queue read by poll() for requests made with submit().
     """
 
     def __init__(self, params):
@@ -139,12 +152,17 @@ class Engine:
         handle = ctypes.c_void_p()
         _check(_lib.dsv4_engine_create(raw, ctypes.byref(handle)))
         self._handle = handle
+        self._router = Router(handle)
         self._vocab = self.model_info()["vocab_size"]
 
     def close(self):
-        """Frees the engine (idempotent)."""
+        """Aborts what is in flight and frees the engine (idempotent)."""
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
+            # The library's threads end first (every request gets its terminal event), then
+            # the poller, then the handle.
+            _lib.dsv4_engine_shutdown(handle, ShutdownMode.ABORT, -1)
+            self._router.close()
             _lib.dsv4_engine_destroy(handle)
 
     def __enter__(self):
@@ -181,3 +199,81 @@ class Engine:
             out.size,
         ))
         return out
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def submit(self, prompt, **fields):
+        """Submits a request; returns its id. Keyword fields are struct dsv4_request's
+        (max_new_tokens, stop_tokens, temperature, top_k, top_p, min_p, seed,
+        logit_bias_tokens, logit_bias_values, priority, deadline_ms, cache_salt, user_tag,
+        logprobs). Raises QueueFull, CapacityError, InvalidArgument or ShutDown when refused.
+        Its events come from poll()."""
+        self._live()
+        req, keep = build_request(prompt, fields)
+        rid, _ = self._router.submit(req, private=False)
+        del keep
+        return rid
+
+    def poll(self, timeout_s=0.0):
+        """Events of requests made with submit(): waits up to timeout_s (None: forever) for
+        the first, then returns every one already there."""
+        self._live()
+        out = []
+        try:
+            out.append(self._router.general.get(timeout=timeout_s) if timeout_s != 0
+                       else self._router.general.get_nowait())
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self._router.general.get_nowait())
+            except queue.Empty:
+                return out
+
+    def abort(self, request_id):
+        """Ends a request (FINISHED / ABORTED); NotFound if it is unknown or already ended."""
+        _check(_lib.dsv4_abort(self._live(), request_id))
+
+    def stream(self, prompt, **fields):
+        """Submits and yields the request's events: TOKEN events, then the terminal one.
+        Closing the iterator early aborts the request and waits for it to end."""
+        self._live()
+        req, keep = build_request(prompt, fields)
+        rid, q = self._router.submit(req, private=True)
+        del keep
+        done = False
+        try:
+            while True:
+                event = q.get()
+                done = event.terminal
+                yield event
+                if done:
+                    return
+        finally:
+            if not done and self._handle:
+                try:
+                    self.abort(rid)
+                except NotFound:
+                    pass
+                # Return once the request has ended (its pages are back in the pools).
+                while not q.get(timeout=60).terminal:
+                    pass
+
+    def generate(self, prompt, **fields):
+        """The generated tokens (blocking). An ERROR event raises the matching dsv4.Error."""
+        tokens = []
+        for event in self.stream(prompt, **fields):
+            if event.kind == EventKind.TOKEN:
+                tokens.append(event.token)
+            elif event.kind == EventKind.ERROR:
+                raise from_status(event.status, "request {} failed: {}".format(
+                    event.request_id, status_name(event.status)))
+        return tokens
+
+    def shutdown(self, mode=ShutdownMode.DRAIN, timeout_s=None):
+        """Stops intake; DRAIN lets accepted requests finish, ABORT ends them. Waits up to
+        timeout_s (None: as long as it takes); raises Timeout if still draining."""
+        ms = -1 if timeout_s is None else int(timeout_s * 1000)
+        _check(_lib.dsv4_engine_shutdown(self._live(), int(mode), ms))
+
+

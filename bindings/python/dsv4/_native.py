@@ -62,3 +62,64 @@ lib.dsv4_score.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), size
                            ctypes.POINTER(ctypes.c_float), size_t]
 lib.dsv4_model_info.restype = status_t
 lib.dsv4_model_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
+
+
+class Request(ctypes.Structure):
+    """struct dsv4_request, version 1 (field order is the ABI)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("prompt", ctypes.POINTER(ctypes.c_int32)),
+        ("prompt_len", size_t),
+        ("max_new_tokens", ctypes.c_uint32),
+        ("stop_tokens", ctypes.POINTER(ctypes.c_int32)),
+        ("stop_tokens_len", size_t),
+        ("temperature", ctypes.c_float),
+        ("top_k", ctypes.c_int32),
+        ("top_p", ctypes.c_float),
+        ("min_p", ctypes.c_float),
+        ("seed", ctypes.c_uint64),
+        ("logit_bias_tokens", ctypes.POINTER(ctypes.c_int32)),
+        ("logit_bias_values", ctypes.POINTER(ctypes.c_float)),
+        ("logit_bias_len", size_t),
+        ("priority", ctypes.c_int32),
+        ("deadline_ms", ctypes.c_uint32),
+        ("cache_salt", c_char_p),
+        ("user_tag", ctypes.c_uint64),
+        ("logprobs", ctypes.c_uint8),
+    ]
+
+
+class Event(ctypes.Structure):
+    """struct dsv4_event, version 1."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("request_id", ctypes.c_uint64),
+        ("user_tag", ctypes.c_uint64),
+        ("kind", ctypes.c_int32),
+        ("token", ctypes.c_int32),
+        ("logprob", ctypes.c_float),
+        ("finish_reason", ctypes.c_int32),
+        ("status", ctypes.c_int32),
+        ("prompt_tokens", ctypes.c_uint32),
+        ("cached_tokens_device", ctypes.c_uint32),
+        ("cached_tokens_host", ctypes.c_uint32),
+        ("generated_tokens", ctypes.c_uint32),
+        ("queue_us", ctypes.c_uint64),
+        ("ttft_us", ctypes.c_uint64),
+        ("elapsed_us", ctypes.c_uint64),
+    ]
+
+
+lib.dsv4_request_init.restype = status_t
+lib.dsv4_request_init.argtypes = [ctypes.POINTER(Request), size_t]
+lib.dsv4_submit.restype = status_t
+lib.dsv4_submit.argtypes = [ctypes.c_void_p, ctypes.POINTER(Request), ctypes.POINTER(ctypes.c_uint64)]
+lib.dsv4_poll.restype = status_t
+lib.dsv4_poll.argtypes = [ctypes.c_void_p, ctypes.POINTER(Event), size_t, ctypes.POINTER(size_t),
+                          ctypes.c_int32]
+lib.dsv4_abort.restype = status_t
+lib.dsv4_abort.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+lib.dsv4_engine_shutdown.restype = status_t
+lib.dsv4_engine_shutdown.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]

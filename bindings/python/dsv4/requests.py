@@ -1,0 +1,161 @@
+"""Requests and events: the Python face of dsv4_submit / dsv4_poll / dsv4_abort."""
+
+import ctypes
+import dataclasses
+import enum
+import queue
+import threading
+
+from . import _native
+from .errors import from_status
+
+_lib = _native.lib
+
+
+class EventKind(enum.IntEnum):
+    TOKEN = 1
+    FINISHED = 2
+    ERROR = 3
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0
+    LENGTH = 1
+    STOP = 2
+    ABORTED = 3
+    TIMEOUT = 4
+
+
+class ShutdownMode(enum.IntEnum):
+    DRAIN = 0
+    ABORT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One event; attributes carry the C field names (struct dsv4_event)."""
+
+    request_id: int
+    user_tag: int
+    kind: EventKind
+    token: int
+    logprob: float
+    finish_reason: FinishReason
+    status: int
+    prompt_tokens: int
+    cached_tokens_device: int
+    cached_tokens_host: int
+    generated_tokens: int
+    queue_us: int
+    ttft_us: int
+    elapsed_us: int
+
+    @property
+    def terminal(self):
+        return self.kind != EventKind.TOKEN
+
+    @classmethod
+    def from_c(cls, e):
+        return cls(
+            request_id=e.request_id, user_tag=e.user_tag, kind=EventKind(e.kind), token=e.token,
+            logprob=e.logprob, finish_reason=FinishReason(e.finish_reason), status=e.status,
+            prompt_tokens=e.prompt_tokens, cached_tokens_device=e.cached_tokens_device,
+            cached_tokens_host=e.cached_tokens_host, generated_tokens=e.generated_tokens,
+            queue_us=e.queue_us, ttft_us=e.ttft_us, elapsed_us=e.elapsed_us)
+
+
+_SCALARS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "priority",
+            "deadline_ms", "user_tag"}
+_FIELDS = _SCALARS | {"stop_tokens", "logit_bias_tokens", "logit_bias_values", "cache_salt",
+                      "logprobs"}
+
+
+def build_request(prompt, fields):
+    """A dsv4_request for `prompt` and keyword fields; returns it with the buffers it points to
+    (they must stay alive until dsv4_submit returns)."""
+    unknown = set(fields) - _FIELDS
+    if unknown:
+        raise TypeError("unknown request field(s): {} (valid: {})".format(
+            ", ".join(sorted(unknown)), ", ".join(sorted(_FIELDS))))
+    req = _native.Request()
+    status = _lib.dsv4_request_init(ctypes.byref(req), ctypes.sizeof(req))
+    if status != 0:
+        raise from_status(status, _lib.dsv4_last_error().decode("utf-8", "replace"))
+    keep = []
+
+    def ints(values):
+        arr = (ctypes.c_int32 * len(values))(*[int(v) for v in values])
+        keep.append(arr)
+        return arr, len(values)
+
+    req.prompt, req.prompt_len = ints(list(prompt))
+    for name in _SCALARS & set(fields):
+        setattr(req, name, fields[name])
+    if "stop_tokens" in fields:
+        req.stop_tokens, req.stop_tokens_len = ints(fields["stop_tokens"])
+    if "logit_bias_tokens" in fields or "logit_bias_values" in fields:
+        tokens = list(fields.get("logit_bias_tokens", []))
+        values = list(fields.get("logit_bias_values", []))
+        if len(tokens) != len(values):
+            raise ValueError("logit_bias_tokens and logit_bias_values differ in length")
+        req.logit_bias_tokens, req.logit_bias_len = ints(tokens)
+        vals = (ctypes.c_float * len(values))(*values)
+        keep.append(vals)
+        req.logit_bias_values = vals
+    if fields.get("cache_salt") is not None:
+        salt = fields["cache_salt"].encode("utf-8")
+        keep.append(salt)
+        req.cache_salt = salt
+    req.logprobs = 1 if fields.get("logprobs") else 0
+    return req, keep
+
+
+class Router:
+    """The one poller of an engine: routes each event to the queue of the request that waits
+    for it (generate / stream), or to the general queue read by Engine.poll."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._lock = threading.Lock()
+        self._mine = {}
+        self.general = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsv4-events", daemon=True)
+        self._thread.start()
+
+    def submit(self, req, private):
+        """Submits under the routing lock, so no event can be routed before its queue exists."""
+        rid = ctypes.c_uint64(0)
+        with self._lock:
+            status = _lib.dsv4_submit(self._handle, ctypes.byref(req), ctypes.byref(rid))
+            if status != 0:
+                raise from_status(status, _lib.dsv4_last_error().decode("utf-8", "replace"))
+            q = None
+            if private:
+                q = self._mine[rid.value] = queue.Queue()
+        return rid.value, q
+
+    def _run(self):
+        cap = 64
+        buf = (_native.Event * cap)()
+        n = ctypes.c_size_t(0)
+        while not self._stop.is_set():
+            buf[0].struct_size = ctypes.sizeof(_native.Event)
+            status = _lib.dsv4_poll(self._handle, buf, cap, ctypes.byref(n), 100)
+            if status != 0:
+                self._stop.wait(0.1)
+                continue
+            with self._lock:
+                for i in range(n.value):
+                    e = Event.from_c(buf[i])
+                    q = self._mine.get(e.request_id)
+                    if q is None:
+                        self.general.put(e)
+                    else:
+                        q.put(e)
+                        if e.terminal:
+                            del self._mine[e.request_id]
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,99 @@
+//! What a caller submits, checked before the engine accepts it.
+
+use super::sampling::SamplingParams;
+use crate::error::{Error, Result};
+
+/// One generation request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestSpec {
+    pub prompt: Vec<u32>,
+    /// At least 1.
+    pub max_new_tokens: u32,
+    /// Ending tokens besides the model's EOS (which always stops).
+    pub stop_tokens: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// 0 = drawn from the engine's RNG.
+    pub seed: u64,
+    /// Higher runs first among waiting requests; FCFS within a priority.
+    pub priority: i32,
+    /// From submit, covering waiting and running; 0 = none.
+    pub deadline_ms: u32,
+    /// Requests share cached prefixes only with the same salt.
+    pub cache_salt: Option<String>,
+    /// Echoed in every event.
+    pub user_tag: u64,
+    /// Fill `Event::logprob`.
+    pub logprobs: bool,
+}
+
+impl Default for RequestSpec {
+    fn default() -> Self {
+        Self {
+            prompt: Vec::new(),
+            max_new_tokens: 128,
+            stop_tokens: Vec::new(),
+            sampling: SamplingParams::default(),
+            seed: 0,
+            priority: 0,
+            deadline_ms: 0,
+            cache_salt: None,
+            user_tag: 0,
+            logprobs: false,
+        }
+    }
+}
+
+impl RequestSpec {
+    /// Every problem with the request at once; token ids are checked against `vocab`.
+    pub fn validate(&self, vocab: usize) -> Result<()> {
+        let mut problems = Vec::new();
+        if self.prompt.is_empty() {
+            problems.push("the prompt is empty: pass at least one token".to_string());
+        }
+        let bad = |what: &str, ids: &mut dyn Iterator<Item = u32>, problems: &mut Vec<String>| {
+            if let Some((i, id)) = ids.enumerate().find(|(_, id)| *id as usize >= vocab) {
+                problems.push(format!(
+                    "{what} token id {id} at index {i} is outside the vocabulary (ids 0..{vocab})"
+                ));
+            }
+        };
+        bad("prompt", &mut self.prompt.iter().copied(), &mut problems);
+        bad("stop", &mut self.stop_tokens.iter().copied(), &mut problems);
+        bad(
+            "logit_bias",
+            &mut self.sampling.logit_bias.iter().map(|b| b.0),
+            &mut problems,
+        );
+        if self.max_new_tokens == 0 {
+            problems.push("max_new_tokens is 0: ask for at least 1 token".into());
+        }
+        let s = &self.sampling;
+        if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+            problems.push(format!(
+                "temperature = {} must be ≥ 0 (0 = greedy)",
+                s.temperature
+            ));
+        }
+        if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+            problems.push(format!("top_p = {} must be in (0, 1] (1 = off)", s.top_p));
+        }
+        if !(0.0..=1.0).contains(&s.min_p) {
+            problems.push(format!("min_p = {} must be in [0, 1] (0 = off)", s.min_p));
+        }
+        if let Some(b) = s.logit_bias.iter().find(|b| !b.1.is_finite()) {
+            problems.push(format!(
+                "logit_bias for token {} is {}: use a finite value",
+                b.0, b.1
+            ));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::from_problems(
+                crate::error::ErrorKind::InvalidArgument,
+                "the request",
+                &problems,
+            ))
+        }
+    }
+}

@@ -1,0 +1,500 @@
+//! Requests and events across the ABI: submit, poll, callbacks, abort and shutdown.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::boundary::guard;
+use super::engine::{dsv4_engine, engine_ref};
+use super::status::{dsv4_status, status_of, DSV4_OK};
+use crate::engine::SamplingParams;
+use crate::engine::{Event, EventCallback, EventKind, FinishReason, RequestSpec, ShutdownMode};
+use crate::error::{Error, Result};
+
+/// A TOKEN event: one generated token (`token`, and `logprob` when asked for).
+pub const DSV4_EVENT_TOKEN: i32 = 1;
+/// The request ended normally; `finish_reason` says why. Terminal.
+pub const DSV4_EVENT_FINISHED: i32 = 2;
+/// The request ended with an error; `status` says which. Terminal.
+pub const DSV4_EVENT_ERROR: i32 = 3;
+
+/// Not finished (TOKEN and ERROR events).
+pub const DSV4_FINISH_NONE: i32 = 0;
+/// `max_new_tokens` generated, or the context limit reached.
+pub const DSV4_FINISH_LENGTH: i32 = 1;
+/// A stop token or the model's EOS was generated (it is the last TOKEN event).
+pub const DSV4_FINISH_STOP: i32 = 2;
+/// `dsv4_abort`, or an abort shutdown.
+pub const DSV4_FINISH_ABORTED: i32 = 3;
+/// `deadline_ms` or `admission.queue_timeout_ms` passed.
+pub const DSV4_FINISH_TIMEOUT: i32 = 4;
+
+/// Shutdown: every accepted request runs to its end.
+pub const DSV4_SHUTDOWN_DRAIN: i32 = 0;
+/// Shutdown: every accepted request ends now with FINISHED / ABORTED.
+pub const DSV4_SHUTDOWN_ABORT: i32 = 1;
+
+/// A generation request (version 1). Initialise with `dsv4_request_init`, then set fields.
+/// Fields are only appended in later versions; `struct_size` tells the library which you have.
+/// Every pointer is read during `dsv4_submit` only.
+#[repr(C)]
+pub struct dsv4_request {
+    /// `sizeof(dsv4_request)` as compiled by the caller.
+    pub struct_size: u32,
+    /// Prompt token ids (required, at least one).
+    pub prompt: *const i32,
+    pub prompt_len: usize,
+    /// Default 128; at least 1.
+    pub max_new_tokens: u32,
+    /// Extra stopping tokens; the model's EOS always stops.
+    pub stop_tokens: *const i32,
+    pub stop_tokens_len: usize,
+    /// Default 1.0; 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: i32,
+    /// 1.0 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// 0 = drawn from the engine's RNG; the same seed gives the same tokens.
+    pub seed: u64,
+    /// Added to the logits of these tokens before sampling.
+    pub logit_bias_tokens: *const i32,
+    pub logit_bias_values: *const f32,
+    pub logit_bias_len: usize,
+    /// Higher runs first among waiting requests; default 0.
+    pub priority: i32,
+    /// From submit, covering waiting and running; 0 = none.
+    pub deadline_ms: u32,
+    /// NUL-terminated; NULL = none. Requests share cached prefixes only with the same salt.
+    pub cache_salt: *const c_char,
+    /// Echoed in every event of the request.
+    pub user_tag: u64,
+    /// Non-zero: fill `dsv4_event.logprob`.
+    pub logprobs: u8,
+}
+
+/// One event (version 1). Fields are only appended in later versions.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct dsv4_event {
+    /// Bytes of this struct the library filled (`sizeof(dsv4_event)` of version 1 or later).
+    pub struct_size: u32,
+    pub request_id: u64,
+    pub user_tag: u64,
+    /// `DSV4_EVENT_TOKEN`, `DSV4_EVENT_FINISHED` or `DSV4_EVENT_ERROR`.
+    pub kind: i32,
+    /// TOKEN events: the token id; otherwise −1.
+    pub token: i32,
+    /// TOKEN events with `logprobs` set: the token's log-probability under the model's
+    /// distribution with the logit bias applied (before temperature and filters); otherwise 0.
+    pub logprob: f32,
+    /// `DSV4_FINISH_*`.
+    pub finish_reason: i32,
+    /// ERROR events: why (a `DSV4_ERR_*`); otherwise `DSV4_OK`.
+    pub status: dsv4_status,
+    pub prompt_tokens: u32,
+    /// Prompt tokens reused from the device prefix cache (not recomputed).
+    pub cached_tokens_device: u32,
+    /// Prompt tokens loaded back from the host tier (0 until HiCache lands).
+    pub cached_tokens_host: u32,
+    pub generated_tokens: u32,
+    /// Submit → running.
+    pub queue_us: u64,
+    /// Submit → first token (0 before it).
+    pub ttft_us: u64,
+    /// Submit → this event.
+    pub elapsed_us: u64,
+}
+
+/// Receives one event in push mode. Called on the engine thread, one event at a time, never
+/// concurrently; `event` is valid during the call only. It must not block for long (the engine
+/// waits) and must not call `dsv4_engine_shutdown` or `dsv4_engine_destroy` on its engine.
+#[allow(non_camel_case_types)]
+pub type dsv4_event_fn =
+    Option<unsafe extern "C" fn(event: *const dsv4_event, user_data: *mut c_void)>;
+
+/// Releases `user_data` once the library no longer calls the callback it was registered with.
+#[allow(non_camel_case_types)]
+pub type dsv4_drop_fn = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
+
+const REQUEST_V1: usize = std::mem::size_of::<dsv4_request>();
+const EVENT_V1: usize = std::mem::size_of::<dsv4_event>();
+
+fn to_c(e: &Event) -> dsv4_event {
+    dsv4_event {
+        struct_size: EVENT_V1 as u32,
+        request_id: e.request_id,
+        user_tag: e.user_tag,
+        kind: match e.kind {
+            EventKind::Token => DSV4_EVENT_TOKEN,
+            EventKind::Finished => DSV4_EVENT_FINISHED,
+            EventKind::Error => DSV4_EVENT_ERROR,
+        },
+        token: e.token,
+        logprob: e.logprob,
+        finish_reason: match e.finish_reason {
+            FinishReason::None => DSV4_FINISH_NONE,
+            FinishReason::Length => DSV4_FINISH_LENGTH,
+            FinishReason::Stop => DSV4_FINISH_STOP,
+            FinishReason::Aborted => DSV4_FINISH_ABORTED,
+            FinishReason::Timeout => DSV4_FINISH_TIMEOUT,
+        },
+        status: e.error.map_or(DSV4_OK, status_of),
+        prompt_tokens: e.prompt_tokens,
+        cached_tokens_device: e.cached_tokens_device,
+        cached_tokens_host: e.cached_tokens_host,
+        generated_tokens: e.generated_tokens,
+        queue_us: e.queue_us,
+        ttft_us: e.ttft_us,
+        elapsed_us: e.elapsed_us,
+    }
+}
+
+/// Fills `*request` with the defaults (max_new_tokens 128, temperature 1, top_p 1, everything
+/// else off or empty) and sets `struct_size`. Bytes past version 1 are zeroed.
+///
+/// # Safety
+/// `request` is valid for `struct_size` bytes of writes.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_request_init(
+    request: *mut dsv4_request,
+    struct_size: usize,
+) -> dsv4_status {
+    guard(|| {
+        if request.is_null() {
+            return Err(Error::invalid_argument(
+                "request is NULL: pass a dsv4_request to fill",
+            ));
+        }
+        check_size("dsv4_request", struct_size, REQUEST_V1)?;
+        // SAFETY: `request` is valid for `struct_size >= REQUEST_V1` bytes per the contract.
+        unsafe {
+            std::ptr::write_bytes(request.cast::<u8>(), 0, struct_size);
+            request.write(dsv4_request {
+                struct_size: struct_size as u32,
+                prompt: std::ptr::null(),
+                prompt_len: 0,
+                max_new_tokens: 128,
+                stop_tokens: std::ptr::null(),
+                stop_tokens_len: 0,
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 0,
+                logit_bias_tokens: std::ptr::null(),
+                logit_bias_values: std::ptr::null(),
+                logit_bias_len: 0,
+                priority: 0,
+                deadline_ms: 0,
+                cache_salt: std::ptr::null(),
+                user_tag: 0,
+                logprobs: 0,
+            });
+        }
+        Ok(())
+    })
+}
+
+fn check_size(what: &str, size: usize, v1: usize) -> Result<()> {
+    if size < v1 {
+        return Err(Error::invalid_argument(format!(
+            "{what}.struct_size = {size} is smaller than version 1 ({v1} bytes): set it to \
+             sizeof({what})"
+        )));
+    }
+    Ok(())
+}
+
+/// # Safety
+/// `ptr` is NULL (then `len` must be 0) or valid for `len` reads.
+unsafe fn ids<'a>(ptr: *const i32, len: usize, what: &str) -> Result<&'a [i32]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(Error::invalid_argument(format!(
+            "{what} is NULL but its length is {len}"
+        )));
+    }
+    // SAFETY: non-NULL and valid for `len` reads per the contract.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+fn non_negative(v: &[i32], what: &str) -> Result<Vec<u32>> {
+    v.iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            u32::try_from(t).map_err(|_| {
+                Error::invalid_argument(format!("{what} token id {t} at index {i} is negative"))
+            })
+        })
+        .collect()
+}
+
+/// # Safety
+/// `r` points to a request of at least version 1 whose pointers honour their lengths.
+unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
+    // SAFETY: forwarded.
+    let prompt = unsafe { ids(r.prompt, r.prompt_len, "prompt") }?;
+    // SAFETY: forwarded.
+    let stops = unsafe { ids(r.stop_tokens, r.stop_tokens_len, "stop_tokens") }?;
+    // SAFETY: forwarded.
+    let bias_tokens = unsafe { ids(r.logit_bias_tokens, r.logit_bias_len, "logit_bias_tokens") }?;
+    let bias_values: &[f32] = if r.logit_bias_len == 0 {
+        &[]
+    } else if r.logit_bias_values.is_null() {
+        return Err(Error::invalid_argument(
+            "logit_bias_values is NULL but logit_bias_len is not 0",
+        ));
+    } else {
+        // SAFETY: non-NULL and valid for `logit_bias_len` reads per the contract.
+        unsafe { std::slice::from_raw_parts(r.logit_bias_values, r.logit_bias_len) }
+    };
+    let cache_salt = if r.cache_salt.is_null() {
+        None
+    } else {
+        // SAFETY: a NUL-terminated string per the contract.
+        let s = unsafe { CStr::from_ptr(r.cache_salt) };
+        Some(
+            s.to_str()
+                .map_err(|_| Error::invalid_argument("cache_salt is not valid UTF-8"))?
+                .to_owned(),
+        )
+    };
+    if r.top_k < 0 {
+        return Err(Error::invalid_argument(format!(
+            "top_k = {} must be ≥ 0 (0 = off)",
+            r.top_k
+        )));
+    }
+    Ok(RequestSpec {
+        prompt: non_negative(prompt, "prompt")?,
+        max_new_tokens: r.max_new_tokens,
+        stop_tokens: non_negative(stops, "stop")?,
+        sampling: SamplingParams {
+            temperature: r.temperature,
+            top_k: r.top_k as u32,
+            top_p: r.top_p,
+            min_p: r.min_p,
+            logit_bias: non_negative(bias_tokens, "logit_bias")?
+                .into_iter()
+                .zip(bias_values.iter().copied())
+                .collect(),
+        },
+        seed: r.seed,
+        priority: r.priority,
+        deadline_ms: r.deadline_ms,
+        cache_salt,
+        user_tag: r.user_tag,
+        logprobs: r.logprobs != 0,
+    })
+}
+
+/// Submits a request. Never blocks: it is accepted (`*request_id` set, events follow) or
+/// refused at once with nothing allocated and no event: `DSV4_ERR_INVALID_ARGUMENT` (bad
+/// fields, each named), `DSV4_ERR_CAPACITY` (longer than `kv.max_context_tokens` or than the
+/// pools can ever hold), `DSV4_ERR_QUEUE_FULL` (`admission.max_queued_requests` or
+/// `admission.max_queued_tokens`; the message names the limit and the current queue),
+/// `DSV4_ERR_SHUTDOWN`. Everything the request points to is copied before returning.
+/// Every accepted request gets exactly one terminal event (FINISHED or ERROR).
+///
+/// # Safety
+/// `engine` is a live handle; `request` points to an initialised request whose pointers are
+/// valid for their lengths; `request_id` is valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_submit(
+    engine: *const dsv4_engine,
+    request: *const dsv4_request,
+    request_id: *mut u64,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        if request.is_null() || request_id.is_null() {
+            return Err(Error::invalid_argument(
+                "request or request_id is NULL: pass a dsv4_request and a uint64_t to receive the id",
+            ));
+        }
+        // SAFETY: non-NULL; at least the struct_size field is readable.
+        let size = unsafe { (*request).struct_size } as usize;
+        check_size("dsv4_request", size, REQUEST_V1)?;
+        // SAFETY: the struct is at least version 1 per struct_size.
+        let spec = unsafe { spec_of(&*request) }?;
+        let id = engine.submit(spec)?;
+        // SAFETY: non-NULL and valid for one write per the contract.
+        unsafe { request_id.write(id) };
+        Ok(())
+    })
+}
+
+/// Takes up to `cap` queued events into `events`, `*n_out` of them. Set `events[0].struct_size
+/// = sizeof(dsv4_event)` before the call: it gives the array's element size (so callers built
+/// against an older header keep working). `timeout_ms`: −1 waits for an event (or for the
+/// engine to stop), 0 never blocks, > 0 waits at most that long; a timeout is `DSV4_OK` with
+/// `*n_out == 0`. While an event callback is set: `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL
+/// pointers: `DSV4_ERR_INVALID_ARGUMENT`. Thread-safe: concurrent pollers each get different
+/// events.
+///
+/// # Safety
+/// `engine` is a live handle; `events` is valid for `cap` elements of `events[0].struct_size`
+/// bytes; `n_out` is valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_poll(
+    engine: *const dsv4_engine,
+    events: *mut dsv4_event,
+    cap: usize,
+    n_out: *mut usize,
+    timeout_ms: i32,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        if events.is_null() || n_out.is_null() {
+            return Err(Error::invalid_argument(
+                "events or n_out is NULL: pass an array of dsv4_event and a size_t",
+            ));
+        }
+        // SAFETY: non-NULL and valid for one write.
+        unsafe { n_out.write(0) };
+        if cap == 0 {
+            return Err(Error::invalid_argument(
+                "cap is 0: pass room for at least one event",
+            ));
+        }
+        // SAFETY: non-NULL; the first element's struct_size is readable per the contract.
+        let stride = unsafe { (*events).struct_size } as usize;
+        check_size("dsv4_event", stride, EVENT_V1)?;
+        let timeout = match timeout_ms {
+            t if t < 0 => None,
+            t => Some(Duration::from_millis(t as u64)),
+        };
+        let got = engine.poll(cap, timeout)?;
+        for (i, e) in got.iter().enumerate() {
+            // SAFETY: `i < cap` elements of `stride` bytes each are writable per the contract;
+            // the element may be unaligned for a larger stride, hence write_unaligned.
+            unsafe {
+                let at = events.cast::<u8>().add(i * stride).cast::<dsv4_event>();
+                at.write_unaligned(to_c(e));
+            }
+        }
+        // SAFETY: as above.
+        unsafe { n_out.write(got.len()) };
+        Ok(())
+    })
+}
+
+struct CCallback {
+    f: unsafe extern "C" fn(*const dsv4_event, *mut c_void),
+    user_data: *mut c_void,
+    on_drop: dsv4_drop_fn,
+}
+
+// SAFETY: the host registers `user_data` for use from the engine thread (documented on
+// dsv4_set_event_callback); the library only passes it back to the host's own functions.
+unsafe impl Send for CCallback {}
+// SAFETY: as above; calls are never concurrent (one engine thread).
+unsafe impl Sync for CCallback {}
+
+impl EventCallback for CCallback {
+    fn deliver(&self, event: &Event) {
+        let e = to_c(event);
+        // SAFETY: the host's function, called as registered; `e` lives for the call.
+        unsafe { (self.f)(&e, self.user_data) };
+    }
+}
+
+impl Drop for CCallback {
+    fn drop(&mut self) {
+        if let Some(d) = self.on_drop {
+            // SAFETY: the host's release function for its own `user_data`, called once.
+            unsafe { d(self.user_data) };
+        }
+    }
+}
+
+/// Push mode: every event goes to `callback(event, user_data)` on the engine thread, one at a
+/// time, never concurrently; events queued before are delivered to it first. A NULL `callback`
+/// returns to polling. While a callback is set, `dsv4_poll` returns `DSV4_ERR_UNSUPPORTED`.
+/// When the callback is replaced, cleared or the engine destroyed, `on_drop(user_data)` (if not
+/// NULL) is called once the library no longer uses it. Blocks until the engine thread has
+/// switched; must not be called from the callback itself.
+///
+/// # Safety
+/// `engine` is a live handle; `callback` and `on_drop` are NULL or valid functions that may be
+/// called from another thread with `user_data`.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_set_event_callback(
+    engine: *const dsv4_engine,
+    callback: dsv4_event_fn,
+    user_data: *mut c_void,
+    on_drop: dsv4_drop_fn,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        let cb: Option<Arc<dyn EventCallback>> = callback.map(|f| {
+            Arc::new(CCallback {
+                f,
+                user_data,
+                on_drop,
+            }) as Arc<dyn EventCallback>
+        });
+        if cb.is_none() {
+            if let Some(d) = on_drop {
+                // Nothing to register: hand user_data straight back.
+                // SAFETY: the host's release function for its own data.
+                unsafe { d(user_data) };
+            }
+        }
+        engine.set_callback(cb)
+    })
+}
+
+/// Ends a request: it gets FINISHED / ABORTED (its pages go back to the pools). Does not block.
+/// `DSV4_ERR_NOT_FOUND` for an unknown id or one that already had its terminal event.
+///
+/// # Safety
+/// `engine` is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_abort(engine: *const dsv4_engine, request_id: u64) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        engine.abort(request_id)
+    })
+}
+
+/// Stops intake (later `dsv4_submit` → `DSV4_ERR_SHUTDOWN`) and ends the requests in flight:
+/// `DSV4_SHUTDOWN_DRAIN` lets every accepted request run to its end, `DSV4_SHUTDOWN_ABORT` ends
+/// them now with FINISHED / ABORTED. Their terminal events stay pollable until destroy. Waits
+/// for the engine thread to finish: `timeout_ms` −1 as long as it takes, ≥ 0 at most that long
+/// (`DSV4_ERR_TIMEOUT` if still draining; the shutdown continues). Calling it again is allowed
+/// (an abort overrides a drain). Must not be called from an event callback.
+///
+/// # Safety
+/// `engine` is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_engine_shutdown(
+    engine: *const dsv4_engine,
+    mode: i32,
+    timeout_ms: i32,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        let mode = match mode {
+            DSV4_SHUTDOWN_DRAIN => ShutdownMode::Drain,
+            DSV4_SHUTDOWN_ABORT => ShutdownMode::Abort,
+            other => {
+                return Err(Error::invalid_argument(format!(
+                    "mode = {other}: use DSV4_SHUTDOWN_DRAIN (0) or DSV4_SHUTDOWN_ABORT (1)"
+                )))
+            }
+        };
+        let timeout = (timeout_ms >= 0).then(|| Duration::from_millis(timeout_ms as u64));
+        engine.shutdown(mode, timeout)
+    })
+}

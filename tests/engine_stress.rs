@@ -1,0 +1,186 @@
+//! Stress: 8 threads submit, poll and abort for several seconds. Every accepted id gets exactly
+//! one terminal event; afterwards, with the cache flushed, no page, slot or snapshot is in use,
+//! and destroying the engine leaves no thread behind. (Alone in its binary: it counts threads.)
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dsv4::config::params::Params;
+use dsv4::engine::{Engine, EventKind, RequestSpec, SamplingParams, ShutdownMode};
+use dsv4::error::ErrorKind;
+use serde_json::json;
+
+fn threads_now() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+}
+
+#[derive(Default)]
+struct Books {
+    accepted: Vec<u64>,
+    terminals: HashMap<u64, usize>,
+    tokens: HashMap<u64, usize>,
+    refused: usize,
+}
+
+#[test]
+fn eight_threads_submit_poll_and_abort() {
+    let before = threads_now();
+    let doc = json!({
+        "model_path": common::fixture("flash-like/hf-f32").to_str().unwrap(),
+        "threads": 2,
+        "kv": {"device_memory_bytes": "8MiB", "max_running_requests": 6, "page_size": 128},
+        "admission": {"max_queued_requests": 12, "max_queued_tokens": 3000, "queue_timeout_ms": 1500},
+        "scheduler": {"chunked_prefill_tokens": 96, "max_batch_tokens": 160}
+    });
+    let engine = Arc::new(Engine::create(Params::from_value(&doc).unwrap()).unwrap());
+    let ids = Arc::new(common::ids("flash-like"));
+    let books = Arc::new(Mutex::new(Books::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let run_for = Duration::from_secs(4);
+    let workers: Vec<_> = (0..8u64)
+        .map(|w| {
+            let (engine, ids, books, stop) =
+                (engine.clone(), ids.clone(), books.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(w + 1);
+                let mut mine: Vec<u64> = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    match rng.u32(0..10) {
+                        0..=3 => {
+                            let start = rng.usize(0..100);
+                            let len = rng.usize(1..200);
+                            let spec = RequestSpec {
+                                prompt: ids[start..start + len].to_vec(),
+                                max_new_tokens: rng.u32(1..40),
+                                sampling: SamplingParams {
+                                    temperature: if rng.bool() { 0.0 } else { 0.8 },
+                                    top_k: rng.u32(0..20),
+                                    ..SamplingParams::default()
+                                },
+                                cache_salt: rng.bool().then(|| "t".to_string()),
+                                priority: rng.i32(-1..2),
+                                deadline_ms: if rng.u32(0..5) == 0 { 300 } else { 0 },
+                                ..RequestSpec::default()
+                            };
+                            match engine.submit(spec) {
+                                Ok(id) => {
+                                    mine.push(id);
+                                    books.lock().unwrap().accepted.push(id);
+                                }
+                                Err(e) => {
+                                    assert!(
+                                        matches!(e.kind(), ErrorKind::QueueFull),
+                                        "unexpected refusal: {e}"
+                                    );
+                                    books.lock().unwrap().refused += 1;
+                                }
+                            }
+                        }
+                        4..=5 if !mine.is_empty() => {
+                            let id = mine[rng.usize(0..mine.len())];
+                            match engine.abort(id) {
+                                Ok(()) => {}
+                                Err(e) => assert_eq!(e.kind(), ErrorKind::NotFound, "{e}"),
+                            }
+                        }
+                        _ => {
+                            let events = engine.poll(32, Some(Duration::from_millis(20))).unwrap();
+                            let mut b = books.lock().unwrap();
+                            for e in events {
+                                if e.is_terminal() {
+                                    *b.terminals.entry(e.request_id).or_default() += 1;
+                                } else {
+                                    assert_eq!(e.kind, EventKind::Token);
+                                    *b.tokens.entry(e.request_id).or_default() += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(run_for);
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    // Let every accepted request end (they are short), collecting their events.
+    let started = Instant::now();
+    loop {
+        let pending = {
+            let b = books.lock().unwrap();
+            b.accepted
+                .iter()
+                .filter(|id| !b.terminals.contains_key(id))
+                .count()
+        };
+        if pending == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{pending} requests never ended"
+        );
+        let events = engine.poll(256, Some(Duration::from_millis(100))).unwrap();
+        let mut b = books.lock().unwrap();
+        for e in events {
+            if e.is_terminal() {
+                *b.terminals.entry(e.request_id).or_default() += 1;
+            }
+        }
+    }
+    // Nothing is left in use once the cache lets go of its prefixes.
+    let usage = engine.flush_cache().unwrap();
+    assert_eq!(
+        (usage.pages, usage.slots, usage.snapshots),
+        (0, 0, 0),
+        "{usage:?}"
+    );
+    engine
+        .shutdown(ShutdownMode::Drain, Some(Duration::from_secs(30)))
+        .unwrap();
+    assert!(
+        engine.poll(16, Some(Duration::ZERO)).unwrap().is_empty(),
+        "events after the end"
+    );
+    let b = books.lock().unwrap();
+    assert!(
+        b.accepted.len() > 50,
+        "only {} requests accepted",
+        b.accepted.len()
+    );
+    for id in &b.accepted {
+        assert_eq!(
+            b.terminals.get(id),
+            Some(&1),
+            "request {id}: terminal events"
+        );
+    }
+    assert_eq!(
+        b.terminals.len(),
+        b.accepted.len(),
+        "terminal events for unknown ids"
+    );
+    eprintln!(
+        "{} accepted, {} refused (queue full), {} tokens streamed",
+        b.accepted.len(),
+        b.refused,
+        b.tokens.values().sum::<usize>()
+    );
+    drop(b);
+    assert_eq!(
+        engine.flush_cache().unwrap_err().kind(),
+        ErrorKind::Shutdown
+    );
+    drop(engine);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while threads_now() > before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(threads_now(), before, "threads left behind");
+}

@@ -1,0 +1,117 @@
+"""The request API from Python: generate, stream, submit/poll, abort, shutdown, routing of
+events across threads, admission errors."""
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsv4
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "flash-like" / "hf-f32"
+PROMPT = [5, 17, 300, 2, 9, 44, 81, 120, 7, 66, 250, 3, 19, 200, 11]
+
+
+def params(**kv):
+    return {"model_path": str(FIXTURE), "threads": 2,
+            "kv": {"device_memory_bytes": "32MiB", "max_running_requests": 8, "page_size": 128},
+            **kv}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with dsv4.Engine(params()) as e:
+        yield e
+
+
+def test_greedy_generate_is_the_argmax_of_scoring(engine):
+    tokens = engine.generate(PROMPT, max_new_tokens=8, temperature=0,
+                             logit_bias_tokens=[1], logit_bias_values=[-1000.0])
+    assert len(tokens) == 8
+    logits = engine.score(PROMPT + tokens[:-1])
+    logits[:, 1] -= 1000.0
+    assert list(logits[len(PROMPT) - 1:].argmax(-1)) == tokens
+
+
+def test_stream_events_carry_the_c_fields(engine):
+    events = list(engine.stream(PROMPT, max_new_tokens=5, temperature=0, user_tag=9,
+                                logprobs=True, logit_bias_tokens=[1],
+                                logit_bias_values=[-1000.0]))
+    assert [e.kind for e in events] == [dsv4.EventKind.TOKEN] * 5 + [dsv4.EventKind.FINISHED]
+    end = events[-1]
+    assert end.finish_reason == dsv4.FinishReason.LENGTH and end.terminal
+    assert (end.prompt_tokens, end.generated_tokens, end.user_tag) == (len(PROMPT), 5, 9)
+    assert all(e.logprob < 0 for e in events[:-1])
+    assert end.elapsed_us >= end.ttft_us > 0
+
+
+def test_threads_never_steal_each_others_events(engine):
+    results = {}
+
+    def run(i):
+        prompt = PROMPT[i:] + PROMPT[:i]
+        results[i] = (prompt, engine.generate(prompt, max_new_tokens=6, temperature=0,
+                                              logit_bias_tokens=[1], logit_bias_values=[-1e3]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (prompt, tokens) in results.items():
+        assert len(tokens) == 6
+        alone = engine.generate(prompt, max_new_tokens=6, temperature=0,
+                                logit_bias_tokens=[1], logit_bias_values=[-1e3])
+        assert tokens == alone, i
+
+
+def test_submit_poll_abort(engine):
+    rid = engine.submit(PROMPT, max_new_tokens=100000, logit_bias_tokens=[1],
+                        logit_bias_values=[-1e3], user_tag=3)
+    engine.abort(rid)
+    seen = []
+    while not any(e.terminal for e in seen):
+        seen += [e for e in engine.poll(timeout_s=5.0) if e.request_id == rid]
+    assert seen[-1].finish_reason == dsv4.FinishReason.ABORTED
+    with pytest.raises(dsv4.NotFound):
+        engine.abort(rid)
+    with pytest.raises(TypeError, match="unknown request field"):
+        engine.submit(PROMPT, max_tokens=3)
+    with pytest.raises(dsv4.InvalidArgument, match="outside the vocabulary"):
+        engine.submit([1, 999])
+
+
+def test_queue_full_and_shutdown():
+    with dsv4.Engine(params(admission={"max_queued_requests": 1},
+                            kv={"device_memory_bytes": "32MiB", "max_running_requests": 1,
+                                "page_size": 128})) as e:
+        long = dict(max_new_tokens=100000, logit_bias_tokens=[1], logit_bias_values=[-1e3])
+        e.submit(PROMPT, **long)
+        while not e.poll(timeout_s=2.0):
+            pass  # running once a token arrives
+        e.submit(PROMPT, **long)  # waits
+        with pytest.raises(dsv4.QueueFull, match="admission.max_queued_requests = 1"):
+            e.submit(PROMPT, **long)
+        e.shutdown(dsv4.ShutdownMode.ABORT, timeout_s=30)
+        with pytest.raises(dsv4.ShutDown):
+            e.submit(PROMPT)
+        ends = []
+        while True:
+            got = e.poll(timeout_s=0.5)
+            if not got:
+                break
+            ends += [x for x in got if x.terminal]
+        assert len(ends) == 2
+        assert all(x.finish_reason == dsv4.FinishReason.ABORTED for x in ends)
+
+
+def test_stream_closed_early_aborts(engine):
+    it = engine.stream(PROMPT, max_new_tokens=100000, logit_bias_tokens=[1],
+                       logit_bias_values=[-1e3])
+    first = next(it)
+    assert first.kind == dsv4.EventKind.TOKEN
+    it.close()
+    with pytest.raises(dsv4.NotFound):
+        engine.abort(first.request_id)
+    assert np.isfinite(engine.score(PROMPT)).all()
