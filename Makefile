@@ -41,12 +41,17 @@ install: lib
 	      -DNATIVE_LIBS="$$(cat $(REL)/native-static-libs.txt)" -P cmake/write-package.cmake
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/c/plan.c \
 	      -L$(PREFIX)/lib -ldsv4 '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-plan
+	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/c/serve.c \
+	      -L$(PREFIX)/lib -ldsv4 '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-serve-demo
 	cp -r configs $(PREFIX)/share/dsv4/
 
 demo: lib
 	@$(MAKE) --no-print-directory install PREFIX=$(STAGE) >/dev/null
 	@echo "== DeepSeek V4-Flash on a PD prefill node (4 GiB device KV): HiCache by ratio vs by size =="
 	@$(STAGE)/bin/dsv4-plan examples/params/flash-prefill-ratio.json examples/params/flash-prefill-size.json
+	@echo
+	@echo "== Serving on the CPU backend (tiny built-in test model): a burst sharing a system prompt =="
+	@$(STAGE)/bin/dsv4-serve-demo tests/fixtures/flash-like/hf-f32
 
 test: deps test-rust test-c test-pkgconfig test-python
 	@echo "make test: all passed"
