@@ -237,7 +237,12 @@ fn admission_refuses_at_once_and_names_the_limit() {
     let ids = common::ids("flash-like");
     // One runs (long), two wait; the fourth is refused by request count.
     let a = engine.submit(endless(&ids[..20])).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Wait until it runs (its first token).
+    while engine
+        .poll(8, Some(Duration::from_millis(500)))
+        .unwrap()
+        .is_empty()
+    {}
     let b = engine.submit(greedy(&ids[..100], 4)).unwrap();
     let c = engine.submit(greedy(&ids[..100], 4)).unwrap();
     let e = engine.submit(greedy(&ids[..10], 4)).unwrap_err();

@@ -1,12 +1,15 @@
 // dsv4.hpp — a header-only C++17 wrapper over dsv4.h: exceptions instead of status codes,
-// std::string instead of (buf, cap, needed). Installed next to dsv4.h.
+// std::string instead of (buf, cap, needed), an RAII engine. Installed next to dsv4.h.
 #ifndef DSV4_HPP
 #define DSV4_HPP
 
 #include <dsv4.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace dsv4 {
 
@@ -73,6 +76,78 @@ inline std::string plan_text(const std::string &params_json) {
         return dsv4_plan_text(params_json.c_str(), buf, cap, needed);
     });
 }
+
+// A request with the library's defaults (struct_size set); fill in the fields you need. The
+// pointers it holds are read during engine::submit only.
+inline dsv4_request request(const std::vector<int32_t> &prompt) {
+    dsv4_request r;
+    check(dsv4_request_init(&r, sizeof r));
+    r.prompt = prompt.data();
+    r.prompt_len = prompt.size();
+    return r;
+}
+
+// An engine (RAII, move-only). Thread-safe like the handle it wraps; the destructor aborts what
+// is in flight and joins the engine's threads (see dsv4_engine_destroy).
+class engine {
+public:
+    explicit engine(const std::string &params_json) {
+        check(dsv4_engine_create(params_json.c_str(), &handle_));
+    }
+    engine(engine &&other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+    engine &operator=(engine &&other) noexcept {
+        if (this != &other) {
+            dsv4_engine_destroy(handle_);
+            handle_ = std::exchange(other.handle_, nullptr);
+        }
+        return *this;
+    }
+    engine(const engine &) = delete;
+    engine &operator=(const engine &) = delete;
+    ~engine() { dsv4_engine_destroy(handle_); }
+
+    dsv4_engine *get() const noexcept { return handle_; }
+
+    // Accepted → the request id; refused → dsv4::error (DSV4_ERR_QUEUE_FULL, _CAPACITY, ...).
+    uint64_t submit(const dsv4_request &r) const {
+        uint64_t id = 0;
+        check(dsv4_submit(handle_, &r, &id));
+        return id;
+    }
+
+    // Up to `max` events, waiting up to `timeout_ms` (-1: until one arrives) for the first.
+    std::vector<dsv4_event> poll(size_t max, int32_t timeout_ms) const {
+        std::vector<dsv4_event> out(max == 0 ? 1 : max);
+        out[0].struct_size = sizeof(dsv4_event);
+        size_t n = 0;
+        check(dsv4_poll(handle_, out.data(), out.size(), &n, timeout_ms));
+        out.resize(n);
+        return out;
+    }
+
+    void abort(uint64_t request_id) const { check(dsv4_abort(handle_, request_id)); }
+
+    void shutdown(int32_t mode = DSV4_SHUTDOWN_DRAIN, int32_t timeout_ms = -1) const {
+        check(dsv4_engine_shutdown(handle_, mode, timeout_ms));
+    }
+
+    // Logits of every position of one fresh sequence, [tokens.size(), vocab] row-major.
+    std::vector<float> score(const std::vector<int32_t> &tokens, size_t vocab) const {
+        std::vector<float> out(tokens.size() * vocab);
+        check(dsv4_score(handle_, tokens.data(), tokens.size(), out.data(), out.size()));
+        return out;
+    }
+
+    // JSON: configuration, parameter count, resident bytes.
+    std::string model_info() const {
+        return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_model_info(handle_, buf, cap, needed);
+        });
+    }
+
+private:
+    dsv4_engine *handle_ = nullptr;
+};
 
 }  // namespace dsv4
 

@@ -1,0 +1,50 @@
+// Greedy generation for a few prompts through the C++ wrapper: submit, poll, collect tokens.
+//   generate_cpp MODEL_DIR
+#include <dsv4.hpp>
+
+#include <iostream>
+#include <map>
+#include <vector>
+
+int main(int argc, char **argv) {
+    if (argc != 2) {
+        std::cerr << "usage: " << argv[0] << " MODEL_DIR\n";
+        return 2;
+    }
+    try {
+        dsv4::engine engine("{\"model_path\": \"" + std::string(argv[1]) +
+                            "\", \"threads\": 2, \"kv\": {\"device_memory_bytes\": \"32MiB\", "
+                            "\"max_running_requests\": 4, \"page_size\": 128}}");
+        std::vector<std::vector<int32_t>> prompts = {
+            {5, 17, 300, 2, 9}, {44, 81, 120, 7, 66, 250}, {3, 19, 200, 11}};
+        std::map<uint64_t, std::vector<int32_t>> tokens;
+        for (const auto &p : prompts) {
+            dsv4_request r = dsv4::request(p);
+            r.max_new_tokens = 8;
+            r.temperature = 0.0f;
+            tokens[engine.submit(r)];
+        }
+        size_t finished = 0;
+        while (finished < prompts.size()) {
+            for (const dsv4_event &e : engine.poll(64, 1000)) {
+                if (e.kind == DSV4_EVENT_TOKEN) {
+                    tokens[e.request_id].push_back(e.token);
+                } else {
+                    finished++;
+                }
+            }
+        }
+        for (const auto &[id, toks] : tokens) {
+            std::cout << "request " << id << ":";
+            for (int32_t t : toks) std::cout << ' ' << t;
+            std::cout << '\n';
+        }
+        engine.shutdown();
+        std::vector<int32_t> late = {5};
+        engine.submit(dsv4::request(late));  // throws: the engine is shut down
+    } catch (const dsv4::error &e) {
+        std::cout << "refused: " << e.status_name() << ": " << e.what() << '\n';
+        return e.status() == DSV4_ERR_SHUTDOWN ? 0 : 1;
+    }
+    return 1;
+}
