@@ -13,7 +13,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix
+.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix bench-hicache
 
 all: lib
 
@@ -91,6 +91,10 @@ bench-forward: deps
 # Prefix-cache match/insert vs memcmp on a 1.2M-token tree, page alloc/free rate.
 bench-radix: deps
 	$(CARGO) run --release --example bench_radix
+
+# HiCache backup / load-back GB/s vs memcpy of the same bytes; host allocation + pre-touch rate.
+bench-hicache: deps
+	$(CARGO) run --release --example bench_hicache
 
 clean:
 	$(CARGO) clean

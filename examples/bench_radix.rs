@@ -81,7 +81,7 @@ fn main() {
     // Match (+ lock and unlock) every sequence.
     let match_s = best(5, || {
         for s in &seqs {
-            let m = tree.match_prefix(None, s);
+            let m = tree.match_prefix(None, s, false);
             debug_assert_eq!(m.reusable_tokens, s.len());
             if let Some(node) = m.lock {
                 tree.unlock(node);

@@ -381,6 +381,29 @@ extern "C" {
 const char *dsv4_last_error(void);
 
 /**
+ * Writes the prefix cache's state as JSON: per pool and tier (`device`, `host`) the used and
+ * total units and bytes; hits and hit tokens by tier; load-backs and backups (count, tokens,
+ * bytes, seconds, bytes/s, in flight, skipped); evictions by tier and reason; the write policy.
+ * docs/hicache.md lists every field. `(buf, cap, needed)` convention; thread-safe; blocks
+ * until the engine thread answers (between forward steps).
+ *
+ * # Safety
+ * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
+ * for one `size_t`.
+ */
+dsv4_status dsv4_cache_stats(const dsv4_engine *engine, char *buf, size_t cap, size_t *needed);
+
+/**
+ * Drops every unlocked cached prefix from one tier: `"device"` (host copies are kept; with
+ * `write_back` the device copies are written to the host first), `"host"`, or `"all"`.
+ * Prefixes in use by running requests stay. Thread-safe; blocks until done.
+ *
+ * # Safety
+ * `engine` is a live handle; `tier` is a NUL-terminated string.
+ */
+dsv4_status dsv4_cache_flush(const dsv4_engine *engine, const char *tier);
+
+/**
  * Creates an engine from a params document (JSON, merged over the defaults): validates the
  * params, computes the memory plan and refuses a plan that does not fit this machine
  * (`DSV4_ERR_CAPACITY`, with the plan's reason), then loads config.json and the weights at

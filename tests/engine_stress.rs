@@ -135,7 +135,7 @@ fn eight_threads_submit_poll_and_abort() {
         }
     }
     // Nothing is left in use once the cache lets go of its prefixes.
-    let usage = engine.flush_cache().unwrap();
+    let usage = engine.flush_cache(dsv4::kv::cache::Tier::All).unwrap();
     assert_eq!(
         (usage.pages, usage.slots, usage.snapshots),
         (0, 0, 0),
@@ -174,7 +174,10 @@ fn eight_threads_submit_poll_and_abort() {
     );
     drop(b);
     assert_eq!(
-        engine.flush_cache().unwrap_err().kind(),
+        engine
+            .flush_cache(dsv4::kv::cache::Tier::All)
+            .unwrap_err()
+            .kind(),
         ErrorKind::Shutdown
     );
     drop(engine);

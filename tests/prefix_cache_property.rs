@@ -11,6 +11,11 @@ mod common;
 
 use dsv4::backend::cpu::CpuBackend;
 use dsv4::error::ErrorKind;
+use std::time::Duration;
+
+use dsv4::config::params::WritePolicy;
+use dsv4::kv::cache::Tier;
+use dsv4::kv::hicache::HostPools;
 use dsv4::kv::{KvPools, PoolId, PrefixCache, Request};
 use serde_json::json;
 
@@ -111,13 +116,18 @@ fn check_hit(cache: &PrefixCache<CpuBackend>, r: &Running) {
     }
 }
 
-fn property(seed: u64, ops: usize) {
+fn property(seed: u64, ops: usize, host: Option<WritePolicy>) {
     let model = common::model("flash-like");
-    // Small pools: 4 slots, a handful of snapshots, ~20 pages.
-    let pools = common::pools_with(
+    // Small pools: 4 slots, a handful of snapshots, ~36 pages; a host tier of 1.5× that.
+    let policy = host.map(|p| serde_json::to_value(p).unwrap());
+    let plan = common::plan_for_model_doc(
         &model,
-        json!({"device_memory_bytes": "2MiB", "max_running_requests": 4, "snapshot_fraction": 0.3}),
+        json!({
+            "kv": {"device_memory_bytes": "2MiB", "max_running_requests": 4, "snapshot_fraction": 0.3},
+            "hicache": {"enabled": host.is_some(), "ratio": 1.5, "write_policy": policy.unwrap_or(json!("write_through"))},
+        }),
     );
+    let pools = KvPools::new(model.backend_arc(), &plan).unwrap();
     let (pages_cap, snaps_cap) = (
         pools.page_allocator().capacity(),
         pools.snapshot_allocator().capacity(),
@@ -127,6 +137,10 @@ fn property(seed: u64, ops: usize) {
         "{pages_cap} pages, {snaps_cap} snapshots"
     );
     let mut cache = PrefixCache::new(pools, 256).unwrap();
+    if let Some(policy) = host {
+        let host_pools = HostPools::new(&plan, model.backend(), 1).unwrap();
+        cache = cache.with_host(host_pools, policy);
+    }
     let mut rng = Rng(seed);
     let bases: Vec<Vec<u32>> = (0..4)
         .map(|b| (0..1500).map(|i| ((i * 7 + b * 13) % 384) as u32).collect())
@@ -153,9 +167,11 @@ fn property(seed: u64, ops: usize) {
                             tokens: prompt,
                             req,
                         };
-                        check_hit(&cache, &r);
-                        if r.req.reused_tokens() > 0 {
-                            hits += 1;
+                        if !r.req.is_loading() {
+                            check_hit(&cache, &r);
+                            if r.req.reused_tokens() > 0 {
+                                hits += 1;
+                            }
                         }
                         running.push(r);
                     }
@@ -169,6 +185,14 @@ fn property(seed: u64, ops: usize) {
             3..=6 if !running.is_empty() => {
                 let i = rng.below(running.len());
                 let r = &mut running[i];
+                if r.req.is_loading() {
+                    assert!(cache.complete_load(&mut r.req, Duration::from_secs(10)));
+                    check_hit(&cache, r);
+                    if r.req.reused_tokens() > 0 {
+                        hits += 1;
+                    }
+                    continue;
+                }
                 let pos = r.req.position();
                 let end = if pos < r.prompt_len {
                     cache.chunk_limit(&r.req)
@@ -208,6 +232,14 @@ fn property(seed: u64, ops: usize) {
                 let r = running.swap_remove(rng.below(running.len()));
                 cache.abort(r.req);
             }
+            9 if rng.below(4) == 0 => {
+                cache.poll();
+                match rng.below(3) {
+                    0 => cache.flush(Tier::Device),
+                    1 => cache.flush(Tier::Host),
+                    _ => cache.wait_backups(),
+                }
+            }
             _ => {
                 let want = rng.below(pages_cap + 1);
                 cache.evict(want, rng.below(snaps_cap + 1));
@@ -227,8 +259,12 @@ fn property(seed: u64, ops: usize) {
     assert_eq!(pools.page_allocator().used_count(), 0);
     assert_eq!(pools.snapshot_allocator().used_count(), 0);
     assert_eq!(pools.slot_allocator().used_count(), 0);
+    if let Some(h) = cache.host_pools() {
+        assert_eq!(h.page_allocator().used_count(), 0, "host pages");
+        assert_eq!(h.snapshot_allocator().used_count(), 0, "host snapshots");
+    }
     eprintln!(
-        "seed {seed}: {pages_cap} pages, {snaps_cap} snapshots, 4 slots; {ops} ops, {hits} hits, {finished} finished, {capacity_errors} capacity refusals, {:?}",
+        "seed {seed} ({host:?}): {pages_cap} pages, {snaps_cap} snapshots, 4 slots; {ops} ops, {hits} hits, {finished} finished, {capacity_errors} capacity refusals, {:?}",
         cache.stats()
     );
     assert!(
@@ -241,6 +277,19 @@ fn property(seed: u64, ops: usize) {
 #[test]
 fn random_operations_keep_the_books_exact() {
     for seed in [1, 2, 3, 4, 5] {
-        property(seed, 3000);
+        property(seed, 3000, None);
+    }
+}
+
+#[test]
+fn with_a_host_tier_under_every_write_policy() {
+    for (seed, policy) in [
+        (11, WritePolicy::WriteThrough),
+        (12, WritePolicy::WriteThroughSelective),
+        (13, WritePolicy::WriteBack),
+        (14, WritePolicy::WriteThrough),
+        (15, WritePolicy::WriteBack),
+    ] {
+        property(seed, 3000, Some(policy));
     }
 }

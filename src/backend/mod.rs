@@ -9,11 +9,13 @@
 //!   take that sequence's row range within the batch.
 
 pub mod cpu;
+pub mod tier;
 
 use std::ops::Range;
 
 use crate::error::Result;
 use crate::formats::rows::RowCodec;
+pub use tier::{CopyDirection, HostPtr, Ticket, TierCopy};
 
 /// Where a weight matrix keeps its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,6 +262,20 @@ pub trait Backend: Send + Sync + 'static {
     fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]);
     /// Copies host bytes into the buffer at `offset`.
     fn write_bytes(&self, b: &mut Self::Buffer, offset: usize, data: &[u8]);
+    /// Starts asynchronous copies between pool `buffer` and host memory and adds one part to
+    /// `ticket`, completed once every byte has landed. Until then the caller keeps the host
+    /// memory alive and does not touch the ranges being copied (the pools pin the pages).
+    fn copy_tier(
+        &self,
+        buffer: &Self::Buffer,
+        direction: CopyDirection,
+        copies: Vec<TierCopy>,
+        ticket: &std::sync::Arc<Ticket>,
+    );
+    /// Prepares host memory for fast tier copies (CUDA: `cudaHostRegister`; CPU: nothing).
+    fn register_host(&self, _ptr: HostPtr, _len: usize) -> Result<()> {
+        Ok(())
+    }
     /// Copies regions from one buffer to another (snapshots, restores, transfers).
     fn copy_regions(&self, src: &Self::Buffer, dst: &mut Self::Buffer, regions: &[CopyRegion]);
     /// Encodes rows `rows` of `x` (`[_, layout.width]`) into rows `first..` of the layout.

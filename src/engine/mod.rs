@@ -26,6 +26,8 @@ pub use worker::{PoolUsage, ShutdownMode};
 use crate::backend::cpu::CpuBackend;
 use crate::config::params::{Backend as BackendKind, Params, Role, SchedulerPolicy};
 use crate::error::{Error, ErrorKind, Result};
+use crate::kv::cache::Tier;
+use crate::kv::hicache::HostPools;
 use crate::kv::{KvPools, PrefixCache};
 use crate::model::Model;
 use crate::plan::{self, Plan};
@@ -71,8 +73,12 @@ impl Engine {
             )?
             .with_numerics(params.numerics.mode),
         );
-        let pools = KvPools::new(backend, &plan)?;
-        let cache = PrefixCache::new(pools, params.kv.snapshot_interval() as usize)?;
+        let pools = KvPools::new(backend.clone(), &plan)?;
+        let mut cache = PrefixCache::new(pools, params.kv.snapshot_interval() as usize)?;
+        if params.hicache.enabled {
+            let host = HostPools::new(&plan, backend.as_ref(), backend.threads())?;
+            cache = cache.with_host(host, params.hicache.write_policy);
+        }
         let context_limit = (plan.max_context_tokens as usize).min(plan.device_tokens() as usize);
         let shared = Arc::new(Shared::new());
         // Room for every request admission allows plus control messages: a submit that passed
@@ -319,11 +325,21 @@ impl Engine {
             .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))?
     }
 
-    /// Drops every unlocked cached prefix and reports the units still in use (running
-    /// requests' pages, slots and snapshots). Blocks until the engine thread has done it.
-    pub fn flush_cache(&self) -> Result<PoolUsage> {
+    /// Drops every unlocked cached prefix of `tier` (flushing the device keeps host copies)
+    /// and reports the device units still in use (running requests' pages, slots and
+    /// snapshots). Blocks until the engine thread has done it.
+    pub fn flush_cache(&self, tier: Tier) -> Result<PoolUsage> {
         let (tx, rx) = bounded(1);
-        self.send(Command::FlushCache(tx))?;
+        self.send(Command::FlushCache(tier, tx))?;
+        rx.recv()
+            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
+    }
+
+    /// Per pool and tier: used / total units and bytes; hits, load-backs, backups and
+    /// evictions (see docs/hicache.md). Blocks briefly (answered between steps).
+    pub fn cache_stats(&self) -> Result<Value> {
+        let (tx, rx) = bounded(1);
+        self.send(Command::CacheStats(tx))?;
         rx.recv()
             .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
     }
@@ -395,9 +411,6 @@ fn refuse_unbuilt(p: &Params) -> Result<()> {
         missing.push(
             "`parallel.tp` / `parallel.ep` > 1: multi-rank engines are not built yet; use 1".into(),
         );
-    }
-    if p.hicache.enabled {
-        missing.push("`hicache.enabled`: the host tier is not built yet; set it to false".into());
     }
     if p.scheduler.policy != SchedulerPolicy::Fcfs {
         missing.push(

@@ -14,8 +14,10 @@ use super::request::RequestSpec;
 use super::sampling::Sampler;
 use crate::backend::cpu::CpuBackend;
 use crate::error::{ErrorKind, Result};
+use crate::kv::cache::Tier;
 use crate::kv::{PrefixCache, Request};
 use crate::model::{Chunk, Logits, Model};
+use serde_json::Value;
 
 /// How a shutdown ends the requests in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,8 +35,10 @@ pub enum Command {
     Shutdown(ShutdownMode),
     SetCallback(Option<Arc<dyn EventCallback>>, Sender<()>),
     Score(Vec<u32>, Sender<Result<Vec<f32>>>),
-    /// Drop every unlocked cached prefix (tests, memory pressure from the host).
-    FlushCache(Sender<PoolUsage>),
+    /// Drop every unlocked cached prefix of a tier; reports the device units still in use.
+    FlushCache(Tier, Sender<PoolUsage>),
+    /// The cache's per-pool, per-tier usage and counters.
+    CacheStats(Sender<Value>),
 }
 
 /// Units in use per pool kind after a cache flush.
@@ -114,6 +118,8 @@ struct Running {
     generated: usize,
     max_gen: usize,
     sampler: Sampler,
+    /// Pages for the whole request are reserved (after any load-back has landed).
+    reserved: bool,
 }
 
 /// Scheduling limits from the params.
@@ -210,9 +216,55 @@ impl Worker {
             if self.shutdown.is_some() && self.waiting.is_empty() && self.running.is_empty() {
                 return;
             }
+            self.cache.poll();
+            self.finish_loads();
             self.admit();
-            if !self.running.is_empty() {
+            if self.running.iter().any(|r| r.reserved) {
                 self.step();
+            } else if let Some(r) = self.running.iter_mut().find(|r| r.req.is_loading()) {
+                // Only load-backs in flight: wait for one instead of spinning.
+                self.cache
+                    .complete_load(&mut r.req, Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Requests whose load-back has landed get their pages and become runnable; one that
+    /// cannot get its pages now goes back to the waiting queue (its prefix is on the device
+    /// now, so it will hit there).
+    fn finish_loads(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            if r.reserved || !self.cache.complete_load(&mut r.req, Duration::ZERO) {
+                i += 1;
+                continue;
+            }
+            let tokens = r.spec.prompt.len() + r.max_gen - 1;
+            match self.cache.reserve(&mut r.req, tokens) {
+                Ok(()) => {
+                    r.reserved = true;
+                    self.shared.admission().queued_tokens -= r.req.reused_tokens() as u64;
+                    i += 1;
+                }
+                Err(e) => {
+                    log::debug!(
+                        "request {}: no pages after its load-back ({e}); requeued",
+                        r.id
+                    );
+                    let r = self.running.swap_remove(i);
+                    self.cache.abort(r.req);
+                    self.shared.admission().queued_requests += 1;
+                    self.waiting.push(Waiting {
+                        pending: Box::new(Pending {
+                            id: r.id,
+                            spec: r.spec,
+                            submitted: r.submitted,
+                            max_gen: r.max_gen,
+                        }),
+                    });
+                    self.blocked = !self.running.is_empty();
+                }
             }
         }
     }
@@ -275,8 +327,12 @@ impl Worker {
             Command::Score(tokens, reply) => {
                 let _ = reply.send(self.score(&tokens));
             }
-            Command::FlushCache(reply) => {
-                self.cache.clear();
+            Command::CacheStats(reply) => {
+                self.cache.poll();
+                let _ = reply.send(self.cache.stats_json());
+            }
+            Command::FlushCache(tier, reply) => {
+                self.cache.flush(tier);
                 let pools = self.cache.pools();
                 let _ = reply.send(PoolUsage {
                     pages: pools.page_allocator().used_count(),
@@ -333,8 +389,8 @@ impl Worker {
             finish_reason: reason,
             error,
             prompt_tokens: r.prompt_tokens,
-            cached_tokens_device: r.cached as u32,
-            cached_tokens_host: 0,
+            cached_tokens_device: (r.cached - r.cached_host) as u32,
+            cached_tokens_host: r.cached_host as u32,
             generated_tokens: r.generated as u32,
             queue_us: r.queue_us,
             ttft_us: r.first_token.map_or(0, |t| micros(t - r.submitted)),
@@ -362,6 +418,7 @@ impl Worker {
             user_tag: p.spec.user_tag,
             prompt_tokens: p.spec.prompt.len() as u32,
             cached: 0,
+            cached_host: 0,
             generated: 0,
             submitted: p.submitted,
             queue_us: micros(p.submitted.elapsed()),
@@ -388,6 +445,7 @@ impl Worker {
             user_tag: r.spec.user_tag,
             prompt_tokens: r.spec.prompt.len() as u32,
             cached: r.req.reused_tokens(),
+            cached_host: r.req.reused_host_tokens(),
             generated: r.generated,
             submitted: r.submitted,
             queue_us: r.queue_us,
@@ -483,9 +541,13 @@ impl Worker {
                     return;
                 }
             };
-            // Pages for the whole request now, so it never stalls or fails mid-generation.
+            // Pages for the whole request now, so it never stalls or fails mid-generation
+            // (after its load-back, for a host hit: see `finish_loads`).
             let tokens = p.spec.prompt.len() + p.max_gen - 1;
-            if let Err(e) = self.cache.reserve(&mut req, tokens) {
+            let loading = req.is_loading();
+            if loading {
+                // Reserved once the load lands.
+            } else if let Err(e) = self.cache.reserve(&mut req, tokens) {
                 self.cache.abort(req);
                 if self.running.is_empty() {
                     // Nothing will free pages: it can never run.
@@ -513,6 +575,7 @@ impl Worker {
             } else {
                 self.rng.u64(..)
             };
+            let reserved = !loading;
             self.running.push(Running {
                 id: p.id,
                 sampler: Sampler::new(p.spec.sampling.clone(), seed),
@@ -524,6 +587,7 @@ impl Worker {
                 max_gen: p.max_gen,
                 spec: p.spec,
                 req,
+                reserved,
             });
         }
     }
@@ -536,14 +600,14 @@ impl Worker {
         let mut budget = self.limits.batch_tokens;
         for (i, r) in self.running.iter().enumerate() {
             let pos = r.req.position();
-            if pos >= r.spec.prompt.len() && pos + 1 == r.tokens.len() {
+            if r.reserved && pos >= r.spec.prompt.len() && pos + 1 == r.tokens.len() {
                 plan.push((i, pos..pos + 1, true));
                 budget = budget.saturating_sub(1);
             }
         }
         for (i, r) in self.running.iter().enumerate() {
             let (pos, prompt) = (r.req.position(), r.spec.prompt.len());
-            if pos >= prompt || budget == 0 {
+            if !r.reserved || pos >= prompt || budget == 0 {
                 continue;
             }
             let end = self
@@ -614,8 +678,8 @@ impl Worker {
                 finish_reason: FinishReason::None,
                 error: None,
                 prompt_tokens: r.spec.prompt.len() as u32,
-                cached_tokens_device: r.req.reused_tokens() as u32,
-                cached_tokens_host: 0,
+                cached_tokens_device: (r.req.reused_tokens() - r.req.reused_host_tokens()) as u32,
+                cached_tokens_host: r.req.reused_host_tokens() as u32,
                 generated_tokens: r.generated as u32,
                 queue_us: r.queue_us,
                 ttft_us: micros(first - r.submitted),
@@ -642,6 +706,7 @@ struct TerminalInfo {
     user_tag: u64,
     prompt_tokens: u32,
     cached: usize,
+    cached_host: usize,
     generated: usize,
     submitted: Instant,
     queue_us: u64,

@@ -4,6 +4,7 @@
 //! failure. `include/dsv4.h` is generated from this module by cbindgen (see build.rs).
 
 mod boundary;
+mod cache;
 mod engine;
 mod log_bridge;
 mod planning;
@@ -12,6 +13,7 @@ mod status;
 mod version;
 
 pub use boundary::dsv4_last_error;
+pub use cache::{dsv4_cache_flush, dsv4_cache_stats};
 pub use engine::{
     dsv4_engine, dsv4_engine_create, dsv4_engine_destroy, dsv4_model_info, dsv4_score,
 };

@@ -9,6 +9,7 @@
 //! `kv` stores bytes in a geometry `plan` defines; it never imports `model`.
 
 pub mod cache;
+pub mod hicache;
 pub mod layout;
 pub mod pools;
 pub mod radix;

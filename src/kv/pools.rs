@@ -224,6 +224,11 @@ impl<B: Backend> KvPools<B> {
         self.slots.release(seq.slot);
     }
 
+    /// `n` free pages (one reference each, owned by the caller), or None and nothing taken.
+    pub fn alloc_pages(&mut self, n: usize) -> Option<Vec<u32>> {
+        self.pages.alloc(n)
+    }
+
     pub fn retain_page(&mut self, page: u32) {
         self.pages.retain(page);
     }

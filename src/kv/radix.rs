@@ -1,50 +1,80 @@
-//! The prefix tree: token pages → KV pages and snapshots, one tree per `cache_salt`.
+//! The prefix tree: token pages → KV pages and snapshots on two tiers (device, host), one tree
+//! per `cache_salt`.
 //!
 //! Edges hold whole pages of tokens (compressed: one node per run of pages without a branch).
-//! A node may hold snapshots at some of its page boundaries; a hit resumes at the deepest
-//! snapshot not beyond the matched length, because the window ring cannot be rebuilt from a
-//! short tail. The tree only records ids: the caller owns the pools and turns the ids the tree
-//! adopts or evicts into references (see `cache`).
+//! A node's pages live on the device, on the host (HiCache), or both; device residency is
+//! closed towards the root (a device-resident node's parent is device-resident). A node may
+//! hold snapshots at some of its page boundaries, each with a device and/or host copy. A hit
+//! resumes at the deepest snapshot not beyond the matched length, because the window ring
+//! cannot be rebuilt from a short tail; host-only parts of that prefix are loaded back first.
+//! The tree records ids only: the caller owns the pools, turns what the tree adopts or gives
+//! back into references, and runs the copies.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 
 /// A node of the tree.
 pub type NodeId = u32;
 
 const NONE: NodeId = NodeId::MAX;
 
+/// One snapshot boundary of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Snap {
+    /// Pages from the edge's start (the boundary is at the end of that many pages).
+    pub end: u32,
+    pub device: Option<u32>,
+    pub host: Option<u32>,
+}
+
 #[derive(Debug, Default)]
 struct Node {
     parent: NodeId,
     /// Whole pages of tokens on the edge into this node.
     tokens: Vec<u32>,
-    /// One KV page per page of `tokens`.
-    pages: Vec<u32>,
-    /// `(pages from the edge's start, snapshot)`: a snapshot of the state after that many of
-    /// the edge's pages; sorted.
-    snapshots: Vec<(u32, u32)>,
+    /// Device KV pages, one per page of tokens; empty when not on the device.
+    device: Vec<u32>,
+    /// Host copies; empty when not backed up.
+    host: Vec<u32>,
+    snaps: Vec<Snap>,
     /// Children by a hash of their first page (verified against the tokens on lookup).
     children: HashMap<u64, NodeId>,
     /// Matches holding this node or a descendant.
     locks: u32,
     last_used: u64,
+    /// Matches that reused this node (write_through_selective backs up on the second).
+    hits: u32,
+    /// Device pages are being loaded back from the host.
+    loading: bool,
     live: bool,
 }
 
-/// What a lookup found.
-#[derive(Debug, Clone, PartialEq, Eq)]
+impl Node {
+    /// Pages on the edge (every node holds them on at least one tier).
+    fn pages(&self) -> usize {
+        self.device.len().max(self.host.len())
+    }
+}
+
+/// Where a hit resumes from and what it must load first.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Match {
-    /// Tokens of the longest cached page-aligned prefix.
+    /// Tokens of the longest cached page-aligned prefix (either tier).
     pub matched_tokens: usize,
     /// Tokens a request can skip: the deepest snapshot within the matched prefix (0 = none).
     pub reusable_tokens: usize,
-    /// The KV pages of the reusable prefix.
+    /// Of those, the prefix whose pages are already on the device.
+    pub device_tokens: usize,
+    /// Device pages of `[0, device_tokens)`.
     pub pages: Vec<u32>,
-    /// The snapshot to restore (present iff `reusable_tokens > 0`).
-    pub snapshot: Option<u32>,
+    /// Host-only nodes covering `[device_tokens, reusable_tokens)`, in order, with their host
+    /// pages: load them back, then `set_device`.
+    pub load: Vec<(NodeId, Vec<u32>)>,
+    /// The snapshot to restore: its node, boundary and copies.
+    pub snapshot: Option<(NodeId, Snap)>,
     /// The locked node (present iff `reusable_tokens > 0`); pass it to [`RadixTree::unlock`].
     pub lock: Option<NodeId>,
+    /// Device-resident nodes of the hit that just reached their second hit.
+    pub second_hits: Vec<NodeId>,
 }
 
 /// What an insertion took over from the caller (one reference each).
@@ -52,13 +82,26 @@ pub struct Match {
 pub struct Adopted {
     pub pages: Vec<u32>,
     pub snapshots: Vec<u32>,
+    /// Nodes that received device pages or snapshots, for write-through backups.
+    pub nodes: Vec<NodeId>,
 }
 
-/// What an eviction gave back (one reference each).
+/// What the tree gave back (one reference each), by tier.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Evicted {
     pub pages: Vec<u32>,
     pub snapshots: Vec<u32>,
+    pub host_pages: Vec<u32>,
+    pub host_snapshots: Vec<u32>,
+}
+
+impl Evicted {
+    fn absorb(&mut self, other: Evicted) {
+        self.pages.extend(other.pages);
+        self.snapshots.extend(other.snapshots);
+        self.host_pages.extend(other.host_pages);
+        self.host_snapshots.extend(other.host_snapshots);
+    }
 }
 
 /// A radix tree over page-sized token runs, one root per cache salt.
@@ -71,6 +114,8 @@ pub struct RadixTree {
     clock: u64,
     pages_held: usize,
     snapshots_held: usize,
+    host_pages_held: usize,
+    host_snapshots_held: usize,
 }
 
 /// A fast 64-bit hash of one page of token ids (FxHash's multiply-rotate over pairs).
@@ -100,6 +145,8 @@ impl RadixTree {
             clock: 0,
             pages_held: 0,
             snapshots_held: 0,
+            host_pages_held: 0,
+            host_snapshots_held: 0,
         }
     }
 
@@ -107,13 +154,21 @@ impl RadixTree {
         self.page
     }
 
-    /// KV pages the tree holds a reference on.
+    /// Device KV pages the tree holds a reference on.
     pub fn pages_held(&self) -> usize {
         self.pages_held
     }
 
     pub fn snapshots_held(&self) -> usize {
         self.snapshots_held
+    }
+
+    pub fn host_pages_held(&self) -> usize {
+        self.host_pages_held
+    }
+
+    pub fn host_snapshots_held(&self) -> usize {
+        self.host_snapshots_held
     }
 
     /// Nodes in the tree (roots included).
@@ -162,58 +217,93 @@ impl RadixTree {
             .unwrap_or(n)
     }
 
-    /// Finds the longest cached prefix of `tokens` under `salt` and locks the path to the
-    /// deepest snapshot in it. Pages and snapshot ids are returned without new references:
-    /// the lock keeps them alive until [`unlock`](Self::unlock).
-    pub fn match_prefix(&mut self, salt: Option<&str>, tokens: &[u32]) -> Match {
-        let mut m = Match {
-            matched_tokens: 0,
-            reusable_tokens: 0,
-            pages: Vec::new(),
-            snapshot: None,
-            lock: None,
-        };
+    fn on_device(&self, id: NodeId) -> bool {
+        let n = self.n(id);
+        !n.device.is_empty() && !n.loading
+    }
+
+    fn on_host(&self, id: NodeId) -> bool {
+        let n = self.n(id);
+        !n.host.is_empty() && !n.loading
+    }
+
+    /// Finds the longest cached prefix of `tokens` under `salt` (host copies count when
+    /// `with_host`), locks the path to the deepest snapshot in it and counts a hit on the nodes
+    /// before it. A host-only node the resume point falls inside is split there, so loads are
+    /// whole nodes. Ids come without new references: the lock keeps them alive.
+    pub fn match_prefix(&mut self, salt: Option<&str>, tokens: &[u32], with_host: bool) -> Match {
+        let mut m = Match::default();
         let Some(&root) = self.roots.get(&salt.map(str::to_owned)) else {
             return m;
         };
         let now = self.tick();
         let p = self.page;
-        let mut node = root;
-        let mut depth = 0; // pages
-        let mut pages = Vec::new();
-        let mut best: Option<(usize, u32, NodeId)> = None;
+        // (node, start page, matched pages, on device)
+        let mut path: Vec<(NodeId, usize, usize, bool)> = Vec::new();
+        let (mut node, mut depth) = (root, 0);
+        let mut best: Option<(usize, usize, Snap)> = None; // (boundary pages, path index, snap)
         while tokens.len() >= (depth + 1) * p {
             let rest = &tokens[depth * p..];
             let Some(child) = self.child(node, &rest[..p]) else {
                 break;
             };
+            let device = self.on_device(child);
+            let usable = device || (with_host && self.on_host(child));
+            if !usable {
+                break;
+            }
             let k = self.common_pages(&self.n(child).tokens, rest);
-            let c = self.n_mut(child);
-            c.last_used = now;
-            pages.extend_from_slice(&c.pages[..k]);
-            if let Some(&(end, snap)) = c.snapshots.iter().rev().find(|s| s.0 as usize <= k) {
-                best = Some((depth + end as usize, snap, child));
+            self.n_mut(child).last_used = now;
+            path.push((child, depth, k, device));
+            let usable = |s: &&Snap| {
+                s.end as usize <= k && (s.device.is_some() || (with_host && s.host.is_some()))
+            };
+            if let Some(&s) = self.n(child).snaps.iter().rev().find(usable) {
+                best = Some((depth + s.end as usize, path.len() - 1, s));
             }
             depth += k;
-            if k < c.pages.len() {
+            if k < self.n(child).pages() {
                 break;
             }
             node = child;
         }
         m.matched_tokens = depth * p;
-        if let Some((at, snap, holder)) = best {
-            pages.truncate(at);
-            m.reusable_tokens = at * p;
-            m.pages = pages;
-            m.snapshot = Some(snap);
-            m.lock = Some(holder);
-            self.lock(holder);
+        let Some((resume, at, snap)) = best else {
+            return m;
+        };
+        path.truncate(at + 1);
+        // Split the holder at the boundary so the lock and any load cover whole nodes.
+        let (holder, start, _, _) = path[at];
+        let within = resume - start;
+        let holder = if within < self.n(holder).pages() {
+            self.split(holder, within)
+        } else {
+            holder
+        };
+        path[at].0 = holder;
+        for &(id, start, _, device) in &path {
+            let n = self.n_mut(id);
+            n.hits += 1;
+            if n.hits == 2 && device {
+                m.second_hits.push(id);
+            }
+            let take = (resume - start).min(n.pages());
+            if device {
+                m.pages.extend_from_slice(&n.device[..take]);
+                m.device_tokens = (start + take) * p;
+            } else {
+                m.load.push((id, n.host[..take].to_vec()));
+            }
         }
+        m.reusable_tokens = resume * p;
+        m.snapshot = Some((holder, snap));
+        m.lock = Some(holder);
+        self.lock(holder);
         m
     }
 
-    /// Whether a snapshot exists for exactly `tokens` (a whole number of pages) under `salt`.
-    pub fn has_snapshot(&self, salt: Option<&str>, tokens: &[u32]) -> bool {
+    /// Whether a device snapshot exists for exactly `tokens` (whole pages) under `salt`.
+    pub fn has_device_snapshot(&self, salt: Option<&str>, tokens: &[u32]) -> bool {
         let p = self.page;
         let Some(&root) = self.roots.get(&salt.map(str::to_owned)) else {
             return false;
@@ -228,9 +318,12 @@ impl RadixTree {
             let c = self.n(child);
             let k = self.common_pages(&c.tokens, rest);
             if depth + k == want {
-                return c.snapshots.iter().any(|s| s.0 as usize == k);
+                return c
+                    .snaps
+                    .iter()
+                    .any(|s| s.end as usize == k && s.device.is_some());
             }
-            if k < c.pages.len() {
+            if k < c.pages() {
                 return false;
             }
             depth += k;
@@ -263,26 +356,41 @@ impl RadixTree {
     fn split(&mut self, node: NodeId, k: usize) -> NodeId {
         let p = self.page;
         let n = self.n_mut(node);
-        debug_assert!(k > 0 && k < n.pages.len());
+        debug_assert!(k > 0 && k < n.pages());
         let tokens = n.tokens.drain(..k * p).collect::<Vec<_>>();
-        let pages = n.pages.drain(..k).collect::<Vec<_>>();
-        let (upper_snaps, lower_snaps): (Vec<_>, Vec<_>) =
-            n.snapshots.iter().partition(|s| s.0 as usize <= k);
-        n.snapshots = lower_snaps
+        let take = |v: &mut Vec<u32>| {
+            if v.is_empty() {
+                Vec::new()
+            } else {
+                v.drain(..k).collect()
+            }
+        };
+        let device = take(&mut n.device);
+        let host = take(&mut n.host);
+        let (upper_snaps, lower_snaps): (Vec<Snap>, Vec<Snap>) =
+            n.snaps.iter().partition(|s| s.end as usize <= k);
+        n.snaps = lower_snaps
             .into_iter()
-            .map(|(end, s)| (end - k as u32, s))
+            .map(|s| Snap {
+                end: s.end - k as u32,
+                ..s
+            })
             .collect();
-        let (parent, locks, last_used) = (n.parent, n.locks, n.last_used);
+        let (parent, locks, last_used, hits, loading) =
+            (n.parent, n.locks, n.last_used, n.hits, n.loading);
         let lower_key = page_hash(&n.tokens[..p]);
         let upper_key = page_hash(&tokens[..p]);
         let upper = self.new_node(Node {
             parent,
             tokens,
-            pages,
-            snapshots: upper_snaps,
+            device,
+            host,
+            snaps: upper_snaps,
             children: HashMap::from([(lower_key, node)]),
             locks,
             last_used,
+            hits,
+            loading,
             live: true,
         });
         self.n_mut(node).parent = upper;
@@ -290,10 +398,10 @@ impl RadixTree {
         upper
     }
 
-    /// Records that `tokens` (whole pages) are cached in `pages`, with `snapshots` as
-    /// `(tokens, snapshot)` at page boundaries within them. Returns the ids the tree took a
-    /// reference on; parts already cached keep their existing pages and snapshots (the
-    /// caller's copies stay the caller's).
+    /// Records that `tokens` (whole pages) are cached in device `pages`, with `snapshots` as
+    /// `(tokens, snapshot)` at page boundaries within them. Parts already on the device keep
+    /// their pages and snapshots; host-only parts get these device pages. Returns what the
+    /// tree took a reference on.
     pub fn insert(
         &mut self,
         salt: Option<&str>,
@@ -320,7 +428,6 @@ impl RadixTree {
             }
         };
         let mut adopted = Adopted::default();
-        // (node, first page, pages) of every edge on the path.
         let mut path: Vec<(NodeId, usize)> = Vec::new();
         let (mut node, mut depth) = (root, 0);
         while depth < n_pages {
@@ -331,15 +438,14 @@ impl RadixTree {
                     let leaf = self.new_node(Node {
                         parent: node,
                         tokens: rest.to_vec(),
-                        pages: pages[depth..n_pages].to_vec(),
-                        snapshots: Vec::new(),
-                        children: HashMap::new(),
-                        locks: 0,
+                        device: pages[depth..n_pages].to_vec(),
                         last_used: now,
                         live: true,
+                        ..Node::default()
                     });
                     self.n_mut(node).children.insert(h, leaf);
                     adopted.pages.extend_from_slice(&pages[depth..n_pages]);
+                    adopted.nodes.push(leaf);
                     self.pages_held += n_pages - depth;
                     path.push((leaf, depth));
                     depth = n_pages;
@@ -354,12 +460,24 @@ impl RadixTree {
                 Some(&c) => c,
             };
             let k = self.common_pages(&self.n(next).tokens, rest);
-            let next = if k < self.n(next).pages.len() {
+            if self.n(next).loading {
+                // Being loaded back: its pages arrive whole; leave it (and below) alone.
+                break;
+            }
+            let next = if k < self.n(next).pages() {
                 self.split(next, k)
             } else {
                 next
             };
-            self.n_mut(next).last_used = now;
+            let n = self.n_mut(next);
+            n.last_used = now;
+            if n.device.is_empty() && !n.loading {
+                // Host-only: this request's pages put it back on the device.
+                n.device = pages[depth..depth + k].to_vec();
+                adopted.pages.extend_from_slice(&n.device);
+                adopted.nodes.push(next);
+                self.pages_held += k;
+            }
             path.push((next, depth));
             depth += k;
             node = next;
@@ -374,94 +492,298 @@ impl RadixTree {
             };
             let end = (b - start) as u32;
             let n = self.n_mut(holder);
-            if let Err(i) = n.snapshots.binary_search_by_key(&end, |s| s.0) {
-                n.snapshots.insert(i, (end, snap));
-                adopted.snapshots.push(snap);
-                self.snapshots_held += 1;
+            if n.device.is_empty() {
+                continue;
             }
+            match n.snaps.binary_search_by_key(&end, |s| s.end) {
+                Err(i) => n.snaps.insert(
+                    i,
+                    Snap {
+                        end,
+                        device: Some(snap),
+                        host: None,
+                    },
+                ),
+                Ok(i) if n.snaps[i].device.is_none() => n.snaps[i].device = Some(snap),
+                Ok(_) => continue,
+            }
+            adopted.snapshots.push(snap);
+            if !adopted.nodes.contains(&holder) {
+                adopted.nodes.push(holder);
+            }
+            self.snapshots_held += 1;
         }
         adopted
     }
 
-    /// Evicts unlocked leaves, least recently used first, handing each one's pages and
-    /// snapshots to `give_back` until it returns true (enough freed) or nothing evictable is
-    /// left. Returns whether `give_back` was satisfied.
-    pub fn evict(&mut self, mut give_back: impl FnMut(Evicted) -> bool) -> bool {
-        let mut heap: BinaryHeap<Reverse<(u64, NodeId)>> = BinaryHeap::new();
-        for (id, n) in self.nodes.iter().enumerate() {
-            if self.evictable(id as NodeId) {
-                heap.push(Reverse((n.last_used, id as NodeId)));
-            }
-        }
-        while let Some(Reverse((_, id))) = heap.pop() {
-            if !self.evictable(id) {
-                continue;
-            }
-            let parent = self.n(id).parent;
-            let evicted = self.remove_leaf(id);
-            let done = give_back(evicted);
-            if done {
-                return true;
-            }
-            if self.evictable(parent) {
-                heap.push(Reverse((self.n(parent).last_used, parent)));
-            }
-        }
-        false
-    }
+    // --- tiers -------------------------------------------------------------------------------
 
-    fn evictable(&self, id: NodeId) -> bool {
+    /// The node's device pages and device snapshot units (for a backup).
+    pub fn device_data(&self, id: NodeId) -> (Vec<u32>, Vec<(u32, u32)>) {
         let n = self.n(id);
-        n.live && n.parent != NONE && n.locks == 0 && n.children.is_empty()
+        let snaps = n
+            .snaps
+            .iter()
+            .filter_map(|s| s.device.map(|d| (s.end, d)))
+            .collect();
+        (n.device.clone(), snaps)
     }
 
-    fn remove_leaf(&mut self, id: NodeId) -> Evicted {
-        let p = self.page;
-        let n = std::mem::take(self.n_mut(id));
-        let key = page_hash(&n.tokens[..p]);
-        self.n_mut(n.parent).children.remove(&key);
-        self.free.push(id);
-        self.pages_held -= n.pages.len();
-        self.snapshots_held -= n.snapshots.len();
-        Evicted {
-            pages: n.pages,
-            snapshots: n.snapshots.into_iter().map(|s| s.1).collect(),
+    pub fn has_host_copy(&self, id: NodeId) -> bool {
+        !self.n(id).host.is_empty()
+    }
+
+    /// Snapshots with a device copy but no host copy, as `(end, device unit)`.
+    pub fn snaps_without_host(&self, id: NodeId) -> Vec<(u32, u32)> {
+        self.n(id)
+            .snaps
+            .iter()
+            .filter(|s| s.host.is_none())
+            .filter_map(|s| s.device.map(|d| (s.end, d)))
+            .collect()
+    }
+
+    pub fn hits(&self, id: NodeId) -> u32 {
+        self.n(id).hits
+    }
+
+    pub fn is_live(&self, id: NodeId) -> bool {
+        self.nodes.get(id as usize).is_some_and(|n| n.live)
+    }
+
+    /// Records host copies: the node's pages (when `pages` is not empty) and snapshots by
+    /// boundary. The tree takes the references.
+    pub fn set_host(&mut self, id: NodeId, pages: Vec<u32>, snaps: &[(u32, u32)]) {
+        let n = self.n_mut(id);
+        let mut added = (0, 0);
+        if !pages.is_empty() {
+            debug_assert!(n.host.is_empty() && pages.len() == n.pages());
+            added.0 = pages.len();
+            n.host = pages;
+        }
+        for &(end, unit) in snaps {
+            if let Some(s) = n
+                .snaps
+                .iter_mut()
+                .find(|s| s.end == end && s.host.is_none())
+            {
+                s.host = Some(unit);
+                added.1 += 1;
+            }
+        }
+        self.host_pages_held += added.0;
+        self.host_snapshots_held += added.1;
+    }
+
+    /// Marks host-only nodes as loading (not usable by other matches until `set_device`).
+    pub fn set_loading(&mut self, id: NodeId) {
+        self.n_mut(id).loading = true;
+    }
+
+    /// A load-back landed: the node's device pages (the tree takes the references).
+    pub fn set_device(&mut self, id: NodeId, pages: Vec<u32>) {
+        let n = self.n_mut(id);
+        debug_assert!(n.device.is_empty() && pages.len() == n.pages());
+        n.loading = false;
+        self.pages_held += pages.len();
+        self.n_mut(id).device = pages;
+    }
+
+    /// A snapshot's device copy was loaded back: the tree takes the reference (false when
+    /// the entry no longer wants one; the caller keeps it).
+    pub fn set_snap_device(&mut self, id: NodeId, end: u32, unit: u32) -> bool {
+        if !self.is_live(id) {
+            return false;
+        }
+        match self
+            .n_mut(id)
+            .snaps
+            .iter_mut()
+            .find(|s| s.end == end && s.device.is_none())
+        {
+            Some(s) => {
+                s.device = Some(unit);
+                self.snapshots_held += 1;
+                true
+            }
+            None => false,
         }
     }
 
-    /// Every page and snapshot the tree holds (for audits).
-    pub fn held(&self) -> Evicted {
+    /// Unlocked device-resident nodes with no device-resident child, least recently used
+    /// first: the candidates for device eviction.
+    pub fn device_victims(&self) -> Vec<NodeId> {
+        let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len() as NodeId)
+            .filter(|&id| self.device_evictable(id))
+            .map(|id| (self.n(id).last_used, id))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|x| x.1).collect()
+    }
+
+    pub fn device_evictable(&self, id: NodeId) -> bool {
+        let n = self.n(id);
+        n.live
+            && n.parent != NONE
+            && n.locks == 0
+            && !n.loading
+            && !n.device.is_empty()
+            && n.children.values().all(|&c| self.n(c).device.is_empty())
+    }
+
+    /// Unlocked nodes with a host copy, least recently used first: host-only leaves (removed
+    /// when evicted) and device-resident nodes (which only lose their host copy).
+    pub fn host_victims(&self) -> Vec<NodeId> {
+        let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len() as NodeId)
+            .filter(|&id| self.host_evictable(id))
+            .map(|id| (self.n(id).last_used, id))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|x| x.1).collect()
+    }
+
+    pub fn host_evictable(&self, id: NodeId) -> bool {
+        let n = self.n(id);
+        n.live
+            && n.parent != NONE
+            && n.locks == 0
+            && !n.loading
+            && !n.host.is_empty()
+            && (!n.device.is_empty() || n.children.is_empty())
+    }
+
+    pub fn parent(&self, id: NodeId) -> Option<NodeId> {
+        let p = self.n(id).parent;
+        (p != NONE && self.n(p).parent != NONE).then_some(p)
+    }
+
+    /// Device eviction of a node with a host copy: its device pages and device snapshots go
+    /// back; snapshots without a host copy are gone.
+    pub fn drop_device(&mut self, id: NodeId) -> Evicted {
+        let n = self.n_mut(id);
+        let mut out = Evicted {
+            pages: std::mem::take(&mut n.device),
+            ..Evicted::default()
+        };
+        n.snaps.retain_mut(|s| {
+            if let Some(d) = s.device.take() {
+                out.snapshots.push(d);
+            }
+            s.host.is_some()
+        });
+        self.pages_held -= out.pages.len();
+        self.snapshots_held -= out.snapshots.len();
+        out
+    }
+
+    /// Host eviction: a device-resident node loses its host copy; a host-only leaf goes.
+    pub fn drop_host(&mut self, id: NodeId) -> Evicted {
+        if self.n(id).device.is_empty() {
+            return self.remove_subtree(id);
+        }
+        let n = self.n_mut(id);
+        let mut out = Evicted {
+            host_pages: std::mem::take(&mut n.host),
+            ..Evicted::default()
+        };
+        n.snaps.retain_mut(|s| {
+            if let Some(h) = s.host.take() {
+                out.host_snapshots.push(h);
+            }
+            s.device.is_some()
+        });
+        self.host_pages_held -= out.host_pages.len();
+        self.host_snapshots_held -= out.host_snapshots.len();
+        out
+    }
+
+    /// Removes `id` and everything below it (none of it may be locked).
+    pub fn remove_subtree(&mut self, id: NodeId) -> Evicted {
+        let p = self.page;
         let mut out = Evicted::default();
-        for n in self.nodes.iter().filter(|n| n.live) {
-            out.pages.extend_from_slice(&n.pages);
-            out.snapshots.extend(n.snapshots.iter().map(|s| s.1));
+        let children: Vec<NodeId> = self.n(id).children.values().copied().collect();
+        for c in children {
+            out.absorb(self.remove_subtree(c));
+        }
+        let n = std::mem::take(self.n_mut(id));
+        debug_assert_eq!(n.locks, 0, "removing a locked node");
+        let key = page_hash(&n.tokens[..p]);
+        if n.parent != NONE && self.n(n.parent).live {
+            self.n_mut(n.parent).children.remove(&key);
+        }
+        self.free.push(id);
+        self.pages_held -= n.device.len();
+        self.host_pages_held -= n.host.len();
+        out.pages.extend(n.device);
+        out.host_pages.extend(n.host);
+        for s in n.snaps {
+            if let Some(d) = s.device {
+                out.snapshots.push(d);
+                self.snapshots_held -= 1;
+            }
+            if let Some(h) = s.host {
+                out.host_snapshots.push(h);
+                self.host_snapshots_held -= 1;
+            }
         }
         out
     }
 
-    /// Checks the tree's structure: parent links, edge sizes, child keys and lock counts.
+    /// Every page and snapshot the tree holds, by tier (for audits).
+    pub fn held(&self) -> Evicted {
+        let mut out = Evicted::default();
+        for n in self.nodes.iter().filter(|n| n.live) {
+            out.pages.extend_from_slice(&n.device);
+            out.host_pages.extend_from_slice(&n.host);
+            out.snapshots
+                .extend(n.snaps.iter().filter_map(|s| s.device));
+            out.host_snapshots
+                .extend(n.snaps.iter().filter_map(|s| s.host));
+        }
+        out
+    }
+
+    /// Checks the tree's structure: parent links, edge sizes, tiers, child keys, lock counts.
     pub fn check(&self) -> Result<(), String> {
         let p = self.page;
-        let mut pages = 0;
-        let mut snaps = 0;
+        let mut counts = [0usize; 4];
         for (id, n) in self.nodes.iter().enumerate() {
             if !n.live {
                 continue;
             }
             let id = id as NodeId;
-            pages += n.pages.len();
-            snaps += n.snapshots.len();
+            counts[0] += n.device.len();
+            counts[1] += n.snaps.iter().filter(|s| s.device.is_some()).count();
+            counts[2] += n.host.len();
+            counts[3] += n.snaps.iter().filter(|s| s.host.is_some()).count();
             if n.parent != NONE {
-                if n.tokens.is_empty() || n.tokens.len() != n.pages.len() * p {
-                    return Err(format!(
-                        "node {id}: {} tokens for {} pages",
-                        n.tokens.len(),
-                        n.pages.len()
-                    ));
+                let pages = n.tokens.len() / p;
+                if n.tokens.is_empty() || n.tokens.len() % p != 0 {
+                    return Err(format!("node {id}: {} tokens", n.tokens.len()));
+                }
+                for (tier, v) in [("device", &n.device), ("host", &n.host)] {
+                    if !v.is_empty() && v.len() != pages {
+                        return Err(format!("node {id}: {} {tier} pages for {pages}", v.len()));
+                    }
+                }
+                if n.device.is_empty() && n.host.is_empty() && !n.loading {
+                    return Err(format!("node {id} holds nothing"));
                 }
                 let parent = self.n(n.parent);
                 if parent.children.get(&page_hash(&n.tokens[..p])) != Some(&id) {
                     return Err(format!("node {id} is not its parent's child"));
+                }
+                if !n.device.is_empty()
+                    && parent.parent != NONE
+                    && parent.device.is_empty()
+                    && !parent.loading
+                {
+                    return Err(format!("node {id} is on the device but its parent is not"));
+                }
+                if n.snaps.iter().any(|s| {
+                    s.end == 0 || s.end as usize > pages || (s.device.is_none() && s.host.is_none())
+                }) {
+                    return Err(format!("node {id}: bad snapshot entry"));
                 }
             }
             let child_locks: u32 = n.children.values().map(|&c| self.n(c).locks).sum();
@@ -476,18 +798,15 @@ impl RadixTree {
                     return Err(format!("node {id}: child {c} does not point back"));
                 }
             }
-            if n.snapshots
-                .iter()
-                .any(|s| s.0 == 0 || s.0 as usize > n.pages.len())
-            {
-                return Err(format!("node {id}: snapshot outside its edge"));
-            }
         }
-        if pages != self.pages_held || snaps != self.snapshots_held {
-            return Err(format!(
-                "counted {pages} pages / {snaps} snapshots, books say {} / {}",
-                self.pages_held, self.snapshots_held
-            ));
+        let books = [
+            self.pages_held,
+            self.snapshots_held,
+            self.host_pages_held,
+            self.host_snapshots_held,
+        ];
+        if counts != books {
+            return Err(format!("counted {counts:?} (pages, snapshots, host pages, host snapshots), books say {books:?}"));
         }
         Ok(())
     }
@@ -511,16 +830,60 @@ mod tests {
         // Diverges in page 4 (index 3): matched 3 pages, resumes at 2.
         let mut b = a.clone();
         b[13] = 7;
-        let m = t.match_prefix(None, &b);
-        assert_eq!((m.matched_tokens, m.reusable_tokens), (12, 8));
+        let m = t.match_prefix(None, &b, true);
+        assert_eq!(
+            (m.matched_tokens, m.reusable_tokens, m.device_tokens),
+            (12, 8, 8)
+        );
         assert_eq!(m.pages, vec![10, 11]);
-        assert_eq!(m.snapshot, Some(100));
-        // Locked: nothing can be evicted.
-        assert!(!t.evict(|_| false));
-        t.unlock(m.lock.unwrap());
+        assert_eq!(m.snapshot.unwrap().1.device, Some(100));
+        // Locked: nothing can be evicted above the lock.
+        let holder = m.lock.unwrap();
+        assert!(!t.device_evictable(holder));
+        t.unlock(holder);
         t.check().unwrap();
         // Other salts never share.
-        assert_eq!(t.match_prefix(Some("x"), &a).reusable_tokens, 0);
+        assert_eq!(t.match_prefix(Some("x"), &a, true).reusable_tokens, 0);
+    }
+
+    #[test]
+    fn host_copies_survive_device_eviction_and_hits_name_what_to_load() {
+        let mut t = RadixTree::new(4);
+        let a = toks(1, 4);
+        let adopted = t.insert(None, &a, &[1, 2, 3, 4], &[(8, 50), (16, 51)]);
+        let node = adopted.nodes[0];
+        t.set_host(node, vec![90, 91, 92, 93], &[(2, 70), (4, 71)]);
+        assert_eq!(t.device_victims(), vec![node]);
+        let gone = t.drop_device(node);
+        assert_eq!(
+            (gone.pages.clone(), gone.snapshots.clone()),
+            (vec![1, 2, 3, 4], vec![50, 51])
+        );
+        t.check().unwrap();
+        // Device-only matching finds nothing; with the host tier the whole prefix is there.
+        assert_eq!(t.match_prefix(None, &a, false).reusable_tokens, 0);
+        let m = t.match_prefix(None, &a[..15], true);
+        assert_eq!((m.reusable_tokens, m.device_tokens), (8, 0));
+        assert_eq!(m.load.len(), 1);
+        assert_eq!(m.load[0].1, vec![90, 91], "split at the resume point");
+        assert_eq!(m.snapshot.unwrap().1.host, Some(70));
+        let (holder, _) = m.snapshot.unwrap();
+        t.set_loading(holder);
+        t.set_device(holder, vec![5, 6]);
+        t.set_snap_device(holder, 2, 52);
+        t.unlock(m.lock.unwrap());
+        t.check().unwrap();
+        let again = t.match_prefix(None, &a[..15], true);
+        assert_eq!((again.reusable_tokens, again.device_tokens), (8, 8));
+        assert_eq!(again.pages, vec![5, 6]);
+        t.unlock(again.lock.unwrap());
+        // Host eviction of the host-only lower half removes it.
+        let victims = t.host_victims();
+        let lower = *victims.iter().find(|&&v| t.n(v).device.is_empty()).unwrap();
+        let gone = t.drop_host(lower);
+        assert_eq!(gone.host_pages, vec![92, 93]);
+        assert_eq!(gone.host_snapshots, vec![71]);
+        t.check().unwrap();
     }
 
     #[test]
@@ -535,25 +898,28 @@ mod tests {
         assert_eq!(adopted.snapshots, vec![60, 61]);
         t.check().unwrap();
         assert_eq!(t.pages_held(), 6);
-        let m = t.match_prefix(None, &a);
+        let m = t.match_prefix(None, &a, true);
         assert_eq!((m.reusable_tokens, m.pages.clone()), (16, vec![1, 2, 3, 4]));
         t.unlock(m.lock.unwrap());
-        let m = t.match_prefix(None, &b);
+        let m = t.match_prefix(None, &b, true);
         assert_eq!(
             (m.reusable_tokens, m.pages.clone()),
             (16, vec![1, 2, 9, 10])
         );
         t.unlock(m.lock.unwrap());
-        // Eviction goes leaf by leaf, oldest first, then reaches the shared part.
-        let mut freed = Vec::new();
-        assert!(!t.evict(|e| {
-            freed.push(e);
-            false
-        }));
-        assert_eq!(freed.len(), 3);
-        assert_eq!(freed[0].pages, vec![3, 4]);
-        assert_eq!(freed[2].pages, vec![1, 2]);
-        assert_eq!(freed[2].snapshots, vec![60]);
+        // Device victims: the two leaves (oldest first), then the shared part.
+        let v = t.device_victims();
+        assert_eq!(v.len(), 2);
+        let mut gone = Evicted::default();
+        for id in v {
+            gone.absorb(t.remove_subtree(id));
+        }
+        let shared = t.device_victims();
+        assert_eq!(shared.len(), 1);
+        gone.absorb(t.remove_subtree(shared[0]));
+        let mut pages = gone.pages.clone();
+        pages.sort_unstable();
+        assert_eq!(pages, vec![1, 2, 3, 4, 9, 10]);
         assert_eq!(t.pages_held(), 0);
         t.check().unwrap();
     }

@@ -465,9 +465,13 @@ fn numa_fit(
         )
     } else {
         let fix = match (params.backend, params.hicache.size_bytes.is_some()) {
-            (Backend::Cpu, _) => {
-                "lower kv.device_memory_bytes or the host tier, or use bf16 weights"
+            (Backend::Cpu, true) if params.hicache.enabled => {
+                "lower hicache.size_bytes or kv.device_memory_bytes, or use bf16 weights"
             }
+            (Backend::Cpu, false) if params.hicache.enabled => {
+                "lower hicache.ratio or kv.device_memory_bytes, or use bf16 weights"
+            }
+            (Backend::Cpu, _) => "lower kv.device_memory_bytes, or use bf16 weights",
             (Backend::Cuda, true) => {
                 "lower hicache.size_bytes or set hicache.numa_node to a node with more free memory"
             }

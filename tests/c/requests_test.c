@@ -146,6 +146,18 @@ static void test_generate_and_bad_input(void) {
     CHECK_STATUS(dsv4_poll(engine, events, 4, &n, 20), DSV4_OK);
     CHECK(n == 0);
 
+    /* Cache statistics and flushes. */
+    size_t needed = 0;
+    CHECK_STATUS(dsv4_cache_stats(engine, NULL, 0, &needed), DSV4_OK);
+    char *stats = malloc(needed);
+    CHECK_STATUS(dsv4_cache_stats(engine, stats, needed, &needed), DSV4_OK);
+    CHECK(strstr(stats, "\"c4_kv\"") != NULL && strstr(stats, "\"hit_tokens\"") != NULL);
+    free(stats);
+    CHECK_STATUS(dsv4_cache_flush(engine, "device"), DSV4_OK);
+    CHECK_STATUS(dsv4_cache_flush(engine, "disk"), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(dsv4_cache_flush(engine, NULL), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(dsv4_cache_stats(NULL, NULL, 0, &needed), DSV4_ERR_INVALID_ARGUMENT);
+
     /* Shutdown: later submits are refused; a bad mode is refused. */
     CHECK_STATUS(dsv4_engine_shutdown(engine, 7, -1), DSV4_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(dsv4_engine_shutdown(engine, DSV4_SHUTDOWN_DRAIN, -1), DSV4_OK);

@@ -78,6 +78,23 @@ pub fn plan_for_model(model: &Model<CpuBackend>, kv: Value) -> Plan {
     .unwrap()
 }
 
+/// The plan for a loaded model with a whole params document (`kv` and `hicache` sections
+/// merged over the test defaults).
+pub fn plan_for_model_doc(model: &Model<CpuBackend>, extra: Value) -> Plan {
+    let mut params = test_params(None, extra.get("kv").cloned().unwrap_or(json!({})));
+    if let Some(h) = extra.get("hicache") {
+        let mut doc = params.to_json_value();
+        doc["hicache"] = h.clone();
+        params = Params::from_value(&doc).unwrap();
+    }
+    plan::plan_with(
+        &params,
+        model.config.clone(),
+        &plan::numa::SystemProbe::new(),
+    )
+    .unwrap()
+}
+
 /// Pools for `model` on the model's own backend, `kv` params merged over the test defaults.
 pub fn pools_with(model: &Model<CpuBackend>, kv: Value) -> KvPools<CpuBackend> {
     KvPools::new(model.backend_arc(), &plan_for_model(model, kv)).unwrap()

@@ -115,3 +115,21 @@ def test_stream_closed_early_aborts(engine):
     with pytest.raises(dsv4.NotFound):
         engine.abort(first.request_id)
     assert np.isfinite(engine.score(PROMPT)).all()
+
+
+def test_cache_stats_and_flush_with_a_host_tier():
+    with dsv4.Engine(params(hicache={"enabled": True, "ratio": 2.0,
+                                     "write_policy": "write_through"})) as e:
+        prompt = (PROMPT * 20)[:300]
+        first = e.generate(prompt, max_new_tokens=4, temperature=0)
+        e.cache_flush("device")
+        events = list(e.stream(prompt, max_new_tokens=4, temperature=0))
+        assert [x.token for x in events[:-1]] == first
+        assert (events[-1].cached_tokens_device, events[-1].cached_tokens_host) == (0, 256)
+        stats = e.cache_stats()
+        assert stats["hits"]["host"] == 1 and stats["loadback"]["bytes"] > 0
+        assert stats["pools"]["c4_kv"]["host"]["total_units"] > 0
+        with pytest.raises(dsv4.InvalidArgument, match='use "device", "host" or "all"'):
+            e.cache_flush("disk")
+        e.cache_flush("all")
+        assert e.cache_stats()["tree"]["host_pages"] == 0

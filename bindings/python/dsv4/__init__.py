@@ -270,6 +270,17 @@ class Engine:
                     event.request_id, status_name(event.status)))
         return tokens
 
+    def cache_stats(self):
+        """The prefix cache per pool and tier (used / total units and bytes) and its counters
+        (hits by tier, load-backs, backups, evictions): a dict, see docs/hicache.md."""
+        handle = self._live()
+        return json.loads(_read_text(lambda b, c, n: _lib.dsv4_cache_stats(handle, b, c, n)))
+
+    def cache_flush(self, tier="all"):
+        """Drops every unlocked cached prefix from "device" (host copies stay), "host" or
+        "all"."""
+        _check(_lib.dsv4_cache_flush(self._live(), tier.encode("utf-8")))
+
     def shutdown(self, mode=ShutdownMode.DRAIN, timeout_s=None):
         """Stops intake; DRAIN lets accepted requests finish, ABORT ends them. Waits up to
         timeout_s (None: as long as it takes); raises Timeout if still draining."""

@@ -123,3 +123,7 @@ lib.dsv4_abort.restype = status_t
 lib.dsv4_abort.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
 lib.dsv4_engine_shutdown.restype = status_t
 lib.dsv4_engine_shutdown.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+lib.dsv4_cache_stats.restype = status_t
+lib.dsv4_cache_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
+lib.dsv4_cache_flush.restype = status_t
+lib.dsv4_cache_flush.argtypes = [ctypes.c_void_p, c_char_p]

@@ -2,6 +2,7 @@
 //! on the engine's own rayon pool (`threads` param; no global pool).
 
 mod attention;
+mod copier;
 mod gemm;
 mod gemv;
 mod hc;
@@ -16,8 +17,8 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::{
-    AttentionArgs, Backend, CompressArgs, CopyRegion, Expert, HcMix, HcParams, IndexerArgs,
-    Precision, RouteArgs, Routing, RowLayout, Rows,
+    AttentionArgs, Backend, CompressArgs, CopyDirection, CopyRegion, Expert, HcMix, HcParams,
+    IndexerArgs, Precision, RouteArgs, Routing, RowLayout, Rows, Ticket, TierCopy,
 };
 use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
@@ -54,6 +55,7 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     /// Bytes held by live pool buffers.
     allocated: Arc<AtomicU64>,
+    copier: copier::Copier,
 }
 
 impl CpuBackend {
@@ -72,11 +74,18 @@ impl CpuBackend {
         Ok(Self {
             pool,
             allocated: Arc::default(),
+            copier: copier::Copier::default(),
         })
     }
 
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
+    }
+
+    /// Limits tier copies to `bytes_per_s` (None: unlimited). For tests and benchmarks that need
+    /// a copy to stay in flight.
+    pub fn throttle_tier_copies(&self, bytes_per_s: Option<f64>) {
+        self.copier.set_throttle(bytes_per_s);
     }
 
     /// Bytes held by live pool buffers of this backend (measured at allocation and free).
@@ -121,17 +130,35 @@ impl Backend for CpuBackend {
     }
 
     fn read_bytes(&self, b: &CpuBuffer, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(&b.bytes()[offset..offset + out.len()]);
+        out.copy_from_slice(b.range(offset, out.len()));
     }
 
     fn write_bytes(&self, b: &mut CpuBuffer, offset: usize, data: &[u8]) {
-        b.bytes_mut()[offset..offset + data.len()].copy_from_slice(data);
+        b.range_mut(offset, data.len()).copy_from_slice(data);
+    }
+
+    fn copy_tier(
+        &self,
+        buffer: &CpuBuffer,
+        direction: CopyDirection,
+        copies: Vec<TierCopy>,
+        ticket: &Arc<Ticket>,
+    ) {
+        for c in &copies {
+            assert!(
+                c.pool_offset
+                    .checked_add(c.len)
+                    .is_some_and(|end| end <= buffer.len()),
+                "tier copy outside its pool"
+            );
+        }
+        self.copier.submit(buffer.base(), direction, copies, ticket);
     }
 
     fn copy_regions(&self, src: &CpuBuffer, dst: &mut CpuBuffer, regions: &[CopyRegion]) {
-        let (src, dst) = (src.bytes(), dst.bytes_mut());
         for r in regions {
-            dst[r.dst..r.dst + r.len].copy_from_slice(&src[r.src..r.src + r.len]);
+            dst.range_mut(r.dst, r.len)
+                .copy_from_slice(src.range(r.src, r.len));
         }
     }
 
@@ -143,7 +170,7 @@ impl Backend for CpuBackend {
         x: &CpuTensor,
         rows: Range<usize>,
     ) {
-        pool::write_rows(dst.bytes_mut(), layout, first, &x.0, rows);
+        pool::write_rows(dst, layout, first, &x.0, rows);
     }
 
     fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> CpuTensor {
@@ -371,8 +398,7 @@ impl Backend for CpuBackend {
     ) -> (CpuTensor, usize) {
         let coff = if args.overlap { 2 } else { 1 };
         let len = coff * args.ratio * 2 * coff * args.width * 4;
-        let values: &mut [f32] =
-            bytemuck::cast_slice_mut(&mut state.bytes_mut()[frontier..frontier + len]);
+        let values: &mut [f32] = bytemuck::cast_slice_mut(state.range_mut(frontier, len));
         let (rows, n) = attention::compress(values, args);
         (CpuTensor(rows), n)
     }

@@ -50,14 +50,33 @@ impl CpuBuffer {
         self.len == 0
     }
 
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    /// Bytes `offset..offset + len`. Views are only ever taken of the range an access needs:
+    /// the tier copy engine writes other ranges of the same buffer concurrently, through raw
+    /// pointers, and a whole-buffer reference would overlap them.
+    pub fn range(&self, offset: usize, len: usize) -> &[u8] {
+        assert!(
+            offset <= self.len && len <= self.len - offset,
+            "pool access out of bounds"
+        );
+        // SAFETY: in bounds (checked); the bytes were initialised (zeroed) at allocation; by
+        // the pools' protocol no copy is writing this range while it is read.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) }
     }
 
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes this the only live reference.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    /// Bytes `offset..offset + len`, writable.
+    pub fn range_mut(&mut self, offset: usize, len: usize) -> &mut [u8] {
+        assert!(
+            offset <= self.len && len <= self.len - offset,
+            "pool access out of bounds"
+        );
+        // SAFETY: in bounds (checked); `&mut self` excludes every other view taken through
+        // this buffer, and by the pools' protocol no copy touches this range meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) }
+    }
+
+    /// The first byte, for asynchronous tier copies (see `range`).
+    pub(super) fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 }
 
@@ -82,7 +101,7 @@ fn too_big(bytes: usize) -> Error {
 
 /// Encodes `rows` of `x` into rows `first..` of `layout`.
 pub(super) fn write_rows(
-    dst: &mut [u8],
+    dst: &mut CpuBuffer,
     layout: &RowLayout<'_>,
     first: usize,
     x: &[f32],
@@ -93,7 +112,7 @@ pub(super) fn write_rows(
         let at = layout.row_offset(first + i);
         layout
             .codec
-            .encode(&x[r * w..(r + 1) * w], &mut dst[at..at + rb]);
+            .encode(&x[r * w..(r + 1) * w], dst.range_mut(at, rb));
     }
 }
 
@@ -103,10 +122,8 @@ pub(super) fn push_row(rows: &Rows<'_, super::CpuBackend>, r: usize, out: &mut V
     let at = l.row_offset(r);
     let start = out.len();
     out.resize(start + l.width, 0.0);
-    l.codec.decode(
-        &rows.buffer.bytes()[at..at + l.row_bytes],
-        &mut out[start..],
-    );
+    l.codec
+        .decode(rows.buffer.range(at, l.row_bytes), &mut out[start..]);
 }
 
 /// Decodes rows `range` into a contiguous `[range.len(), width]` block.
