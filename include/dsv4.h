@@ -156,6 +156,132 @@ typedef int32_t dsv4_status;
 typedef void (*dsv4_log_fn)(void *user_data, int32_t level, const char *target, const char *message);
 
 /**
+ * Used and total units of one pool kind on one tier, and their bytes.
+ */
+typedef struct {
+    uint64_t used;
+    uint64_t total;
+    uint64_t used_bytes;
+    uint64_t total_bytes;
+} dsv4_units;
+
+/**
+ * A metrics snapshot (version 1). Counters (`*_total`) count from engine creation; the rest
+ * are gauges at the instant of the call (pool gauges as of the last forward step). Fields are
+ * only appended in later versions. docs/metrics.md describes each one.
+ */
+typedef struct {
+    /**
+     * Set to `sizeof(dsv4_metrics)` before the call; the library sets it to the bytes it
+     * filled (at most what you passed).
+     */
+    uint32_t struct_size;
+    /**
+     * Requests taking part in forward steps.
+     */
+    uint64_t num_running_reqs;
+    /**
+     * Requests waiting for a host-tier load-back before they can run.
+     */
+    uint64_t num_loading_reqs;
+    /**
+     * Accepted requests waiting to run (retracted ones included).
+     */
+    uint64_t num_queue_reqs;
+    /**
+     * Prompt tokens accepted and not yet prefilled.
+     */
+    uint64_t num_queue_tokens;
+    /**
+     * KV pages (one id across `c4_kv`, `c4_indexer`, `c128_kv`; bytes cover all three).
+     */
+    dsv4_units device_pages;
+    /**
+     * Per-request slots (SWA ring and compressor frontiers).
+     */
+    dsv4_units device_slots;
+    /**
+     * Prefix-cache snapshots.
+     */
+    dsv4_units device_snapshots;
+    /**
+     * Host-tier (HiCache) pages and snapshots; zero without HiCache.
+     */
+    dsv4_units host_pages;
+    dsv4_units host_snapshots;
+    /**
+     * Requests accepted by `dsv4_submit`.
+     */
+    uint64_t requests_total;
+    /**
+     * Terminal events: stop token or EOS, length, abort, timeout, error.
+     */
+    uint64_t finished_stop_total;
+    uint64_t finished_length_total;
+    uint64_t aborted_total;
+    uint64_t timed_out_total;
+    uint64_t failed_total;
+    /**
+     * Submits refused: `DSV4_ERR_QUEUE_FULL`, `DSV4_ERR_CAPACITY`,
+     * `DSV4_ERR_INVALID_ARGUMENT`, `DSV4_ERR_SHUTDOWN`.
+     */
+    uint64_t rejected_queue_full_total;
+    uint64_t rejected_capacity_total;
+    uint64_t rejected_invalid_total;
+    uint64_t rejected_shutdown_total;
+    /**
+     * Running requests retracted when the KV pools ran out during decode.
+     */
+    uint64_t retractions_total;
+    /**
+     * Prompt tokens of requests that started running.
+     */
+    uint64_t prompt_tokens_total;
+    uint64_t generation_tokens_total;
+    /**
+     * Prompt tokens served from the prefix cache, by the tier they came from.
+     */
+    uint64_t cached_tokens_device_total;
+    uint64_t cached_tokens_host_total;
+    uint64_t forward_steps_total;
+    uint64_t forward_tokens_total;
+    /**
+     * HiCache copies.
+     */
+    uint64_t loadback_tokens_total;
+    uint64_t loadback_bytes_total;
+    double loadback_seconds_total;
+    uint64_t backup_tokens_total;
+    uint64_t backup_bytes_total;
+    double backup_seconds_total;
+    /**
+     * Device evictions that kept a host copy, that dropped the prefix; host-tier evictions.
+     */
+    uint64_t evictions_device_to_host_total;
+    uint64_t evictions_device_dropped_total;
+    uint64_t evictions_host_total;
+    /**
+     * KV transfer between prefill and decode engines (zero until PD disaggregation lands).
+     */
+    uint64_t kv_transfer_requests_total;
+    uint64_t kv_transfer_bytes_total;
+    double kv_transfer_seconds_total;
+    uint64_t kv_transfer_failures_total;
+    /**
+     * Sums (seconds) and counts of the latency histograms; the buckets are in the
+     * Prometheus exposition.
+     */
+    double ttft_seconds_sum;
+    uint64_t ttft_count;
+    double itl_seconds_sum;
+    uint64_t itl_count;
+    double e2e_seconds_sum;
+    uint64_t e2e_count;
+    double queue_seconds_sum;
+    uint64_t queue_count;
+} dsv4_metrics;
+
+/**
  * A generation request (version 1). Initialise with `dsv4_request_init`, then set fields.
  * Fields are only appended in later versions; `struct_size` tells the library which you have.
  * Every pointer is read during `dsv4_submit` only.
@@ -480,6 +606,33 @@ dsv4_status dsv4_model_info(const dsv4_engine *engine, char *buf, size_t cap, si
  * linked into a Rust program as an rlib).
  */
 dsv4_status dsv4_set_log_callback(int32_t max_level, dsv4_log_fn callback, void *user_data);
+
+/**
+ * Fills `*out` with the engine's metrics. Set `out->struct_size = sizeof(dsv4_metrics)`
+ * first: a caller built against an older header gets the fields it knows. Thread-safe and
+ * cheap (one short lock; never waits for a forward step), so it suits a scrape loop.
+ *
+ * # Safety
+ * `engine` is a live handle; `out` is valid for `out->struct_size` bytes of reads and writes.
+ */
+dsv4_status dsv4_metrics_get(const dsv4_engine *engine, dsv4_metrics *out);
+
+/**
+ * Writes the metrics in the Prometheus text format (version 0.0.4): `dsv4_` names following
+ * SGLang's where it has the series (`num_running_reqs`, `num_queue_reqs`, `token_usage`,
+ * `cached_tokens_total{cache_source}`, `time_to_first_token_seconds`, …), counters and
+ * histograms, every sample labelled with `metrics.labels`. Serve it as
+ * `text/plain; version=0.0.4`. `(buf, cap, needed)` convention; thread-safe; never waits for
+ * a forward step.
+ *
+ * # Safety
+ * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
+ * for one `size_t`.
+ */
+dsv4_status dsv4_metrics_prometheus(const dsv4_engine *engine,
+                                    char *buf,
+                                    size_t cap,
+                                    size_t *needed);
 
 /**
  * Writes the full default params document (JSON, every key documented in docs/params.md).

@@ -4,6 +4,8 @@
 //! admission control answers at submit time.
 
 mod event;
+mod metrics;
+mod prometheus;
 mod request;
 mod sampling;
 mod worker;
@@ -18,13 +20,17 @@ use crossbeam_channel::{bounded, Sender, TrySendError};
 use serde_json::Value;
 
 pub use event::{Event, EventCallback, EventKind, FinishReason};
+pub use metrics::{
+    Histogram, KvTransfer, MetricsSnapshot, Outcome, PoolGauges, Rejection, Units, LATENCY_BUCKETS,
+    STEP_BUCKETS,
+};
 pub use request::RequestSpec;
 pub use sampling::{filtered, Sampler, SamplingParams};
 use worker::{Command, Limits, Pending, Shared, Worker};
 pub use worker::{PoolUsage, ShutdownMode};
 
 use crate::backend::cpu::CpuBackend;
-use crate::config::params::{Backend as BackendKind, Params, Role, SchedulerPolicy};
+use crate::config::params::{Backend as BackendKind, Params, Role};
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::cache::Tier;
 use crate::kv::hicache::HostPools;
@@ -75,6 +81,9 @@ impl Engine {
         );
         let pools = KvPools::new(backend.clone(), &plan)?;
         let mut cache = PrefixCache::new(pools, params.kv.snapshot_interval() as usize)?;
+        if !params.kv.prefix_cache {
+            cache = cache.without_reuse();
+        }
         if params.hicache.enabled {
             let host = HostPools::new(&plan, backend.as_ref(), backend.threads())?;
             cache = cache.with_host(host, params.hicache.write_policy);
@@ -92,6 +101,8 @@ impl Engine {
                 0 => None,
                 ms => Some(Duration::from_millis(ms.into())),
             },
+            policy: params.scheduler.policy,
+            lpm_max_waiting: params.scheduler.lpm_max_waiting as usize,
         };
         let worker = Worker::new(model.clone(), cache, shared.clone(), rx, limits);
         let thread = std::thread::Builder::new()
@@ -125,6 +136,15 @@ impl Engine {
     /// (a prompt no pool could ever hold), `QueueFull` (admission limits), `Shutdown`. Does not
     /// block. Returns the request id.
     pub fn submit(&self, spec: RequestSpec) -> Result<u64> {
+        let result = self.admit(spec);
+        match &result {
+            Ok(_) => self.shared.metrics.update(|m| m.requests += 1),
+            Err(e) => self.shared.metrics.reject(e.kind()),
+        }
+        result
+    }
+
+    fn admit(&self, spec: RequestSpec) -> Result<u64> {
         if !self.shared.accepting.load(Ordering::SeqCst) {
             return Err(Error::new(
                 ErrorKind::Shutdown,
@@ -344,6 +364,21 @@ impl Engine {
             .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
     }
 
+    /// Counters, histograms and gauges at this instant. Never waits for the engine thread:
+    /// pool gauges and cache counters are as of the last step.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut m = self.shared.metrics.snapshot();
+        let a = self.shared.admission();
+        m.queued = a.queued_requests;
+        m.queued_tokens = a.queued_tokens;
+        m
+    }
+
+    /// [`Self::metrics`] in the Prometheus text format, `metrics.labels` on every sample.
+    pub fn prometheus(&self) -> String {
+        prometheus::render(&self.metrics(), &self.params.metrics.labels)
+    }
+
     /// Configuration summary, parameter count and resident bytes by dtype.
     pub fn model_info(&self) -> Value {
         let mut info = self.model.info();
@@ -410,12 +445,6 @@ fn refuse_unbuilt(p: &Params) -> Result<()> {
     if p.parallel.tp > 1 || p.parallel.ep > 1 {
         missing.push(
             "`parallel.tp` / `parallel.ep` > 1: multi-rank engines are not built yet; use 1".into(),
-        );
-    }
-    if p.scheduler.policy != SchedulerPolicy::Fcfs {
-        missing.push(
-            "`scheduler.policy` = lpm: longest-prefix-first scheduling is not built yet; use fcfs"
-                .into(),
         );
     }
     if missing.is_empty() {

@@ -1,6 +1,14 @@
 //! The engine thread: owns the model's KV state, admits waiting requests, builds each step
 //! (decode tokens first, then prefill chunks up to the token budget, cut at snapshot points),
 //! samples, emits events and keeps the prefix cache.
+//!
+//! Pages are reserved for a request's prompt when it starts and one page at a time as it
+//! decodes. Admission estimates what the running requests will still need (a share of their
+//! remaining `max_new_tokens`, `new_token_ratio`, which decays while things go well and jumps
+//! after a retraction); when the estimate was wrong and a decoding request finds no page, the
+//! newest running request is retracted: its sequence goes into the prefix cache, its pages
+//! and slot are freed, and it waits at the front of the queue to be recomputed, its sampler
+//! and emitted tokens kept, so its output is what it would have been.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -10,11 +18,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::event::{Event, EventCallback, EventKind, EventSink, FinishReason};
+use super::metrics::{Metrics, Outcome, PoolGauges, Units};
 use super::request::RequestSpec;
 use super::sampling::Sampler;
 use crate::backend::cpu::CpuBackend;
+use crate::config::params::SchedulerPolicy;
 use crate::error::{ErrorKind, Result};
 use crate::kv::cache::Tier;
+use crate::kv::layout::PoolId;
 use crate::kv::{PrefixCache, Request};
 use crate::model::{Chunk, Logits, Model};
 use serde_json::Value;
@@ -78,6 +89,7 @@ pub struct Shared {
     /// Set when the engine thread has ended.
     pub stopped: Mutex<bool>,
     pub stopped_cv: Condvar,
+    pub metrics: Metrics,
 }
 
 impl Shared {
@@ -90,6 +102,7 @@ impl Shared {
             next_id: AtomicU64::new(1),
             stopped: Mutex::new(false),
             stopped_cv: Condvar::new(),
+            metrics: Metrics::default(),
         }
     }
 
@@ -102,24 +115,63 @@ impl Shared {
     }
 }
 
+/// What a request has done so far; kept across a retraction.
+struct Progress {
+    sampler: Sampler,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    generated: usize,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    queue_us: u64,
+    /// Prompt tokens reused from the cache when it first ran (reported in events).
+    cached: usize,
+    cached_host: usize,
+    /// Counted in the metrics as started (prompt, cached and queue time) once.
+    counted: bool,
+}
+
 struct Waiting {
     pending: Box<Pending>,
+    /// Set for a retracted request: recompute its tokens, then continue.
+    progress: Option<Box<Progress>>,
+}
+
+impl Waiting {
+    fn tokens(&self) -> &[u32] {
+        self.progress
+            .as_ref()
+            .map_or(&self.pending.spec.prompt, |p| &p.tokens)
+    }
+
+    fn generated(&self) -> usize {
+        self.progress.as_ref().map_or(0, |p| p.generated)
+    }
 }
 
 struct Running {
     id: u64,
     spec: RequestSpec,
     submitted: Instant,
-    queue_us: u64,
-    first_token: Option<Instant>,
     req: Request,
-    /// Prompt then generated tokens.
-    tokens: Vec<u32>,
-    generated: usize,
+    /// Tokens to compute before the next sample: the prompt, or every token of a resumed
+    /// request.
+    prefill_len: usize,
     max_gen: usize,
-    sampler: Sampler,
-    /// Pages for the whole request are reserved (after any load-back has landed).
+    p: Progress,
+    /// Pages for the prefill are reserved (after any load-back has landed).
     reserved: bool,
+}
+
+impl Running {
+    fn unprefilled(&self) -> usize {
+        self.prefill_len.saturating_sub(self.req.position())
+    }
+
+    fn decoding(&self) -> bool {
+        let pos = self.req.position();
+        self.reserved && pos >= self.prefill_len && pos + 1 == self.p.tokens.len()
+    }
 }
 
 /// Scheduling limits from the params.
@@ -128,7 +180,17 @@ pub struct Limits {
     pub chunk_tokens: usize,
     pub batch_tokens: usize,
     pub queue_timeout: Option<Duration>,
+    pub policy: SchedulerPolicy,
+    pub lpm_max_waiting: usize,
 }
+
+/// The admission estimate's share of remaining `max_new_tokens` (SGLang's conservative
+/// defaults): it starts at INIT, decays by DECAY per decode step to MIN, and rises by BUMP
+/// (at least back to INIT) after each retraction.
+const RATIO_INIT: f64 = 0.7;
+const RATIO_MIN: f64 = 0.1;
+const RATIO_DECAY: f64 = 0.001;
+const RATIO_BUMP: f64 = 0.2;
 
 pub struct Worker {
     model: Arc<Model<CpuBackend>>,
@@ -143,6 +205,7 @@ pub struct Worker {
     shutdown: Option<ShutdownMode>,
     /// Admission failed for lack of pages; retried when something ends.
     blocked: bool,
+    new_token_ratio: f64,
 }
 
 fn micros(d: Duration) -> u64 {
@@ -158,7 +221,7 @@ impl Worker {
         limits: Limits,
     ) -> Self {
         let eos = model.config.eos_token_ids.clone();
-        Self {
+        let worker = Self {
             model,
             cache,
             shared,
@@ -170,7 +233,11 @@ impl Worker {
             running: Vec::new(),
             shutdown: None,
             blocked: false,
-        }
+            new_token_ratio: RATIO_INIT,
+        };
+        // Gauges are valid from creation on, not from the first step.
+        worker.publish();
+        worker
     }
 
     /// Runs until shutdown has ended every request. A panic ends every live request with an
@@ -214,23 +281,66 @@ impl Worker {
                 self.abort_all();
             }
             if self.shutdown.is_some() && self.waiting.is_empty() && self.running.is_empty() {
+                self.publish();
                 return;
             }
             self.cache.poll();
             self.finish_loads();
             self.admit();
             if self.running.iter().any(|r| r.reserved) {
+                self.make_room_for_decode();
                 self.step();
             } else if let Some(r) = self.running.iter_mut().find(|r| r.req.is_loading()) {
                 // Only load-backs in flight: wait for one instead of spinning.
                 self.cache
                     .complete_load(&mut r.req, Duration::from_millis(2));
             }
+            self.publish();
         }
     }
 
-    /// Requests whose load-back has landed get their pages and become runnable; one that
-    /// cannot get its pages now goes back to the waiting queue (its prefix is on the device
+    /// Gauges and cache counters for `Engine::metrics`, refreshed between steps.
+    fn publish(&self) {
+        let pools = self.cache.pools();
+        let layout = pools.layout();
+        let bytes = |ids: &[PoolId]| ids.iter().map(|&id| layout.unit_bytes(id) as u64).sum();
+        let page_bytes: u64 = bytes(&[PoolId::C4Kv, PoolId::C4Indexer, PoolId::C128Kv]);
+        let slot_bytes: u64 = bytes(&[
+            PoolId::Swa,
+            PoolId::C4State,
+            PoolId::C4IndexerState,
+            PoolId::C128State,
+        ]);
+        let snap_bytes: u64 = bytes(&[PoolId::Snapshots]);
+        let units = |a: &crate::kv::units::UnitAllocator, unit: u64| Units {
+            used: a.used_count() as u64,
+            total: a.capacity() as u64,
+            used_bytes: a.used_count() as u64 * unit,
+            total_bytes: a.capacity() as u64 * unit,
+        };
+        let mut gauges = PoolGauges {
+            device_pages: units(pools.page_allocator(), page_bytes),
+            device_slots: units(pools.slot_allocator(), slot_bytes),
+            device_snapshots: units(pools.snapshot_allocator(), snap_bytes),
+            ..PoolGauges::default()
+        };
+        if let Some(h) = self.cache.host_pools() {
+            gauges.host_pages = units(h.page_allocator(), page_bytes);
+            gauges.host_snapshots = units(h.snapshot_allocator(), snap_bytes);
+        }
+        let running = self.running.iter().filter(|r| r.reserved).count() as u64;
+        let loading = self.running.len() as u64 - running;
+        let cache = self.cache.stats();
+        self.shared.metrics.update(|m| {
+            m.running = running;
+            m.loading = loading;
+            m.pools = gauges;
+            m.cache = cache;
+        });
+    }
+
+    /// Requests whose load-back has landed get their prefill pages and become runnable; one
+    /// that cannot get them now goes back to the waiting queue (its prefix is on the device
     /// now, so it will hit there).
     fn finish_loads(&mut self) {
         let mut i = 0;
@@ -240,11 +350,11 @@ impl Worker {
                 i += 1;
                 continue;
             }
-            let tokens = r.spec.prompt.len() + r.max_gen - 1;
-            match self.cache.reserve(&mut r.req, tokens) {
+            match self.cache.reserve(&mut r.req, r.prefill_len) {
                 Ok(()) => {
                     r.reserved = true;
                     self.shared.admission().queued_tokens -= r.req.reused_tokens() as u64;
+                    self.on_ready(i);
                     i += 1;
                 }
                 Err(e) => {
@@ -252,21 +362,34 @@ impl Worker {
                         "request {}: no pages after its load-back ({e}); requeued",
                         r.id
                     );
-                    let r = self.running.swap_remove(i);
-                    self.cache.abort(r.req);
-                    self.shared.admission().queued_requests += 1;
-                    self.waiting.push(Waiting {
-                        pending: Box::new(Pending {
-                            id: r.id,
-                            spec: r.spec,
-                            submitted: r.submitted,
-                            max_gen: r.max_gen,
-                        }),
-                    });
+                    self.requeue(i, false);
                     self.blocked = !self.running.is_empty();
                 }
             }
         }
+    }
+
+    /// First time a request is ready to compute: queue time, prompt and cached tokens.
+    fn on_ready(&mut self, i: usize) {
+        let r = &mut self.running[i];
+        if r.p.counted {
+            return;
+        }
+        r.p.counted = true;
+        r.p.cached = r.req.reused_tokens();
+        r.p.cached_host = r.req.reused_host_tokens();
+        let (prompt, cached, host, queue) = (
+            r.spec.prompt.len() as u64,
+            r.p.cached as u64,
+            r.p.cached_host as u64,
+            r.p.queue_us,
+        );
+        self.shared.metrics.update(|m| {
+            m.prompt_tokens += prompt;
+            m.cached_tokens_device += cached - host;
+            m.cached_tokens_host += host;
+            m.queue_time.observe(queue as f64 * 1e-6);
+        });
     }
 
     /// Takes every queued command; blocks (until the next deadline) only when idle.
@@ -291,13 +414,22 @@ impl Worker {
         }
     }
 
+    /// The queue timeout of a waiting request (retracted ones already ran: only their
+    /// deadline applies).
+    fn queue_deadline(&self, w: &Waiting) -> Option<Instant> {
+        match (w.progress.is_none(), self.limits.queue_timeout) {
+            (true, Some(q)) => Some(w.pending.submitted + q),
+            _ => None,
+        }
+    }
+
     fn next_deadline(&self) -> Option<Instant> {
         let mut next: Option<Instant> = None;
         let mut consider = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
         for w in &self.waiting {
             let p = &w.pending;
-            if let Some(q) = self.limits.queue_timeout {
-                consider(p.submitted + q);
+            if let Some(t) = self.queue_deadline(w) {
+                consider(t);
             }
             if p.spec.deadline_ms > 0 {
                 consider(p.submitted + Duration::from_millis(p.spec.deadline_ms.into()));
@@ -309,7 +441,10 @@ impl Worker {
     fn handle(&mut self, command: Command) {
         match command {
             Command::Submit(p) => {
-                self.waiting.push(Waiting { pending: p });
+                self.waiting.push(Waiting {
+                    pending: p,
+                    progress: None,
+                });
             }
             Command::Abort(id) => self.abort(id),
             Command::Shutdown(mode) => {
@@ -339,6 +474,7 @@ impl Worker {
                     slots: pools.slot_allocator().used_count(),
                     snapshots: pools.snapshot_allocator().used_count(),
                 });
+                self.publish();
             }
         }
     }
@@ -380,6 +516,9 @@ impl Worker {
         // Off the live set first: once the host sees the terminal event, abort says NOT_FOUND.
         self.shared.live().remove(&r.id);
         let now = Instant::now();
+        self.shared
+            .metrics
+            .finish(Outcome::of(reason, error.is_some()), now - r.submitted);
         self.shared.sink.emit(Event {
             request_id: r.id,
             user_tag: r.user_tag,
@@ -398,7 +537,7 @@ impl Worker {
         });
     }
 
-    /// Ends waiting request `i` (it never ran).
+    /// Ends waiting request `i` (it never ran, or was retracted).
     fn end_waiting(
         &mut self,
         i: usize,
@@ -407,22 +546,35 @@ impl Worker {
         error: Option<ErrorKind>,
     ) {
         let w = self.waiting.remove(i);
-        let p = &w.pending;
         {
             let mut a = self.shared.admission();
             a.queued_requests -= 1;
-            a.queued_tokens -= p.spec.prompt.len() as u64;
+            a.queued_tokens -= w.tokens().len() as u64;
         }
-        let info = TerminalInfo {
-            id: p.id,
-            user_tag: p.spec.user_tag,
-            prompt_tokens: p.spec.prompt.len() as u32,
-            cached: 0,
-            cached_host: 0,
-            generated: 0,
-            submitted: p.submitted,
-            queue_us: micros(p.submitted.elapsed()),
-            first_token: None,
+        let p = &w.pending;
+        let info = match &w.progress {
+            Some(g) => TerminalInfo {
+                id: p.id,
+                user_tag: p.spec.user_tag,
+                prompt_tokens: p.spec.prompt.len() as u32,
+                cached: g.cached,
+                cached_host: g.cached_host,
+                generated: g.generated,
+                submitted: p.submitted,
+                queue_us: g.queue_us,
+                first_token: g.first_token,
+            },
+            None => TerminalInfo {
+                id: p.id,
+                user_tag: p.spec.user_tag,
+                prompt_tokens: p.spec.prompt.len() as u32,
+                cached: 0,
+                cached_host: 0,
+                generated: 0,
+                submitted: p.submitted,
+                queue_us: micros(p.submitted.elapsed()),
+                first_token: None,
+            },
         };
         self.terminal(info, kind, reason, error);
     }
@@ -436,7 +588,7 @@ impl Worker {
         cache: bool,
     ) {
         let r = self.running.swap_remove(i);
-        let unprefilled = r.spec.prompt.len().saturating_sub(r.req.position());
+        let unprefilled = r.unprefilled();
         if unprefilled > 0 {
             self.shared.admission().queued_tokens -= unprefilled as u64;
         }
@@ -444,26 +596,65 @@ impl Worker {
             id: r.id,
             user_tag: r.spec.user_tag,
             prompt_tokens: r.spec.prompt.len() as u32,
-            cached: r.req.reused_tokens(),
-            cached_host: r.req.reused_host_tokens(),
-            generated: r.generated,
+            cached: r.p.cached,
+            cached_host: r.p.cached_host,
+            generated: r.p.generated,
             submitted: r.submitted,
-            queue_us: r.queue_us,
-            first_token: r.first_token,
+            queue_us: r.p.queue_us,
+            first_token: r.p.first_token,
         };
         let position = r.req.position();
         if cache {
-            self.cache.finish(r.req, &r.tokens[..position]);
+            self.cache.finish(r.req, &r.p.tokens[..position]);
         } else {
             self.cache.abort(r.req);
         }
         self.blocked = false;
+        // Gauges first: a host that reads metrics on the terminal event sees it gone.
+        self.publish();
         let kind = if error.is_some() {
             EventKind::Error
         } else {
             EventKind::Finished
         };
         self.terminal(info, kind, reason, error);
+    }
+
+    /// Moves running request `i` back to the front of the queue: what it computed goes into
+    /// the prefix cache (so the recompute may hit it), its pages and slot are freed.
+    fn requeue(&mut self, i: usize, retracted: bool) {
+        let r = self.running.swap_remove(i);
+        let position = r.req.position();
+        self.cache.finish(r.req, &r.p.tokens[..position]);
+        let mut p = r.p;
+        if !p.counted {
+            // It never ran: it starts over as queued.
+            p.queue_us = 0;
+        }
+        {
+            let mut a = self.shared.admission();
+            a.queued_requests += 1;
+            a.queued_tokens -= r.prefill_len.saturating_sub(position) as u64;
+            a.queued_tokens += p.tokens.len() as u64;
+        }
+        if retracted {
+            log::info!(
+                "request {} retracted after {} generated tokens: the KV pools ran out \
+                 (new_token_ratio now {:.2})",
+                r.id,
+                p.generated,
+                self.new_token_ratio
+            );
+        }
+        self.waiting.push(Waiting {
+            pending: Box::new(Pending {
+                id: r.id,
+                spec: r.spec,
+                submitted: r.submitted,
+                max_gen: r.max_gen,
+            }),
+            progress: Some(Box::new(p)),
+        });
     }
 
     fn abort(&mut self, id: u64) {
@@ -491,12 +682,9 @@ impl Worker {
         };
         let mut i = 0;
         while i < self.waiting.len() {
-            let p = &self.waiting[i].pending;
-            let queued_too_long = self
-                .limits
-                .queue_timeout
-                .is_some_and(|q| now >= p.submitted + q);
-            if queued_too_long || past(p.submitted, p.spec.deadline_ms) {
+            let w = &self.waiting[i];
+            let queued_too_long = self.queue_deadline(w).is_some_and(|t| now >= t);
+            if queued_too_long || past(w.pending.submitted, w.pending.spec.deadline_ms) {
                 self.end_waiting(i, EventKind::Finished, FinishReason::Timeout, None);
             } else {
                 i += 1;
@@ -515,12 +703,58 @@ impl Worker {
 
     // --- admission to the running set ---------------------------------------------------------
 
-    /// The next waiting request: highest priority, then first submitted.
+    /// The next waiting request. Retracted requests first; then, under `lpm` (up to
+    /// `lpm_max_waiting` waiting), the longest reusable cached prefix; then priority; then
+    /// arrival.
     fn next_waiting(&self) -> Option<usize> {
+        let lpm = self.limits.policy == SchedulerPolicy::Lpm
+            && self.waiting.len() <= self.limits.lpm_max_waiting;
         (0..self.waiting.len()).min_by_key(|&i| {
-            let p = &self.waiting[i].pending;
-            (std::cmp::Reverse(p.spec.priority), p.id)
+            let w = &self.waiting[i];
+            let p = &w.pending;
+            let cached = if lpm {
+                self.cache.peek(p.spec.cache_salt.as_deref(), w.tokens()).0
+            } else {
+                0
+            };
+            (
+                w.progress.is_none(),
+                std::cmp::Reverse(cached),
+                std::cmp::Reverse(p.spec.priority),
+                p.id,
+            )
         })
+    }
+
+    /// Tokens the admission estimate expects a request with `remaining` tokens to generate.
+    fn expected(&self, remaining: usize) -> usize {
+        (self.new_token_ratio * remaining as f64).ceil() as usize
+    }
+
+    /// Whether waiting request `i` fits next to the running ones: the pages its prefill needs
+    /// plus, for it and every running request, `new_token_ratio` of what they may still
+    /// generate, against the free and reclaimable pages.
+    fn fits(&self, i: usize) -> bool {
+        let pools = self.cache.pools();
+        let page = pools.page_size();
+        let mut need = 0;
+        for r in &self.running {
+            let target = r.prefill_len.max(r.req.position())
+                + self.expected(r.max_gen.saturating_sub(r.p.generated));
+            need += pools
+                .pages_for(target)
+                .saturating_sub(r.req.kv().pages().len());
+        }
+        let w = &self.waiting[i];
+        let tokens = w.tokens();
+        let (_, device) = self
+            .cache
+            .peek(w.pending.spec.cache_salt.as_deref(), tokens);
+        let remaining = w.pending.max_gen.saturating_sub(w.generated());
+        need += pools
+            .pages_for(tokens.len() + self.expected(remaining))
+            .saturating_sub(device / page);
+        need <= self.cache.available_pages()
     }
 
     fn admit(&mut self) {
@@ -529,29 +763,31 @@ impl Worker {
         }
         while self.running.len() < self.limits.max_running {
             let Some(i) = self.next_waiting() else { return };
-            let p = &self.waiting[i].pending;
-            let mut req = match self
-                .cache
-                .start(p.spec.cache_salt.as_deref(), &p.spec.prompt)
-            {
+            if !self.running.is_empty() && !self.fits(i) {
+                self.blocked = true;
+                return;
+            }
+            let w = &self.waiting[i];
+            let salt = w.pending.spec.cache_salt.clone();
+            let mut req = match self.cache.start(salt.as_deref(), w.tokens()) {
                 Ok(r) => r,
                 Err(e) => {
-                    log::warn!("request {}: cannot start: {e}", p.id);
+                    log::warn!("request {}: cannot start: {e}", w.pending.id);
                     self.blocked = true;
                     return;
                 }
             };
-            // Pages for the whole request now, so it never stalls or fails mid-generation
-            // (after its load-back, for a host hit: see `finish_loads`).
-            let tokens = p.spec.prompt.len() + p.max_gen - 1;
+            let prefill_len = w.tokens().len();
+            // The prefill's pages now (after its load-back, for a host hit: `finish_loads`);
+            // decode pages one at a time (`make_room_for_decode`).
             let loading = req.is_loading();
             if loading {
                 // Reserved once the load lands.
-            } else if let Err(e) = self.cache.reserve(&mut req, tokens) {
+            } else if let Err(e) = self.cache.reserve(&mut req, prefill_len) {
                 self.cache.abort(req);
                 if self.running.is_empty() {
                     // Nothing will free pages: it can never run.
-                    log::warn!("request {}: {e}", p.id);
+                    log::warn!("request {}: {e}", self.waiting[i].pending.id);
                     self.end_waiting(
                         i,
                         EventKind::Error,
@@ -564,32 +800,109 @@ impl Worker {
                 return;
             }
             let w = self.waiting.remove(i);
-            let p = *w.pending;
+            let pending = *w.pending;
             {
                 let mut a = self.shared.admission();
                 a.queued_requests -= 1;
                 a.queued_tokens -= req.reused_tokens() as u64;
             }
-            let seed = if p.spec.seed != 0 {
-                p.spec.seed
-            } else {
-                self.rng.u64(..)
+            let p = match w.progress {
+                Some(p) => *p,
+                None => {
+                    let seed = if pending.spec.seed != 0 {
+                        pending.spec.seed
+                    } else {
+                        self.rng.u64(..)
+                    };
+                    Progress {
+                        sampler: Sampler::new(pending.spec.sampling.clone(), seed),
+                        tokens: pending.spec.prompt.clone(),
+                        generated: 0,
+                        first_token: None,
+                        last_token: None,
+                        queue_us: 0,
+                        cached: 0,
+                        cached_host: 0,
+                        counted: false,
+                    }
+                }
             };
-            let reserved = !loading;
+            let mut p = p;
+            if !p.counted {
+                p.queue_us = micros(pending.submitted.elapsed());
+            }
             self.running.push(Running {
-                id: p.id,
-                sampler: Sampler::new(p.spec.sampling.clone(), seed),
-                tokens: p.spec.prompt.clone(),
-                queue_us: micros(p.submitted.elapsed()),
-                submitted: p.submitted,
-                first_token: None,
-                generated: 0,
-                max_gen: p.max_gen,
-                spec: p.spec,
+                id: pending.id,
+                submitted: pending.submitted,
+                max_gen: pending.max_gen,
+                spec: pending.spec,
                 req,
-                reserved,
+                prefill_len,
+                p,
+                reserved: !loading,
             });
+            if !loading {
+                self.on_ready(self.running.len() - 1);
+            }
         }
+    }
+
+    // --- decode pages and retraction ------------------------------------------------------
+
+    /// Every decoding request gets the page its next token needs, oldest first; when none can
+    /// be freed, the newest running request (lowest priority first) is retracted and the
+    /// search starts over.
+    fn make_room_for_decode(&mut self) {
+        'search: loop {
+            let mut needy: Vec<(u64, usize)> = self
+                .running
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| {
+                    r.decoding()
+                        && self.cache.pools().pages_for(r.req.position() + 1)
+                            > r.req.kv().pages().len()
+                })
+                .map(|(i, r)| (r.id, i))
+                .collect();
+            needy.sort_unstable();
+            for (_, i) in needy {
+                let r = &mut self.running[i];
+                let want = r.req.position() + 1;
+                if self.cache.reserve(&mut r.req, want).is_ok() {
+                    continue;
+                }
+                let Some(victim) = self.retraction_victim() else {
+                    return;
+                };
+                if self.running.len() == 1 {
+                    // Alone and still short: the pools cannot hold it (the context limit
+                    // should have prevented this).
+                    log::error!(
+                        "request {}: no KV page for token {want} with nothing else running",
+                        self.running[victim].id
+                    );
+                    self.end_running(victim, FinishReason::None, Some(ErrorKind::Capacity), true);
+                    return;
+                }
+                self.new_token_ratio = (self.new_token_ratio + RATIO_BUMP).clamp(RATIO_INIT, 1.0);
+                self.shared.metrics.update(|m| m.retractions += 1);
+                self.requeue(victim, true);
+                self.blocked = true;
+                continue 'search;
+            }
+            return;
+        }
+    }
+
+    /// The running request to retract: lowest priority, then the newest.
+    fn retraction_victim(&self) -> Option<usize> {
+        (0..self.running.len())
+            .filter(|&i| self.running[i].reserved)
+            .max_by_key(|&i| {
+                let r = &self.running[i];
+                (std::cmp::Reverse(r.spec.priority), r.id)
+            })
     }
 
     // --- one forward step -----------------------------------------------------------------
@@ -600,14 +913,15 @@ impl Worker {
         let mut budget = self.limits.batch_tokens;
         for (i, r) in self.running.iter().enumerate() {
             let pos = r.req.position();
-            if r.reserved && pos >= r.spec.prompt.len() && pos + 1 == r.tokens.len() {
+            if r.decoding() && self.cache.pools().pages_for(pos + 1) <= r.req.kv().pages().len() {
                 plan.push((i, pos..pos + 1, true));
                 budget = budget.saturating_sub(1);
             }
         }
+        let decodes = plan.len();
         for (i, r) in self.running.iter().enumerate() {
-            let (pos, prompt) = (r.req.position(), r.spec.prompt.len());
-            if !r.reserved || pos >= prompt || budget == 0 {
+            let pos = r.req.position();
+            if !r.reserved || pos >= r.prefill_len || budget == 0 {
                 continue;
             }
             let end = self
@@ -616,10 +930,13 @@ impl Worker {
                 .min(pos + self.limits.chunk_tokens)
                 .min(pos + budget);
             budget -= end - pos;
-            plan.push((i, pos..end, end == prompt));
+            plan.push((i, pos..end, end == r.prefill_len));
         }
         if plan.is_empty() {
             return;
+        }
+        if decodes > 0 {
+            self.new_token_ratio = (self.new_token_ratio - RATIO_DECAY).max(RATIO_MIN);
         }
         let (running, cache) = (&mut self.running, &mut self.cache);
         let mut seqs: Vec<(usize, &mut Running)> = running.iter_mut().enumerate().collect();
@@ -629,15 +946,23 @@ impl Worker {
             let slot = seqs.iter().position(|(j, _)| j == i).expect("planned once");
             let (_, r) = seqs.swap_remove(slot);
             order.push(*i);
-            let Running { req, tokens, .. } = r;
+            let Running { req, p, .. } = r;
             chunks.push(Chunk {
-                tokens: &tokens[range.clone()],
+                tokens: &p.tokens[range.clone()],
                 seq: req.kv_mut(),
                 logits: if *want { Logits::Last } else { Logits::None },
             });
         }
+        let started = Instant::now();
         let result = self.model.forward(cache.pools_mut(), &mut chunks);
+        let elapsed = started.elapsed();
         drop(chunks);
+        let computed: usize = plan.iter().map(|(_, r, _)| r.len()).sum();
+        self.shared.metrics.update(|m| {
+            m.forward_steps += 1;
+            m.forward_tokens += computed as u64;
+            m.step_time.observe_duration(elapsed);
+        });
         let outputs = match result {
             Ok(o) => o,
             Err(e) => {
@@ -652,23 +977,32 @@ impl Worker {
         };
         let mut prefilled = 0u64;
         let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        let mut itl = Vec::new();
+        let mut new_tokens = 0u64;
+        let mut ttft = Vec::new();
         for ((i, range, _), logits) in plan.iter().zip(outputs) {
             let r = &mut self.running[*i];
-            if range.start < r.spec.prompt.len() {
+            if range.start < r.prefill_len {
                 prefilled += range.len() as u64;
             }
             let pos = r.req.position();
-            if let Err(e) = self.cache.after_step(&mut r.req, &r.tokens[..pos]) {
+            if let Err(e) = self.cache.after_step(&mut r.req, &r.p.tokens[..pos]) {
                 log::error!("request {}: prefix cache: {e}", r.id);
             }
             if logits.is_empty() {
                 continue;
             }
-            let (token, logprob) = r.sampler.sample(&logits);
-            r.tokens.push(token);
-            r.generated += 1;
+            let (token, logprob) = r.p.sampler.sample(&logits);
+            r.p.tokens.push(token);
+            r.p.generated += 1;
+            new_tokens += 1;
             let now = Instant::now();
-            let first = *r.first_token.get_or_insert(now);
+            match r.p.last_token {
+                Some(last) => itl.push(now - last),
+                None => ttft.push(now - r.submitted),
+            }
+            r.p.last_token = Some(now);
+            let first = *r.p.first_token.get_or_insert(now);
             self.shared.sink.emit(Event {
                 request_id: r.id,
                 user_tag: r.spec.user_tag,
@@ -678,19 +1012,28 @@ impl Worker {
                 finish_reason: FinishReason::None,
                 error: None,
                 prompt_tokens: r.spec.prompt.len() as u32,
-                cached_tokens_device: (r.req.reused_tokens() - r.req.reused_host_tokens()) as u32,
-                cached_tokens_host: r.req.reused_host_tokens() as u32,
-                generated_tokens: r.generated as u32,
-                queue_us: r.queue_us,
+                cached_tokens_device: (r.p.cached - r.p.cached_host) as u32,
+                cached_tokens_host: r.p.cached_host as u32,
+                generated_tokens: r.p.generated as u32,
+                queue_us: r.p.queue_us,
                 ttft_us: micros(first - r.submitted),
                 elapsed_us: micros(now - r.submitted),
             });
             if self.eos.contains(&token) || r.spec.stop_tokens.contains(&token) {
                 finished.push((*i, FinishReason::Stop));
-            } else if r.generated >= r.max_gen {
+            } else if r.p.generated >= r.max_gen {
                 finished.push((*i, FinishReason::Length));
             }
         }
+        self.shared.metrics.update(|m| {
+            m.generation_tokens += new_tokens;
+            for d in ttft {
+                m.ttft.observe_duration(d);
+            }
+            for d in itl {
+                m.itl.observe_duration(d);
+            }
+        });
         if prefilled > 0 {
             self.shared.admission().queued_tokens -= prefilled;
         }

@@ -7,6 +7,7 @@ mod boundary;
 mod cache;
 mod engine;
 mod log_bridge;
+mod metrics;
 mod planning;
 mod requests;
 mod status;
@@ -18,6 +19,7 @@ pub use engine::{
     dsv4_engine, dsv4_engine_create, dsv4_engine_destroy, dsv4_model_info, dsv4_score,
 };
 pub use log_bridge::{dsv4_log_fn, dsv4_set_log_callback};
+pub use metrics::{dsv4_metrics, dsv4_metrics_get, dsv4_metrics_prometheus, dsv4_units};
 pub use planning::{dsv4_params_default, dsv4_params_validate, dsv4_plan, dsv4_plan_text};
 pub use requests::*;
 pub use status::*;

@@ -198,7 +198,7 @@ pub unsafe extern "C" fn dsv4_request_init(
     })
 }
 
-fn check_size(what: &str, size: usize, v1: usize) -> Result<()> {
+pub(super) fn check_size(what: &str, size: usize, v1: usize) -> Result<()> {
     if size < v1 {
         return Err(Error::invalid_argument(format!(
             "{what}.struct_size = {size} is smaller than version 1 ({v1} bytes): set it to \

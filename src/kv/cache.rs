@@ -158,6 +158,8 @@ pub struct PrefixCache<B: Backend> {
     interval: usize,
     stats: CacheStats,
     host: Option<HostTier>,
+    /// `kv.prefix_cache`: off, requests neither match nor insert (every prompt is computed).
+    reuse: bool,
 }
 
 impl<B: Backend> PrefixCache<B> {
@@ -178,7 +180,36 @@ impl<B: Backend> PrefixCache<B> {
             interval: snapshot_interval,
             stats: CacheStats::default(),
             host: None,
+            reuse: true,
         })
+    }
+
+    /// Turns prefix reuse off (`kv.prefix_cache = false`): the pools still serve requests, but
+    /// nothing is matched, snapshotted or inserted.
+    pub fn without_reuse(mut self) -> Self {
+        self.reuse = false;
+        self
+    }
+
+    /// Prompt tokens a request for `prompt` would skip right now, and how many of them are on
+    /// the device: `(reusable, device)`. Read-only (no lock, no LRU touch).
+    pub fn peek(&self, salt: Option<&str>, prompt: &[u32]) -> (usize, usize) {
+        if !self.reuse || prompt.is_empty() {
+            return (0, 0);
+        }
+        self.tree
+            .peek(salt, &prompt[..prompt.len() - 1], self.host.is_some())
+    }
+
+    /// Free device pages plus the cached pages eviction could give back now.
+    pub fn available_pages(&self) -> usize {
+        let alloc = self.pools.page_allocator();
+        let reclaimable = self
+            .tree
+            .unlocked_device_pages()
+            .filter(|&p| alloc.refs(p) == 1)
+            .count();
+        alloc.free_count() + reclaimable
     }
 
     /// Adds the host tier with its write policy.
@@ -231,9 +262,12 @@ impl<B: Backend> PrefixCache<B> {
         let kv = self.pools.open()?;
         self.stats.requests += 1;
         let with_host = self.host.is_some();
-        let m = self
-            .tree
-            .match_prefix(salt, &prompt[..prompt.len() - 1], with_host);
+        let m = if self.reuse {
+            self.tree
+                .match_prefix(salt, &prompt[..prompt.len() - 1], with_host)
+        } else {
+            super::radix::Match::default()
+        };
         if self.policy() == Some(WritePolicy::WriteThroughSelective) {
             for node in &m.second_hits {
                 self.backup(*node);
@@ -443,7 +477,7 @@ impl<B: Backend> PrefixCache<B> {
             )));
         }
         let page = self.pools.page_size();
-        if pos == 0 || !pos.is_multiple_of(page) || pos <= req.reused {
+        if !self.reuse || pos == 0 || !pos.is_multiple_of(page) || pos <= req.reused {
             return Ok(());
         }
         if pos <= req.prompt_len {

@@ -302,6 +302,54 @@ impl RadixTree {
         m
     }
 
+    /// What [`Self::match_prefix`] would let a request skip, without locking, splitting or
+    /// touching LRU order: `(reusable tokens, of which already on the device)`. The scheduler
+    /// asks this of every waiting request, so it must not disturb the cache.
+    pub fn peek(&self, salt: Option<&str>, tokens: &[u32], with_host: bool) -> (usize, usize) {
+        let Some(&root) = self.roots.get(&salt.map(str::to_owned)) else {
+            return (0, 0);
+        };
+        let p = self.page;
+        let (mut node, mut depth, mut device_depth) = (root, 0, 0);
+        let mut reusable = 0;
+        while tokens.len() >= (depth + 1) * p {
+            let rest = &tokens[depth * p..];
+            let Some(child) = self.child(node, &rest[..p]) else {
+                break;
+            };
+            let device = self.on_device(child);
+            if !(device || (with_host && self.on_host(child))) {
+                break;
+            }
+            let c = self.n(child);
+            let k = self.common_pages(&c.tokens, rest);
+            let usable = |s: &&Snap| {
+                s.end as usize <= k && (s.device.is_some() || (with_host && s.host.is_some()))
+            };
+            if let Some(s) = c.snaps.iter().rev().find(usable) {
+                reusable = depth + s.end as usize;
+            }
+            depth += k;
+            if device {
+                device_depth = depth;
+            }
+            if k < c.pages() {
+                break;
+            }
+            node = child;
+        }
+        (reusable * p, reusable.min(device_depth) * p)
+    }
+
+    /// Device pages held by unlocked nodes: what eviction could give back (those not also
+    /// referenced elsewhere).
+    pub fn unlocked_device_pages(&self) -> impl Iterator<Item = u32> + '_ {
+        self.nodes
+            .iter()
+            .filter(|n| n.live && n.parent != NONE && n.locks == 0 && !n.loading)
+            .flat_map(|n| n.device.iter().copied())
+    }
+
     /// Whether a device snapshot exists for exactly `tokens` (whole pages) under `salt`.
     pub fn has_device_snapshot(&self, salt: Option<&str>, tokens: &[u32]) -> bool {
         let p = self.page;

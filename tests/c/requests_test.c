@@ -279,11 +279,66 @@ static void test_shutdown_abort(void) {
     dsv4_engine_destroy(engine);
 }
 
+/* Metrics after a known workload: two finished requests and one refused submit. */
+static void test_metrics(void) {
+    dsv4_engine *engine = create();
+    dsv4_metrics m;
+    memset(&m, 0, sizeof m);
+    CHECK_STATUS(dsv4_metrics_get(engine, NULL), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(dsv4_metrics_get(NULL, &m), DSV4_ERR_INVALID_ARGUMENT);
+    m.struct_size = 8; /* older than version 1 */
+    CHECK_STATUS(dsv4_metrics_get(engine, &m), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(dsv4_last_error(), "sizeof(dsv4_metrics)") != NULL);
+
+    int generated = 0;
+    for (int k = 0; k < 2; k++) {
+        dsv4_request r = request(6);
+        r.logit_bias_tokens = NO_EOS_TOKENS;
+        r.logit_bias_values = NO_EOS_VALUES;
+        uint64_t id = 0;
+        CHECK_STATUS(dsv4_submit(engine, &r, &id), DSV4_OK);
+        int tokens = 0;
+        wait_terminal(engine, id, &tokens);
+        generated += tokens;
+    }
+    dsv4_request bad = request(4);
+    bad.prompt_len = 0;
+    uint64_t ignored = 0;
+    CHECK_STATUS(dsv4_submit(engine, &bad, &ignored), DSV4_ERR_INVALID_ARGUMENT);
+
+    m.struct_size = sizeof m;
+    CHECK_STATUS(dsv4_metrics_get(engine, &m), DSV4_OK);
+    CHECK(m.struct_size == sizeof m);
+    CHECK(m.requests_total == 2);
+    CHECK(m.finished_length_total == 2);
+    CHECK(m.rejected_invalid_total == 1);
+    CHECK(m.generation_tokens_total == (uint64_t)generated && generated == 12);
+    CHECK(m.prompt_tokens_total == 2 * sizeof PROMPT / sizeof PROMPT[0]);
+    CHECK(m.ttft_count == 2 && m.itl_count == 10 && m.e2e_count == 2);
+    CHECK(m.num_running_reqs == 0 && m.num_queue_reqs == 0);
+    CHECK(m.device_slots.total == 4 && m.device_slots.used == 0);
+    CHECK(m.device_pages.total > 0 && m.device_pages.total_bytes > m.device_pages.total);
+
+    size_t needed = 0;
+    CHECK_STATUS(dsv4_metrics_prometheus(engine, NULL, 0, &needed), DSV4_OK); /* a size query */
+    CHECK(needed > 1000);
+    char small[16];
+    CHECK_STATUS(dsv4_metrics_prometheus(engine, small, sizeof small, &needed), DSV4_ERR_BUFFER_TOO_SMALL);
+    char *text = malloc(needed);
+    CHECK(text != NULL);
+    CHECK_STATUS(dsv4_metrics_prometheus(engine, text, needed, &needed), DSV4_OK);
+    CHECK(strstr(text, "\ndsv4_generation_tokens_total 12\n") != NULL);
+    CHECK(strstr(text, "dsv4_num_rejected_requests_total{reason=\"invalid_argument\"} 1\n") != NULL);
+    free(text);
+    dsv4_engine_destroy(engine);
+}
+
 int main(void) {
     test_generate_and_bad_input();
     test_callbacks();
     test_destroy_in_flight_poll_mode();
     test_shutdown_abort();
+    test_metrics();
     if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
     else printf("requests_test: all checks passed\n");
     return failures ? 1 : 0;

@@ -1,6 +1,8 @@
 //! Shared helpers of the integration tests: fixtures, models and KV pools sized by the planner.
 #![allow(dead_code)]
 
+pub mod requests;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

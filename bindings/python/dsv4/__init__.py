@@ -276,6 +276,29 @@ class Engine:
         handle = self._live()
         return json.loads(_read_text(lambda b, c, n: _lib.dsv4_cache_stats(handle, b, c, n)))
 
+    def metrics(self):
+        """Counters (totals since creation), latency sums/counts and gauges as a flat dict
+        (struct dsv4_metrics; pool units as nested dicts). Cheap: never waits for a step."""
+        m = _native.Metrics()
+        m.struct_size = ctypes.sizeof(m)
+        _check(_lib.dsv4_metrics_get(self._live(), ctypes.byref(m)))
+        if m.struct_size != ctypes.sizeof(m):
+            raise InternalError("dsv4_metrics layout mismatch: the library filled {} bytes, this "
+                                "binding expects {}: reinstall matching versions".format(
+                                    m.struct_size, ctypes.sizeof(m)))
+        out = {}
+        for name, kind in m._fields_[1:]:
+            value = getattr(m, name)
+            if kind is _native.Units:
+                value = {k: getattr(value, k) for k, _ in _native.Units._fields_}
+            out[name] = value
+        return out
+
+    def prometheus(self):
+        """The metrics in the Prometheus text format (serve as text/plain; version=0.0.4)."""
+        handle = self._live()
+        return _read_text(lambda b, c, n: _lib.dsv4_metrics_prometheus(handle, b, c, n))
+
     def cache_flush(self, tier="all"):
         """Drops every unlocked cached prefix from "device" (host copies stay), "host" or
         "all"."""

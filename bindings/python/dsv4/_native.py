@@ -127,3 +127,47 @@ lib.dsv4_cache_stats.restype = status_t
 lib.dsv4_cache_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
 lib.dsv4_cache_flush.restype = status_t
 lib.dsv4_cache_flush.argtypes = [ctypes.c_void_p, c_char_p]
+
+
+class Units(ctypes.Structure):
+    """struct dsv4_units."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in ("used", "total", "used_bytes", "total_bytes")]
+
+
+def _metric_fields():
+    u64, f64 = ctypes.c_uint64, ctypes.c_double
+    fields = [("struct_size", ctypes.c_uint32)]
+    fields += [(n, u64) for n in ("num_running_reqs", "num_loading_reqs", "num_queue_reqs",
+                                  "num_queue_tokens")]
+    fields += [(n, Units) for n in ("device_pages", "device_slots", "device_snapshots",
+                                    "host_pages", "host_snapshots")]
+    fields += [(n, u64) for n in (
+        "requests_total", "finished_stop_total", "finished_length_total", "aborted_total",
+        "timed_out_total", "failed_total", "rejected_queue_full_total",
+        "rejected_capacity_total", "rejected_invalid_total", "rejected_shutdown_total",
+        "retractions_total", "prompt_tokens_total", "generation_tokens_total",
+        "cached_tokens_device_total", "cached_tokens_host_total", "forward_steps_total",
+        "forward_tokens_total", "loadback_tokens_total", "loadback_bytes_total")]
+    fields += [("loadback_seconds_total", f64), ("backup_tokens_total", u64),
+               ("backup_bytes_total", u64), ("backup_seconds_total", f64)]
+    fields += [(n, u64) for n in ("evictions_device_to_host_total",
+                                  "evictions_device_dropped_total", "evictions_host_total",
+                                  "kv_transfer_requests_total", "kv_transfer_bytes_total")]
+    fields += [("kv_transfer_seconds_total", f64), ("kv_transfer_failures_total", u64)]
+    for name in ("ttft", "itl", "e2e", "queue"):
+        fields += [(name + "_seconds_sum", f64), (name + "_count", u64)]
+    return fields
+
+
+class Metrics(ctypes.Structure):
+    """struct dsv4_metrics, version 1 (field order is the ABI)."""
+
+    _fields_ = _metric_fields()
+
+
+lib.dsv4_metrics_get.restype = status_t
+lib.dsv4_metrics_get.argtypes = [ctypes.c_void_p, ctypes.POINTER(Metrics)]
+lib.dsv4_metrics_prometheus.restype = status_t
+lib.dsv4_metrics_prometheus.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t,
+                                        ctypes.POINTER(size_t)]

@@ -157,6 +157,7 @@ pub struct KvParams {
     pub max_context_tokens: Option<u64>,
     pub snapshot_interval_tokens: Option<u64>,
     pub snapshot_fraction: f64,
+    pub prefix_cache: bool,
 }
 
 impl KvParams {
@@ -188,6 +189,7 @@ pub struct SchedulerParams {
     pub chunked_prefill_tokens: u32,
     pub max_batch_tokens: u32,
     pub policy: SchedulerPolicy,
+    pub lpm_max_waiting: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -354,6 +356,13 @@ fn check_cross_keys(doc: &Map<String, Value>, problems: &mut Problems) {
                  lower it"
             ));
         }
+    }
+    let on = |path: &str| valid(path).and_then(Value::as_bool);
+    if on("hicache.enabled") == Some(true) && on("kv.prefix_cache") == Some(false) {
+        problems.push(
+            "`hicache.enabled` is true but `kv.prefix_cache` is false: the host tier holds cached \
+             prefixes, so enable the prefix cache or disable HiCache",
+        );
     }
     if get("hicache.ratio").is_some() && get("hicache.size_bytes").is_some() {
         problems.push(

@@ -171,6 +171,7 @@ pub const KEYS: &[KeySpec] = &[
         "0.1",
     )
     .hint("use a fraction such as 0.1; 0 disables prefix snapshots"),
+    key("kv.prefix_cache", Kind::Bool, "true"),
     key("hicache.enabled", Kind::Bool, "false"),
     key(
         "hicache.ratio",
@@ -204,6 +205,9 @@ pub const KEYS: &[KeySpec] = &[
     key("scheduler.chunked_prefill_tokens", int(1, U32), "2048").unit("tokens"),
     key("scheduler.max_batch_tokens", int(1, U32), "8192").unit("tokens"),
     key("scheduler.policy", Kind::Choice(&["fcfs", "lpm"]), "\"fcfs\""),
+    key("scheduler.lpm_max_waiting", int(1, U32), "128")
+        .unit("requests")
+        .hint("above this many waiting requests lpm orders them first come first served"),
     key("numerics.mode", Kind::Choice(&["exact", "official"]), "\"exact\""),
     key("metrics.labels", Kind::Labels, "{}"),
 ];
@@ -226,6 +230,8 @@ pub const ALIASES: &[(&str, &str)] = &[
     ("max_num_batched_tokens", "scheduler.max_batch_tokens"),
     ("max_prefill_tokens", "scheduler.max_batch_tokens"),
     ("schedule_policy", "scheduler.policy"),
+    ("disable_radix_cache", "kv.prefix_cache"),
+    ("enable_prefix_caching", "kv.prefix_cache"),
     ("tp_size", "parallel.tp"),
     ("tensor_parallel_size", "parallel.tp"),
     ("ep_size", "parallel.ep"),

@@ -1,0 +1,308 @@
+//! What an operator watches: counters and histograms accumulated since the engine was created
+//! (never "last batch" gauges, which a scraper samples at random), plus the gauges the engine
+//! thread publishes between steps. Submitting threads record refusals here directly, so a
+//! scrape never waits for a forward step.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::error::ErrorKind;
+use crate::kv::cache::CacheStats;
+
+use super::event::FinishReason;
+
+/// Seconds; TTFT, end-to-end, queue time. Spans a CPU test model (ms) to a loaded GPU server
+/// (minutes).
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0,
+    100.0, 250.0,
+];
+/// Seconds; inter-token latency and forward-step time.
+pub const STEP_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+];
+
+/// A fixed-bucket histogram (Prometheus semantics: `le` upper bounds, +Inf implied).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Histogram {
+    pub bounds: &'static [f64],
+    /// Observations per bucket, not cumulative; one more than `bounds` (the +Inf bucket).
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, seconds: f64) {
+        let i = self.bounds.partition_point(|&b| b < seconds);
+        self.counts[i] += 1;
+        self.sum += seconds;
+        self.count += 1;
+    }
+
+    pub fn observe_duration(&mut self, d: Duration) {
+        self.observe(d.as_secs_f64());
+    }
+
+    /// Cumulative counts per bound, then +Inf.
+    pub fn cumulative(&self) -> Vec<u64> {
+        self.counts
+            .iter()
+            .scan(0, |acc, &c| {
+                *acc += c;
+                Some(*acc)
+            })
+            .collect()
+    }
+}
+
+/// Used and total units of one pool kind on one tier, and their bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Units {
+    pub used: u64,
+    pub total: u64,
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// Pool occupancy. Pages are shared by the paged pools (`c4_kv`, `c4_indexer`, `c128_kv`: one
+/// page id each), slots by the per-request state pools; bytes cover every pool of the kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolGauges {
+    pub device_pages: Units,
+    pub device_slots: Units,
+    pub device_snapshots: Units,
+    pub host_pages: Units,
+    pub host_snapshots: Units,
+}
+
+/// Why a submit was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    QueueFull,
+    Capacity,
+    InvalidArgument,
+    Shutdown,
+}
+
+impl Rejection {
+    pub const ALL: [Rejection; 4] = [
+        Rejection::QueueFull,
+        Rejection::Capacity,
+        Rejection::InvalidArgument,
+        Rejection::Shutdown,
+    ];
+
+    pub fn of(kind: ErrorKind) -> Self {
+        match kind {
+            ErrorKind::QueueFull => Self::QueueFull,
+            ErrorKind::Capacity => Self::Capacity,
+            ErrorKind::Shutdown => Self::Shutdown,
+            _ => Self::InvalidArgument,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::QueueFull => "queue_full",
+            Self::Capacity => "capacity",
+            Self::InvalidArgument => "invalid_argument",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// How an accepted request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Stop,
+    Length,
+    Aborted,
+    Timeout,
+    Error,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 5] = [
+        Outcome::Stop,
+        Outcome::Length,
+        Outcome::Aborted,
+        Outcome::Timeout,
+        Outcome::Error,
+    ];
+
+    pub fn of(reason: FinishReason, error: bool) -> Self {
+        match (error, reason) {
+            (true, _) => Self::Error,
+            (false, FinishReason::Stop) => Self::Stop,
+            (false, FinishReason::Aborted) => Self::Aborted,
+            (false, FinishReason::Timeout) => Self::Timeout,
+            (false, FinishReason::Length | FinishReason::None) => Self::Length,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Aborted => "aborted",
+            Self::Timeout => "timeout",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// KV transfer between prefill and decode engines (zero until PD disaggregation lands; the
+/// fields are part of the ABI now so hosts can wire their dashboards once).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KvTransfer {
+    pub requests: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub failures: u64,
+}
+
+/// Everything at one instant. Counters are totals since creation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricsSnapshot {
+    /// Requests taking part in forward steps.
+    pub running: u64,
+    /// Requests admitted but waiting for their host-tier load-back.
+    pub loading: u64,
+    /// Accepted requests waiting to run (retracted ones included).
+    pub queued: u64,
+    /// Prompt tokens of waiting requests (and of running ones not yet prefilled).
+    pub queued_tokens: u64,
+    pub pools: PoolGauges,
+    /// Accepted by submit.
+    pub requests: u64,
+    /// Terminal events by outcome, in `Outcome::ALL` order.
+    pub finished: [u64; 5],
+    /// Refused by submit, in `Rejection::ALL` order.
+    pub rejected: [u64; 4],
+    /// Prompt tokens of requests that started running.
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    /// Prompt tokens not recomputed thanks to the prefix cache, by the tier they came from.
+    pub cached_tokens_device: u64,
+    pub cached_tokens_host: u64,
+    pub retractions: u64,
+    pub forward_steps: u64,
+    pub forward_tokens: u64,
+    pub cache: CacheStats,
+    pub kv_transfer: KvTransfer,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub queue_time: Histogram,
+    pub step_time: Histogram,
+}
+
+impl MetricsSnapshot {
+    pub fn finished(&self, o: Outcome) -> u64 {
+        self.finished[Outcome::ALL.iter().position(|&x| x == o).unwrap_or(0)]
+    }
+
+    pub fn rejected(&self, r: Rejection) -> u64 {
+        self.rejected[Rejection::ALL.iter().position(|&x| x == r).unwrap_or(0)]
+    }
+
+    /// Device pages in use over device pages (SGLang's `token_usage`).
+    pub fn token_usage(&self) -> f64 {
+        let p = &self.pools.device_pages;
+        if p.total == 0 {
+            0.0
+        } else {
+            p.used as f64 / p.total as f64
+        }
+    }
+}
+
+impl Default for MetricsSnapshot {
+    fn default() -> Self {
+        Self {
+            running: 0,
+            loading: 0,
+            queued: 0,
+            queued_tokens: 0,
+            pools: PoolGauges::default(),
+            requests: 0,
+            finished: [0; 5],
+            rejected: [0; 4],
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            cached_tokens_device: 0,
+            cached_tokens_host: 0,
+            retractions: 0,
+            forward_steps: 0,
+            forward_tokens: 0,
+            cache: CacheStats::default(),
+            kv_transfer: KvTransfer::default(),
+            ttft: Histogram::new(LATENCY_BUCKETS),
+            itl: Histogram::new(STEP_BUCKETS),
+            e2e: Histogram::new(LATENCY_BUCKETS),
+            queue_time: Histogram::new(LATENCY_BUCKETS),
+            step_time: Histogram::new(STEP_BUCKETS),
+        }
+    }
+}
+
+/// The engine's live metrics. One short lock per update; the queue gauges come from admission.
+#[derive(Default)]
+pub struct Metrics {
+    state: Mutex<MetricsSnapshot>,
+}
+
+impl Metrics {
+    /// Runs `f` on the live state.
+    pub fn update<T>(&self, f: impl FnOnce(&mut MetricsSnapshot) -> T) -> T {
+        f(&mut self.state.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn reject(&self, kind: ErrorKind) {
+        let i = Rejection::ALL
+            .iter()
+            .position(|&r| r == Rejection::of(kind))
+            .unwrap_or(0);
+        self.update(|m| m.rejected[i] += 1);
+    }
+
+    pub fn finish(&self, outcome: Outcome, e2e: Duration) {
+        let i = Outcome::ALL.iter().position(|&o| o == outcome).unwrap_or(0);
+        self.update(|m| {
+            m.finished[i] += 1;
+            m.e2e.observe_duration(e2e);
+        });
+    }
+
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        self.update(|m| m.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_follow_le_semantics() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        for v in [0.05, 0.1, 0.5, 1.0, 3.0] {
+            h.observe(v);
+        }
+        // 0.1 and 1.0 fall in their own buckets (le is inclusive).
+        assert_eq!(h.counts, vec![2, 2, 1]);
+        assert_eq!(h.cumulative(), vec![2, 4, 5]);
+        assert_eq!(h.count, 5);
+        assert!((h.sum - 4.65).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,385 @@
+//! The Prometheus text exposition (format 0.0.4) of a metrics snapshot. Names are `dsv4_` +
+//! SGLang's where SGLang has the series, so existing dashboards carry over; `metrics.labels`
+//! go on every sample.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use super::metrics::{Histogram, MetricsSnapshot, Outcome, Rejection, Units};
+
+/// Renders `m` with `labels` (already validated: Prometheus label names) on every sample.
+pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String {
+    let mut out = Exposition {
+        text: String::with_capacity(16 * 1024),
+        base: labels.iter().map(|(k, v)| (k.clone(), escape(v))).collect(),
+    };
+    let o = &mut out;
+
+    o.gauge("num_running_reqs", "Requests taking part in forward steps.");
+    o.sample("num_running_reqs", &[], m.running as f64);
+    o.gauge("num_queue_reqs", "Accepted requests waiting to run.");
+    o.sample("num_queue_reqs", &[], m.queued as f64);
+    o.gauge(
+        "num_queue_tokens",
+        "Prompt tokens accepted and not yet prefilled.",
+    );
+    o.sample("num_queue_tokens", &[], m.queued_tokens as f64);
+    o.gauge(
+        "num_loading_reqs",
+        "Requests waiting for their prefix to be loaded back from the host tier.",
+    );
+    o.sample("num_loading_reqs", &[], m.loading as f64);
+    o.gauge(
+        "token_usage",
+        "Device KV pages in use over device KV pages.",
+    );
+    o.sample("token_usage", &[], m.token_usage());
+
+    let pools: [(&str, &str, Units); 5] = [
+        ("pages", "device", m.pools.device_pages),
+        ("slots", "device", m.pools.device_slots),
+        ("snapshots", "device", m.pools.device_snapshots),
+        ("pages", "host", m.pools.host_pages),
+        ("snapshots", "host", m.pools.host_snapshots),
+    ];
+    type Field = fn(&Units) -> u64;
+    let series: [(&str, &str, Field); 4] = [
+        (
+            "kv_used_units",
+            "KV units in use, per pool kind and tier.",
+            |u| u.used,
+        ),
+        (
+            "kv_capacity_units",
+            "KV units, per pool kind and tier.",
+            |u| u.total,
+        ),
+        (
+            "kv_used_bytes",
+            "Bytes of KV units in use, per pool kind and tier.",
+            |u| u.used_bytes,
+        ),
+        (
+            "kv_capacity_bytes",
+            "Bytes of KV units, per pool kind and tier.",
+            |u| u.total_bytes,
+        ),
+    ];
+    for (name, help, get) in series {
+        o.gauge(name, help);
+        for (pool, tier, units) in &pools {
+            if *tier == "host" && units.total == 0 {
+                continue;
+            }
+            o.sample(name, &[("pool", pool), ("tier", tier)], get(units) as f64);
+        }
+    }
+
+    o.counter("num_requests_total", "Requests accepted by submit.");
+    o.sample("num_requests_total", &[], m.requests as f64);
+    o.counter(
+        "num_finished_requests_total",
+        "Accepted requests that ended, by how they ended.",
+    );
+    for outcome in Outcome::ALL {
+        o.sample(
+            "num_finished_requests_total",
+            &[("finish_reason", outcome.label())],
+            m.finished(outcome) as f64,
+        );
+    }
+    o.counter(
+        "num_aborted_requests_total",
+        "Requests ended by an abort (dsv4_abort or an abort shutdown).",
+    );
+    o.sample(
+        "num_aborted_requests_total",
+        &[],
+        m.finished(Outcome::Aborted) as f64,
+    );
+    o.counter(
+        "num_timed_out_requests_total",
+        "Requests ended by their deadline or the queue timeout.",
+    );
+    o.sample(
+        "num_timed_out_requests_total",
+        &[],
+        m.finished(Outcome::Timeout) as f64,
+    );
+    o.counter(
+        "num_rejected_requests_total",
+        "Submits refused at once, by reason.",
+    );
+    for r in Rejection::ALL {
+        o.sample(
+            "num_rejected_requests_total",
+            &[("reason", r.label())],
+            m.rejected(r) as f64,
+        );
+    }
+    o.counter(
+        "num_retractions_total",
+        "Running requests retracted (pages freed, requeued, recomputed) when the pools ran out.",
+    );
+    o.sample("num_retractions_total", &[], m.retractions as f64);
+
+    o.counter(
+        "prompt_tokens_total",
+        "Prompt tokens of requests that started running.",
+    );
+    o.sample("prompt_tokens_total", &[], m.prompt_tokens as f64);
+    o.counter("generation_tokens_total", "Generated tokens.");
+    o.sample("generation_tokens_total", &[], m.generation_tokens as f64);
+    o.counter(
+        "cached_tokens_total",
+        "Prompt tokens served from the prefix cache instead of computed, by tier.",
+    );
+    o.sample(
+        "cached_tokens_total",
+        &[("cache_source", "device")],
+        m.cached_tokens_device as f64,
+    );
+    o.sample(
+        "cached_tokens_total",
+        &[("cache_source", "host")],
+        m.cached_tokens_host as f64,
+    );
+    o.counter("forward_steps_total", "Forward steps run.");
+    o.sample("forward_steps_total", &[], m.forward_steps as f64);
+    o.counter(
+        "forward_tokens_total",
+        "Tokens computed by forward steps (prefill and decode).",
+    );
+    o.sample("forward_tokens_total", &[], m.forward_tokens as f64);
+
+    let c = &m.cache;
+    let cache_counters: [(&str, &str, f64); 10] = [
+        (
+            "hicache_loadback_total",
+            "Host-tier hits loaded back into device pages.",
+            c.loadbacks as f64,
+        ),
+        (
+            "hicache_loadback_tokens_total",
+            "Tokens loaded back from the host tier.",
+            c.loadback_tokens as f64,
+        ),
+        (
+            "hicache_loadback_bytes_total",
+            "Bytes loaded back from the host tier.",
+            c.loadback_bytes as f64,
+        ),
+        (
+            "hicache_loadback_seconds_total",
+            "Seconds spent by load-back copies.",
+            c.loadback_seconds,
+        ),
+        (
+            "hicache_backup_total",
+            "Cached prefixes backed up to the host tier.",
+            c.backups as f64,
+        ),
+        (
+            "hicache_backup_tokens_total",
+            "Tokens backed up to the host tier.",
+            c.backup_tokens as f64,
+        ),
+        (
+            "hicache_backup_bytes_total",
+            "Bytes backed up to the host tier.",
+            c.backup_bytes as f64,
+        ),
+        (
+            "hicache_backup_seconds_total",
+            "Seconds spent by backup copies.",
+            c.backup_seconds,
+        ),
+        (
+            "hicache_backup_skipped_total",
+            "Backups not made because the host tier had no room.",
+            c.backups_skipped as f64,
+        ),
+        (
+            "hicache_loadback_skipped_total",
+            "Host hits served as misses for lack of device pages.",
+            c.loadbacks_skipped as f64,
+        ),
+    ];
+    for (name, help, value) in cache_counters {
+        o.counter(name, help);
+        o.sample(name, &[], value);
+    }
+    o.counter(
+        "kv_evictions_total",
+        "Cached prefixes evicted, by tier and what happened to them.",
+    );
+    o.sample(
+        "kv_evictions_total",
+        &[("tier", "device"), ("outcome", "kept_on_host")],
+        c.evicted_to_host as f64,
+    );
+    o.sample(
+        "kv_evictions_total",
+        &[("tier", "device"), ("outcome", "dropped")],
+        c.evicted_dropped as f64,
+    );
+    o.sample(
+        "kv_evictions_total",
+        &[("tier", "host"), ("outcome", "dropped")],
+        c.host_evictions as f64,
+    );
+
+    let t = &m.kv_transfer;
+    let transfer: [(&str, &str, f64); 4] = [
+        (
+            "kv_transfer_requests_total",
+            "Requests whose KV was transferred between prefill and decode engines.",
+            t.requests as f64,
+        ),
+        (
+            "kv_transfer_bytes_total",
+            "KV bytes transferred between prefill and decode engines.",
+            t.bytes as f64,
+        ),
+        (
+            "kv_transfer_seconds_total",
+            "Seconds spent transferring KV.",
+            t.seconds,
+        ),
+        (
+            "kv_transfer_failures_total",
+            "KV transfers that failed.",
+            t.failures as f64,
+        ),
+    ];
+    for (name, help, value) in transfer {
+        o.counter(name, help);
+        o.sample(name, &[], value);
+    }
+
+    let histograms: [(&str, &str, &Histogram); 5] = [
+        (
+            "time_to_first_token_seconds",
+            "Submit to first token.",
+            &m.ttft,
+        ),
+        (
+            "inter_token_latency_seconds",
+            "Between consecutive tokens of one request.",
+            &m.itl,
+        ),
+        (
+            "e2e_request_latency_seconds",
+            "Submit to terminal event, every accepted request.",
+            &m.e2e,
+        ),
+        (
+            "queue_time_seconds",
+            "Submit to the start of running.",
+            &m.queue_time,
+        ),
+        (
+            "forward_step_seconds",
+            "Duration of one forward step.",
+            &m.step_time,
+        ),
+    ];
+    for (name, help, h) in histograms {
+        o.histogram(name, help, h);
+    }
+    out.text
+}
+
+struct Exposition {
+    text: String,
+    base: Vec<(String, String)>,
+}
+
+impl Exposition {
+    fn header(&mut self, name: &str, help: &str, kind: &str) {
+        let _ = writeln!(self.text, "# HELP dsv4_{name} {help}");
+        let _ = writeln!(self.text, "# TYPE dsv4_{name} {kind}");
+    }
+
+    fn gauge(&mut self, name: &str, help: &str) {
+        self.header(name, help, "gauge");
+    }
+
+    fn counter(&mut self, name: &str, help: &str) {
+        self.header(name, help, "counter");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+        let _ = write!(self.text, "dsv4_{name}");
+        let all: Vec<(&str, &str)> = self
+            .base
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain(labels.iter().copied())
+            .collect();
+        if !all.is_empty() {
+            self.text.push('{');
+            for (i, (k, v)) in all.iter().enumerate() {
+                if i > 0 {
+                    self.text.push(',');
+                }
+                let _ = write!(self.text, "{k}=\"{v}\"");
+            }
+            self.text.push('}');
+        }
+        let _ = writeln!(self.text, " {}", number(value));
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.header(name, help, "histogram");
+        let bucket = format!("{name}_bucket");
+        for (i, c) in h.cumulative().into_iter().enumerate() {
+            let le = h.bounds.get(i).map_or("+Inf".to_string(), |b| number(*b));
+            self.sample(&bucket, &[("le", &le)], c as f64);
+        }
+        self.sample(&format!("{name}_sum"), &[], h.sum);
+        self.sample(&format!("{name}_count"), &[], h.count as f64);
+    }
+}
+
+fn number(v: f64) -> String {
+    if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else if v.is_nan() {
+        "NaN".into()
+    } else {
+        format!("{v}")
+    }
+}
+
+/// Label values: backslash, double quote and line feed are escaped (the text format's rules).
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_sample_carries_the_configured_labels_escaped() {
+        let mut m = MetricsSnapshot::default();
+        m.ttft.observe(0.003);
+        let labels = BTreeMap::from([("zone".to_string(), "a\"b\\c\nd".to_string())]);
+        let text = render(&m, &labels);
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            assert!(
+                line.starts_with("dsv4_") && line.contains(r#"{zone="a\"b\\c\nd""#),
+                "{line}"
+            );
+        }
+        assert!(text.contains(
+            r#"dsv4_time_to_first_token_seconds_bucket{zone="a\"b\\c\nd",le="0.005"} 1"#
+        ));
+        assert!(text.contains(
+            r#"dsv4_time_to_first_token_seconds_bucket{zone="a\"b\\c\nd",le="0.0025"} 0"#
+        ));
+    }
+}

@@ -1,0 +1,228 @@
+//! Engine metrics across the ABI: a versioned struct for hosts that export their own way, and
+//! the Prometheus text exposition for those that serve `/metrics`.
+
+use std::ffi::c_char;
+
+use super::boundary::{guard, write_text};
+use super::engine::{dsv4_engine, engine_ref};
+use super::requests::check_size;
+use super::status::dsv4_status;
+use crate::engine::{MetricsSnapshot, Outcome, Rejection, Units};
+use crate::error::Error;
+
+/// Used and total units of one pool kind on one tier, and their bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct dsv4_units {
+    pub used: u64,
+    pub total: u64,
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// A metrics snapshot (version 1). Counters (`*_total`) count from engine creation; the rest
+/// are gauges at the instant of the call (pool gauges as of the last forward step). Fields are
+/// only appended in later versions. docs/metrics.md describes each one.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct dsv4_metrics {
+    /// Set to `sizeof(dsv4_metrics)` before the call; the library sets it to the bytes it
+    /// filled (at most what you passed).
+    pub struct_size: u32,
+    /// Requests taking part in forward steps.
+    pub num_running_reqs: u64,
+    /// Requests waiting for a host-tier load-back before they can run.
+    pub num_loading_reqs: u64,
+    /// Accepted requests waiting to run (retracted ones included).
+    pub num_queue_reqs: u64,
+    /// Prompt tokens accepted and not yet prefilled.
+    pub num_queue_tokens: u64,
+    /// KV pages (one id across `c4_kv`, `c4_indexer`, `c128_kv`; bytes cover all three).
+    pub device_pages: dsv4_units,
+    /// Per-request slots (SWA ring and compressor frontiers).
+    pub device_slots: dsv4_units,
+    /// Prefix-cache snapshots.
+    pub device_snapshots: dsv4_units,
+    /// Host-tier (HiCache) pages and snapshots; zero without HiCache.
+    pub host_pages: dsv4_units,
+    pub host_snapshots: dsv4_units,
+    /// Requests accepted by `dsv4_submit`.
+    pub requests_total: u64,
+    /// Terminal events: stop token or EOS, length, abort, timeout, error.
+    pub finished_stop_total: u64,
+    pub finished_length_total: u64,
+    pub aborted_total: u64,
+    pub timed_out_total: u64,
+    pub failed_total: u64,
+    /// Submits refused: `DSV4_ERR_QUEUE_FULL`, `DSV4_ERR_CAPACITY`,
+    /// `DSV4_ERR_INVALID_ARGUMENT`, `DSV4_ERR_SHUTDOWN`.
+    pub rejected_queue_full_total: u64,
+    pub rejected_capacity_total: u64,
+    pub rejected_invalid_total: u64,
+    pub rejected_shutdown_total: u64,
+    /// Running requests retracted when the KV pools ran out during decode.
+    pub retractions_total: u64,
+    /// Prompt tokens of requests that started running.
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    /// Prompt tokens served from the prefix cache, by the tier they came from.
+    pub cached_tokens_device_total: u64,
+    pub cached_tokens_host_total: u64,
+    pub forward_steps_total: u64,
+    pub forward_tokens_total: u64,
+    /// HiCache copies.
+    pub loadback_tokens_total: u64,
+    pub loadback_bytes_total: u64,
+    pub loadback_seconds_total: f64,
+    pub backup_tokens_total: u64,
+    pub backup_bytes_total: u64,
+    pub backup_seconds_total: f64,
+    /// Device evictions that kept a host copy, that dropped the prefix; host-tier evictions.
+    pub evictions_device_to_host_total: u64,
+    pub evictions_device_dropped_total: u64,
+    pub evictions_host_total: u64,
+    /// KV transfer between prefill and decode engines (zero until PD disaggregation lands).
+    pub kv_transfer_requests_total: u64,
+    pub kv_transfer_bytes_total: u64,
+    pub kv_transfer_seconds_total: f64,
+    pub kv_transfer_failures_total: u64,
+    /// Sums (seconds) and counts of the latency histograms; the buckets are in the
+    /// Prometheus exposition.
+    pub ttft_seconds_sum: f64,
+    pub ttft_count: u64,
+    pub itl_seconds_sum: f64,
+    pub itl_count: u64,
+    pub e2e_seconds_sum: f64,
+    pub e2e_count: u64,
+    pub queue_seconds_sum: f64,
+    pub queue_count: u64,
+}
+
+const METRICS_V1: usize = std::mem::size_of::<dsv4_metrics>();
+
+fn units(u: &Units) -> dsv4_units {
+    dsv4_units {
+        used: u.used,
+        total: u.total,
+        used_bytes: u.used_bytes,
+        total_bytes: u.total_bytes,
+    }
+}
+
+fn to_c(m: &MetricsSnapshot) -> dsv4_metrics {
+    let c = &m.cache;
+    dsv4_metrics {
+        struct_size: METRICS_V1 as u32,
+        num_running_reqs: m.running,
+        num_loading_reqs: m.loading,
+        num_queue_reqs: m.queued,
+        num_queue_tokens: m.queued_tokens,
+        device_pages: units(&m.pools.device_pages),
+        device_slots: units(&m.pools.device_slots),
+        device_snapshots: units(&m.pools.device_snapshots),
+        host_pages: units(&m.pools.host_pages),
+        host_snapshots: units(&m.pools.host_snapshots),
+        requests_total: m.requests,
+        finished_stop_total: m.finished(Outcome::Stop),
+        finished_length_total: m.finished(Outcome::Length),
+        aborted_total: m.finished(Outcome::Aborted),
+        timed_out_total: m.finished(Outcome::Timeout),
+        failed_total: m.finished(Outcome::Error),
+        rejected_queue_full_total: m.rejected(Rejection::QueueFull),
+        rejected_capacity_total: m.rejected(Rejection::Capacity),
+        rejected_invalid_total: m.rejected(Rejection::InvalidArgument),
+        rejected_shutdown_total: m.rejected(Rejection::Shutdown),
+        retractions_total: m.retractions,
+        prompt_tokens_total: m.prompt_tokens,
+        generation_tokens_total: m.generation_tokens,
+        cached_tokens_device_total: m.cached_tokens_device,
+        cached_tokens_host_total: m.cached_tokens_host,
+        forward_steps_total: m.forward_steps,
+        forward_tokens_total: m.forward_tokens,
+        loadback_tokens_total: c.loadback_tokens,
+        loadback_bytes_total: c.loadback_bytes,
+        loadback_seconds_total: c.loadback_seconds,
+        backup_tokens_total: c.backup_tokens,
+        backup_bytes_total: c.backup_bytes,
+        backup_seconds_total: c.backup_seconds,
+        evictions_device_to_host_total: c.evicted_to_host,
+        evictions_device_dropped_total: c.evicted_dropped,
+        evictions_host_total: c.host_evictions,
+        kv_transfer_requests_total: m.kv_transfer.requests,
+        kv_transfer_bytes_total: m.kv_transfer.bytes,
+        kv_transfer_seconds_total: m.kv_transfer.seconds,
+        kv_transfer_failures_total: m.kv_transfer.failures,
+        ttft_seconds_sum: m.ttft.sum,
+        ttft_count: m.ttft.count,
+        itl_seconds_sum: m.itl.sum,
+        itl_count: m.itl.count,
+        e2e_seconds_sum: m.e2e.sum,
+        e2e_count: m.e2e.count,
+        queue_seconds_sum: m.queue_time.sum,
+        queue_count: m.queue_time.count,
+    }
+}
+
+/// Fills `*out` with the engine's metrics. Set `out->struct_size = sizeof(dsv4_metrics)`
+/// first: a caller built against an older header gets the fields it knows. Thread-safe and
+/// cheap (one short lock; never waits for a forward step), so it suits a scrape loop.
+///
+/// # Safety
+/// `engine` is a live handle; `out` is valid for `out->struct_size` bytes of reads and writes.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_metrics_get(
+    engine: *const dsv4_engine,
+    out: *mut dsv4_metrics,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        if out.is_null() {
+            return Err(Error::invalid_argument(
+                "out is NULL: pass a dsv4_metrics with struct_size set",
+            ));
+        }
+        // SAFETY: `out` is non-NULL and its first field is readable per the contract.
+        let size = unsafe { (*out).struct_size } as usize;
+        check_size("dsv4_metrics", size, METRICS_V1)?;
+        let mut filled = to_c(&engine.metrics());
+        let n = size.min(METRICS_V1);
+        filled.struct_size = n as u32;
+        // SAFETY: `out` is valid for `size >= n` bytes of writes; `filled` is a plain repr(C)
+        // value of METRICS_V1 >= n bytes; the regions do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&filled as *const dsv4_metrics).cast::<u8>(),
+                out.cast::<u8>(),
+                n,
+            )
+        };
+        Ok(())
+    })
+}
+
+/// Writes the metrics in the Prometheus text format (version 0.0.4): `dsv4_` names following
+/// SGLang's where it has the series (`num_running_reqs`, `num_queue_reqs`, `token_usage`,
+/// `cached_tokens_total{cache_source}`, `time_to_first_token_seconds`, …), counters and
+/// histograms, every sample labelled with `metrics.labels`. Serve it as
+/// `text/plain; version=0.0.4`. `(buf, cap, needed)` convention; thread-safe; never waits for
+/// a forward step.
+///
+/// # Safety
+/// `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
+/// for one `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_metrics_prometheus(
+    engine: *const dsv4_engine,
+    buf: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        let text = engine.prometheus();
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { write_text(&text, buf, cap, needed) }
+    })
+}
