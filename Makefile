@@ -1,5 +1,7 @@
 # dsv4 — quick start on a fresh machine (Rust, gcc, make, python3):
-#   make demo    the memory plans of a V4-Flash prefill node, HiCache by ratio and by size
+#   make demo    the built-in tiny DeepSeek V4 model serving an agentic workload on the CPU
+#                backend (HiCache on, small device pool): latencies, cache tiers, Prometheus;
+#                first the memory plans of a V4-Flash prefill node, HiCache by ratio and by size
 #   make test    everything: fmt, clippy, Rust tests, header freshness, install + CMake/ctest,
 #                pkg-config build, pytest
 # Other targets: lib, header, install PREFIX=..., clean.
@@ -13,7 +15,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix bench-hicache
+.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix bench-hicache bench-prefix bench-overload
 
 all: lib
 
@@ -50,8 +52,9 @@ demo: lib
 	@echo "== DeepSeek V4-Flash on a PD prefill node (4 GiB device KV): HiCache by ratio vs by size =="
 	@$(STAGE)/bin/dsv4-plan examples/params/flash-prefill-ratio.json examples/params/flash-prefill-size.json
 	@echo
-	@echo "== Serving on the CPU backend (tiny built-in test model): a burst sharing a system prompt =="
-	@$(STAGE)/bin/dsv4-serve-demo tests/fixtures/flash-like/hf-f32
+	@echo "== Serving the built-in tiny DeepSeek V4 on the CPU backend: an agentic workload =="
+	@$(CARGO) build --quiet --release --example demo
+	@$(REL)/examples/demo
 
 test: deps test-rust test-c test-pkgconfig test-python
 	@echo "make test: all passed"
@@ -95,6 +98,15 @@ bench-radix: deps
 # HiCache backup / load-back GB/s vs memcpy of the same bytes; host allocation + pre-touch rate.
 bench-hicache: deps
 	$(CARGO) run --release --example bench_hicache
+
+# The demo's agentic workload with the prefix cache off, device-only and with HiCache.
+bench-prefix: deps
+	$(CARGO) run --release --example bench_prefix
+
+# 10x offered load for 30 s against max_queued_requests: admitted TTFT vs unloaded, rejection
+# latency, queue length and RSS over time.
+bench-overload: deps
+	$(CARGO) run --release --example bench_overload
 
 clean:
 	$(CARGO) clean

@@ -6,6 +6,7 @@
 
 mod forward;
 pub mod rope;
+pub mod tiny;
 pub mod weights;
 
 use std::collections::BTreeMap;

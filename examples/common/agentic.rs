@@ -1,0 +1,179 @@
+//! The agentic workload of `make demo` and `bench_prefix`: a long system prompt shared by every
+//! user, many users, multi-turn conversations whose next turn extends the previous one (prompt +
+//! the model's answer + a new user message). Turns of one user are sequential, users run
+//! concurrently; refused submits are retried, as a real front end would.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use dsv4::engine::{Engine, EventKind, RequestSpec, SamplingParams};
+use dsv4::error::ErrorKind;
+
+/// The shape of the conversation set.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub system_tokens: usize,
+    pub users: usize,
+    pub turns: usize,
+    /// Tokens of each new user message.
+    pub message_tokens: usize,
+    pub max_new_tokens: u32,
+    pub seed: u64,
+}
+
+impl Workload {
+    pub fn requests(&self) -> usize {
+        self.users * self.turns
+    }
+
+    fn tokens(&self, vocab: usize, stream: u64, n: usize) -> Vec<u32> {
+        let mut rng =
+            fastrand::Rng::with_seed(self.seed ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        // Ids 0..16 hold special tokens (EOS among them) in real vocabularies: skip them.
+        (0..n).map(|_| rng.u32(16..vocab as u32)).collect()
+    }
+}
+
+/// What the client saw.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub wall: Duration,
+    pub requests: usize,
+    pub errors: usize,
+    /// Submits refused with QUEUE_FULL (then retried).
+    pub refused: usize,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub cached_device: u64,
+    pub cached_host: u64,
+    pub ttft_us: Vec<u64>,
+    pub itl_us: Vec<u64>,
+}
+
+impl Report {
+    pub fn tokens_per_s(&self) -> f64 {
+        self.generated_tokens as f64 / self.wall.as_secs_f64()
+    }
+
+    /// Prompt tokens processed (computed or taken from the cache) per second.
+    pub fn prompt_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.wall.as_secs_f64()
+    }
+}
+
+/// The `q` quantile (0..=1) of `v` in milliseconds (nearest rank).
+pub fn quantile_ms(v: &[u64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_unstable();
+    let i = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1;
+    s[i] as f64 / 1000.0
+}
+
+struct User {
+    history: Vec<u32>,
+    turn: usize,
+    in_flight: Option<u64>,
+    retry_at: Instant,
+    prompt_len: usize,
+    answer: Vec<u32>,
+    last_token_us: u64,
+}
+
+/// Replays `w` against `engine`; `progress(done, total)` after each finished request.
+pub fn replay(engine: &Engine, w: &Workload, mut progress: impl FnMut(usize, usize)) -> Report {
+    let vocab = engine.vocab_size();
+    let system = w.tokens(vocab, u64::MAX, w.system_tokens);
+    let mut users: Vec<User> = (0..w.users)
+        .map(|_| User {
+            history: system.clone(),
+            turn: 0,
+            in_flight: None,
+            retry_at: Instant::now(),
+            prompt_len: 0,
+            answer: Vec::new(),
+            last_token_us: 0,
+        })
+        .collect();
+    let mut owner: HashMap<u64, usize> = HashMap::new();
+    let mut report = Report::default();
+    let total = w.requests();
+    let start = Instant::now();
+    while report.requests < total {
+        let now = Instant::now();
+        for (u, user) in users.iter_mut().enumerate() {
+            if user.in_flight.is_some() || user.turn == w.turns || now < user.retry_at {
+                continue;
+            }
+            let stream = (u * w.turns + user.turn) as u64;
+            let mut prompt = user.history.clone();
+            prompt.extend(w.tokens(vocab, stream, w.message_tokens));
+            let spec = RequestSpec {
+                prompt: prompt.clone(),
+                max_new_tokens: w.max_new_tokens,
+                sampling: SamplingParams {
+                    temperature: 0.8,
+                    top_p: 0.95,
+                    ..SamplingParams::default()
+                },
+                seed: stream + 1,
+                ..RequestSpec::default()
+            };
+            match engine.submit(spec) {
+                Ok(id) => {
+                    owner.insert(id, u);
+                    user.in_flight = Some(id);
+                    user.history = prompt;
+                    user.prompt_len = user.history.len();
+                    user.answer.clear();
+                    user.last_token_us = 0;
+                }
+                Err(e) if e.kind() == ErrorKind::QueueFull => {
+                    report.refused += 1;
+                    user.retry_at = now + Duration::from_millis(50);
+                }
+                Err(e) => panic!("submit failed: {e}"),
+            }
+        }
+        let events = engine
+            .poll(512, Some(Duration::from_millis(5)))
+            .expect("poll");
+        for e in events {
+            let Some(&u) = owner.get(&e.request_id) else {
+                continue;
+            };
+            let user = &mut users[u];
+            match e.kind {
+                EventKind::Token => {
+                    if user.answer.is_empty() {
+                        report.ttft_us.push(e.ttft_us);
+                    } else {
+                        report.itl_us.push(e.elapsed_us - user.last_token_us);
+                    }
+                    user.last_token_us = e.elapsed_us;
+                    user.answer.push(e.token as u32);
+                }
+                EventKind::Finished | EventKind::Error => {
+                    if e.kind == EventKind::Error {
+                        report.errors += 1;
+                    }
+                    report.requests += 1;
+                    report.prompt_tokens += u64::from(e.prompt_tokens);
+                    report.generated_tokens += u64::from(e.generated_tokens);
+                    report.cached_device += u64::from(e.cached_tokens_device);
+                    report.cached_host += u64::from(e.cached_tokens_host);
+                    let answer = std::mem::take(&mut user.answer);
+                    user.history.extend(answer);
+                    user.in_flight = None;
+                    user.turn += 1;
+                    owner.remove(&e.request_id);
+                    progress(report.requests, total);
+                }
+            }
+        }
+    }
+    report.wall = start.elapsed();
+    report
+}

@@ -1,0 +1,206 @@
+//! `make demo`: the built-in tiny DeepSeek V4 model served on the CPU backend under an agentic
+//! workload — a long shared system prompt, many users, multi-turn conversations — with HiCache
+//! on and a deliberately small device pool, so prefixes move between the device and host tiers.
+//! Prints a summary and an excerpt of the Prometheus exposition.
+//!
+//!   cargo run --release --example demo [-- --users N --turns N]
+//!
+//! The tiny checkpoint (official naming, FP8/FP4 weights) is written once to
+//! $DSV4_DEMO_MODEL_DIR, else $XDG_CACHE_HOME/dsv4/tiny-model, else ~/.cache/dsv4/tiny-model.
+
+#[path = "common/agentic.rs"]
+mod agentic;
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use agentic::{quantile_ms, replay, Workload};
+use dsv4::config::params::Params;
+use dsv4::engine::{Engine, Outcome, Rejection};
+use serde_json::json;
+
+fn model_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("DSV4_DEMO_MODEL_DIR") {
+        return PathBuf::from(d);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from("target"));
+    cache.join("dsv4").join("tiny-model")
+}
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("demo failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> dsv4::error::Result<()> {
+    let dir = model_dir();
+    let t = Instant::now();
+    let wrote = dsv4::model::tiny::write_checkpoint(&dir)?;
+    println!(
+        "model: built-in tiny DeepSeek V4 (6 layers: SWA, CSA, HCA; hash and scored MoE; FP8 \
+         + FP4 weights) at {} ({}, {:.2} s)",
+        dir.display(),
+        if wrote { "written" } else { "reused" },
+        t.elapsed().as_secs_f64()
+    );
+    let params = Params::from_value(&json!({
+        "model_path": dir.to_str().expect("a UTF-8 path"),
+        "threads": 2,
+        "kv": {"dtype": "fp8", "indexer_dtype": "fp4", "page_size": 128,
+               "device_memory_bytes": "3MiB", "max_running_requests": 8, "snapshot_fraction": 0.3},
+        "scheduler": {"chunked_prefill_tokens": 512, "max_batch_tokens": 1024},
+        "hicache": {"enabled": true, "ratio": 6.0, "write_policy": "write_through"},
+        "admission": {"max_queued_requests": 8},
+        "metrics": {"labels": {"instance": "demo"}},
+    }))?;
+    let t = Instant::now();
+    let engine = Engine::create(params)?;
+    let m = engine.metrics();
+    let units = |u: &dsv4::engine::Units| {
+        format!(
+            "{} units ({:.1} MiB)",
+            u.total,
+            u.total_bytes as f64 / 1048576.0
+        )
+    };
+    println!(
+        "engine: cpu backend, 2 threads, fp8 KV + fp4 indexer rows, created in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+    println!(
+        "  device: pages {}, slots {}, snapshots {}",
+        units(&m.pools.device_pages),
+        units(&m.pools.device_slots),
+        units(&m.pools.device_snapshots)
+    );
+    println!(
+        "  host (HiCache ratio 6, write_through): pages {}, snapshots {}",
+        units(&m.pools.host_pages),
+        units(&m.pools.host_snapshots)
+    );
+    let w = Workload {
+        system_tokens: 1536,
+        users: arg("--users", 32),
+        turns: arg("--turns", 4),
+        message_tokens: 96,
+        max_new_tokens: 32,
+        seed: 7,
+    };
+    println!(
+        "workload: {} users × {} turns, shared {}-token system prompt, {}-token messages, up to \
+         {} new tokens; admission.max_queued_requests = 8 (a refused user retries 50 ms later)",
+        w.users, w.turns, w.system_tokens, w.message_tokens, w.max_new_tokens
+    );
+    // Redrawn in place on a terminal; a line per quarter in a log.
+    let tty = std::io::stdout().is_terminal();
+    let report = replay(&engine, &w, |done, total| {
+        let width = 40;
+        let filled = done * width / total;
+        let bar = format!(
+            "  [{}{}] {done}/{total} requests",
+            "#".repeat(filled),
+            ".".repeat(width - filled)
+        );
+        if tty {
+            print!("\r{bar}");
+            let _ = std::io::stdout().flush();
+        } else if (done * 4).is_multiple_of(total) || done == total {
+            println!("{bar}");
+        }
+    });
+    if tty {
+        println!();
+    }
+    let m = engine.metrics();
+    println!("summary ({:.1} s):", report.wall.as_secs_f64());
+    println!(
+        "  requests        {} finished ({} length, {} stop), {} errors; {} submits refused \
+         at once (queue full) and retried",
+        report.requests,
+        m.finished(Outcome::Length),
+        m.finished(Outcome::Stop),
+        report.errors,
+        m.rejected(Rejection::QueueFull)
+    );
+    println!(
+        "  TTFT            p50 {:.1} ms   p99 {:.1} ms",
+        quantile_ms(&report.ttft_us, 0.5),
+        quantile_ms(&report.ttft_us, 0.99)
+    );
+    println!(
+        "  ITL             p50 {:.1} ms   p99 {:.1} ms",
+        quantile_ms(&report.itl_us, 0.5),
+        quantile_ms(&report.itl_us, 0.99)
+    );
+    println!(
+        "  throughput      {:.0} generated tokens/s, {:.0} prompt tokens/s",
+        report.tokens_per_s(),
+        report.prompt_tokens_per_s()
+    );
+    let pct = |x: u64| 100.0 * x as f64 / report.prompt_tokens.max(1) as f64;
+    println!(
+        "  cached prompt   {} of {} tokens: device {} ({:.0} %), host {} ({:.0} %)",
+        report.cached_device + report.cached_host,
+        report.prompt_tokens,
+        report.cached_device,
+        pct(report.cached_device),
+        report.cached_host,
+        pct(report.cached_host)
+    );
+    let c = &m.cache;
+    println!(
+        "  HiCache         {} load-backs ({:.1} MiB), {} backups ({:.1} MiB), {} device \
+         evictions kept on host, {} host evictions",
+        c.loadbacks,
+        c.loadback_bytes as f64 / 1048576.0,
+        c.backups,
+        c.backup_bytes as f64 / 1048576.0,
+        c.evicted_to_host,
+        c.host_evictions
+    );
+    println!("  retractions     {}", m.retractions);
+    assert_eq!(
+        report.cached_device + report.cached_host,
+        m.cached_tokens_device + m.cached_tokens_host,
+        "events and metrics agree"
+    );
+    println!("prometheus excerpt (dsv4_metrics_prometheus):");
+    let text = engine.prometheus();
+    let wanted = [
+        "dsv4_num_requests_total",
+        "dsv4_num_rejected_requests_total{instance=\"demo\",reason=\"queue_full\"}",
+        "dsv4_cached_tokens_total",
+        "dsv4_generation_tokens_total",
+        "dsv4_hicache_loadback_bytes_total",
+        "dsv4_time_to_first_token_seconds_count",
+        "dsv4_time_to_first_token_seconds_sum",
+        "dsv4_token_usage",
+    ];
+    for line in text.lines() {
+        if !line.starts_with('#') && wanted.iter().any(|w| line.starts_with(w)) {
+            println!("  {line}");
+        }
+    }
+    if report.errors > 0 {
+        return Err(dsv4::error::Error::internal(format!(
+            "{} requests ended with an error",
+            report.errors
+        )));
+    }
+    Ok(())
+}
