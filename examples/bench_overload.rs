@@ -8,6 +8,11 @@
 //! The queue bound is sized the way an operator should size it: capacity (requests/s) × the
 //! queueing delay one is willing to add (here 1.5× the unloaded TTFT).
 
+// Only its command-line and model helpers are used here.
+#[allow(dead_code)]
+#[path = "common/agentic.rs"]
+mod agentic;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,15 +23,6 @@ use dsv4::error::ErrorKind;
 use serde_json::json;
 
 const RUNNING: u32 = 8;
-
-fn arg(name: &str, default: f64) -> f64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn engine(dir: &str, max_queued: u32) -> Engine {
     let params = Params::from_value(&json!({
@@ -88,14 +84,11 @@ fn drain(engine: &Engine, n: usize) -> Vec<f64> {
 }
 
 fn main() {
-    let seconds = arg("--seconds", 30.0);
-    let prompt = arg("--prompt", 1024.0) as usize;
-    let max_new = arg("--max-new", 16.0) as u32;
-    let factor = arg("--factor", 10.0);
-    let dir = std::env::var_os("DSV4_DEMO_MODEL_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("dsv4-bench-tiny-model"));
-    dsv4::model::tiny::write_checkpoint(&dir).expect("tiny checkpoint");
+    let seconds = agentic::arg("--seconds", 30.0);
+    let prompt = agentic::arg("--prompt", 1024.0) as usize;
+    let max_new = agentic::arg("--max-new", 16.0) as u32;
+    let factor = agentic::arg("--factor", 10.0);
+    let (dir, _) = agentic::tiny_model().expect("tiny checkpoint");
     let dir = dir.to_str().expect("UTF-8 path").to_string();
     let mut rng = fastrand::Rng::with_seed(1);
 

@@ -8,21 +8,10 @@
 #[path = "common/agentic.rs"]
 mod agentic;
 
-use std::path::PathBuf;
-
 use agentic::{quantile_ms, replay, Report, Workload};
 use dsv4::config::params::Params;
 use dsv4::engine::Engine;
 use serde_json::{json, Value};
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn run(dir: &str, w: &Workload, kv_extra: Value, hicache: Value) -> Report {
     let mut kv = json!({"dtype": "fp8", "indexer_dtype": "fp4", "page_size": 128,
@@ -42,19 +31,9 @@ fn run(dir: &str, w: &Workload, kv_extra: Value, hicache: Value) -> Report {
 }
 
 fn main() {
-    let dir: PathBuf = std::env::var_os("DSV4_DEMO_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("dsv4-bench-tiny-model"));
-    dsv4::model::tiny::write_checkpoint(&dir).expect("tiny checkpoint");
+    let (dir, _) = agentic::tiny_model().expect("tiny checkpoint");
     let dir = dir.to_str().expect("UTF-8 path").to_string();
-    let w = Workload {
-        system_tokens: 1536,
-        users: arg("--users", 32),
-        turns: arg("--turns", 4),
-        message_tokens: 96,
-        max_new_tokens: 32,
-        seed: 7,
-    };
+    let w = Workload::demo();
     println!(
         "agentic workload: {} users × {} turns, {}-token system prompt, {}-token messages, {} new \
          tokens; tiny model, 2 threads, 3 MiB device KV (fp8 / fp4 rows), 8 running",

@@ -12,33 +12,12 @@
 mod agentic;
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
 use std::time::Instant;
 
 use agentic::{quantile_ms, replay, Workload};
 use dsv4::config::params::Params;
 use dsv4::engine::{Engine, Outcome, Rejection};
 use serde_json::json;
-
-fn model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("DSV4_DEMO_MODEL_DIR") {
-        return PathBuf::from(d);
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from("target"));
-    cache.join("dsv4").join("tiny-model")
-}
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn main() {
     if let Err(e) = run() {
@@ -48,9 +27,8 @@ fn main() {
 }
 
 fn run() -> dsv4::error::Result<()> {
-    let dir = model_dir();
     let t = Instant::now();
-    let wrote = dsv4::model::tiny::write_checkpoint(&dir)?;
+    let (dir, wrote) = agentic::tiny_model()?;
     println!(
         "model: built-in tiny DeepSeek V4 (6 layers: SWA, CSA, HCA; hash and scored MoE; FP8 \
          + FP4 weights) at {} ({}, {:.2} s)",
@@ -93,14 +71,7 @@ fn run() -> dsv4::error::Result<()> {
         units(&m.pools.host_pages),
         units(&m.pools.host_snapshots)
     );
-    let w = Workload {
-        system_tokens: 1536,
-        users: arg("--users", 32),
-        turns: arg("--turns", 4),
-        message_tokens: 96,
-        max_new_tokens: 32,
-        seed: 7,
-    };
+    let w = Workload::demo();
     println!(
         "workload: {} users × {} turns, shared {}-token system prompt, {}-token messages, up to \
          {} new tokens; admission.max_queued_requests = 8 (a refused user retries 50 ms later)",

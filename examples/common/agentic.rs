@@ -4,6 +4,7 @@
 //! concurrently; refused submits are retried, as a real front end would.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use dsv4::engine::{Engine, EventKind, RequestSpec, SamplingParams};
@@ -22,6 +23,19 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// The demo's conversations (`--users N --turns N` on the command line override the
+    /// defaults of 32 and 4).
+    pub fn demo() -> Self {
+        Self {
+            system_tokens: 1536,
+            users: arg("--users", 32.0) as usize,
+            turns: arg("--turns", 4.0) as usize,
+            message_tokens: 96,
+            max_new_tokens: 32,
+            seed: 7,
+        }
+    }
+
     pub fn requests(&self) -> usize {
         self.users * self.turns
     }
@@ -32,6 +46,33 @@ impl Workload {
         // Ids 0..16 hold special tokens (EOS among them) in real vocabularies: skip them.
         (0..n).map(|_| rng.u32(16..vocab as u32)).collect()
     }
+}
+
+/// `--name value` from the command line, or `default`.
+pub fn arg(name: &str, default: f64) -> f64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Where the built-in tiny checkpoint is kept: $DSV4_DEMO_MODEL_DIR, else
+/// $XDG_CACHE_HOME/dsv4/tiny-model, else ~/.cache/dsv4/tiny-model. Written there once (and
+/// rewritten only if its bytes differ from what this build writes).
+pub fn tiny_model() -> dsv4::error::Result<(PathBuf, bool)> {
+    let dir = match std::env::var_os("DSV4_DEMO_MODEL_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(|| PathBuf::from("target"))
+            .join("dsv4")
+            .join("tiny-model"),
+    };
+    let wrote = dsv4::model::tiny::write_checkpoint(&dir)?;
+    Ok((dir, wrote))
 }
 
 /// What the client saw.

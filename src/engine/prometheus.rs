@@ -14,26 +14,39 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
         base: labels.iter().map(|(k, v)| (k.clone(), escape(v))).collect(),
     };
     let o = &mut out;
+    let c = &m.cache;
+    let t = &m.kv_transfer;
 
-    o.gauge("num_running_reqs", "Requests taking part in forward steps.");
-    o.sample("num_running_reqs", &[], m.running as f64);
-    o.gauge("num_queue_reqs", "Accepted requests waiting to run.");
-    o.sample("num_queue_reqs", &[], m.queued as f64);
-    o.gauge(
-        "num_queue_tokens",
-        "Prompt tokens accepted and not yet prefilled.",
-    );
-    o.sample("num_queue_tokens", &[], m.queued_tokens as f64);
-    o.gauge(
-        "num_loading_reqs",
-        "Requests waiting for their prefix to be loaded back from the host tier.",
-    );
-    o.sample("num_loading_reqs", &[], m.loading as f64);
-    o.gauge(
-        "token_usage",
-        "Device KV pages in use over device KV pages.",
-    );
-    o.sample("token_usage", &[], m.token_usage());
+    let gauges: [(&str, &str, f64); 5] = [
+        (
+            "num_running_reqs",
+            "Requests taking part in forward steps.",
+            m.running as f64,
+        ),
+        (
+            "num_queue_reqs",
+            "Accepted requests waiting to run.",
+            m.queued as f64,
+        ),
+        (
+            "num_queue_tokens",
+            "Prompt tokens accepted and not yet prefilled.",
+            m.queued_tokens as f64,
+        ),
+        (
+            "num_loading_reqs",
+            "Requests waiting for their prefix to be loaded back from the host tier.",
+            m.loading as f64,
+        ),
+        (
+            "token_usage",
+            "Device KV pages in use over device KV pages.",
+            m.token_usage(),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        o.single("gauge", name, help, value);
+    }
 
     let pools: [(&str, &str, Units); 5] = [
         ("pages", "device", m.pools.device_pages),
@@ -66,7 +79,7 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
         ),
     ];
     for (name, help, get) in series {
-        o.gauge(name, help);
+        o.header(name, help, "gauge");
         for (pool, tier, units) in &pools {
             if *tier == "host" && units.total == 0 {
                 continue;
@@ -75,40 +88,89 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
         }
     }
 
-    o.counter("num_requests_total", "Requests accepted by submit.");
-    o.sample("num_requests_total", &[], m.requests as f64);
-    o.counter(
+    let counters: [(&str, &str, f64); 20] = [
+        ("num_requests_total", "Requests accepted by submit.", m.requests as f64),
+        (
+            "num_aborted_requests_total",
+            "Requests ended by an abort (dsv4_abort or an abort shutdown).",
+            m.finished(Outcome::Aborted) as f64,
+        ),
+        (
+            "num_timed_out_requests_total",
+            "Requests ended by their deadline or the queue timeout.",
+            m.finished(Outcome::Timeout) as f64,
+        ),
+        (
+            "num_retractions_total",
+            "Running requests retracted (pages freed, requeued, recomputed) when the pools ran out.",
+            m.retractions as f64,
+        ),
+        ("prompt_tokens_total", "Prompt tokens of requests that started running.", m.prompt_tokens as f64),
+        ("generation_tokens_total", "Generated tokens.", m.generation_tokens as f64),
+        ("forward_steps_total", "Forward steps run.", m.forward_steps as f64),
+        (
+            "forward_tokens_total",
+            "Tokens computed by forward steps (prefill and decode).",
+            m.forward_tokens as f64,
+        ),
+        ("hicache_loadback_total", "Host-tier hits loaded back into device pages.", c.loadbacks as f64),
+        ("hicache_loadback_tokens_total", "Tokens loaded back from the host tier.", c.loadback_tokens as f64),
+        ("hicache_loadback_bytes_total", "Bytes loaded back from the host tier.", c.loadback_bytes as f64),
+        ("hicache_loadback_seconds_total", "Seconds spent by load-back copies.", c.loadback_seconds),
+        (
+            "hicache_loadback_skipped_total",
+            "Host hits served as misses for lack of device pages.",
+            c.loadbacks_skipped as f64,
+        ),
+        ("hicache_backup_total", "Cached prefixes backed up to the host tier.", c.backups as f64),
+        ("hicache_backup_tokens_total", "Tokens backed up to the host tier.", c.backup_tokens as f64),
+        ("hicache_backup_bytes_total", "Bytes backed up to the host tier.", c.backup_bytes as f64),
+        ("hicache_backup_seconds_total", "Seconds spent by backup copies.", c.backup_seconds),
+        (
+            "hicache_backup_skipped_total",
+            "Backups not made because the host tier had no room.",
+            c.backups_skipped as f64,
+        ),
+        (
+            "kv_transfer_requests_total",
+            "Requests whose KV was transferred between prefill and decode engines.",
+            t.requests as f64,
+        ),
+        ("kv_transfer_bytes_total", "KV bytes transferred between prefill and decode engines.", t.bytes as f64),
+    ];
+    for (name, help, value) in counters {
+        o.single("counter", name, help, value);
+    }
+    o.single(
+        "counter",
+        "kv_transfer_seconds_total",
+        "Seconds spent transferring KV.",
+        t.seconds,
+    );
+    o.single(
+        "counter",
+        "kv_transfer_failures_total",
+        "KV transfers that failed.",
+        t.failures as f64,
+    );
+
+    o.header(
         "num_finished_requests_total",
         "Accepted requests that ended, by how they ended.",
+        "counter",
     );
     for outcome in Outcome::ALL {
+        let labels = [("finish_reason", outcome.label())];
         o.sample(
             "num_finished_requests_total",
-            &[("finish_reason", outcome.label())],
+            &labels,
             m.finished(outcome) as f64,
         );
     }
-    o.counter(
-        "num_aborted_requests_total",
-        "Requests ended by an abort (dsv4_abort or an abort shutdown).",
-    );
-    o.sample(
-        "num_aborted_requests_total",
-        &[],
-        m.finished(Outcome::Aborted) as f64,
-    );
-    o.counter(
-        "num_timed_out_requests_total",
-        "Requests ended by their deadline or the queue timeout.",
-    );
-    o.sample(
-        "num_timed_out_requests_total",
-        &[],
-        m.finished(Outcome::Timeout) as f64,
-    );
-    o.counter(
+    o.header(
         "num_rejected_requests_total",
         "Submits refused at once, by reason.",
+        "counter",
     );
     for r in Rejection::ALL {
         o.sample(
@@ -117,22 +179,10 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
             m.rejected(r) as f64,
         );
     }
-    o.counter(
-        "num_retractions_total",
-        "Running requests retracted (pages freed, requeued, recomputed) when the pools ran out.",
-    );
-    o.sample("num_retractions_total", &[], m.retractions as f64);
-
-    o.counter(
-        "prompt_tokens_total",
-        "Prompt tokens of requests that started running.",
-    );
-    o.sample("prompt_tokens_total", &[], m.prompt_tokens as f64);
-    o.counter("generation_tokens_total", "Generated tokens.");
-    o.sample("generation_tokens_total", &[], m.generation_tokens as f64);
-    o.counter(
+    o.header(
         "cached_tokens_total",
         "Prompt tokens served from the prefix cache instead of computed, by tier.",
+        "counter",
     );
     o.sample(
         "cached_tokens_total",
@@ -144,117 +194,22 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
         &[("cache_source", "host")],
         m.cached_tokens_host as f64,
     );
-    o.counter("forward_steps_total", "Forward steps run.");
-    o.sample("forward_steps_total", &[], m.forward_steps as f64);
-    o.counter(
-        "forward_tokens_total",
-        "Tokens computed by forward steps (prefill and decode).",
-    );
-    o.sample("forward_tokens_total", &[], m.forward_tokens as f64);
-
-    let c = &m.cache;
-    let cache_counters: [(&str, &str, f64); 10] = [
-        (
-            "hicache_loadback_total",
-            "Host-tier hits loaded back into device pages.",
-            c.loadbacks as f64,
-        ),
-        (
-            "hicache_loadback_tokens_total",
-            "Tokens loaded back from the host tier.",
-            c.loadback_tokens as f64,
-        ),
-        (
-            "hicache_loadback_bytes_total",
-            "Bytes loaded back from the host tier.",
-            c.loadback_bytes as f64,
-        ),
-        (
-            "hicache_loadback_seconds_total",
-            "Seconds spent by load-back copies.",
-            c.loadback_seconds,
-        ),
-        (
-            "hicache_backup_total",
-            "Cached prefixes backed up to the host tier.",
-            c.backups as f64,
-        ),
-        (
-            "hicache_backup_tokens_total",
-            "Tokens backed up to the host tier.",
-            c.backup_tokens as f64,
-        ),
-        (
-            "hicache_backup_bytes_total",
-            "Bytes backed up to the host tier.",
-            c.backup_bytes as f64,
-        ),
-        (
-            "hicache_backup_seconds_total",
-            "Seconds spent by backup copies.",
-            c.backup_seconds,
-        ),
-        (
-            "hicache_backup_skipped_total",
-            "Backups not made because the host tier had no room.",
-            c.backups_skipped as f64,
-        ),
-        (
-            "hicache_loadback_skipped_total",
-            "Host hits served as misses for lack of device pages.",
-            c.loadbacks_skipped as f64,
-        ),
-    ];
-    for (name, help, value) in cache_counters {
-        o.counter(name, help);
-        o.sample(name, &[], value);
-    }
-    o.counter(
+    o.header(
         "kv_evictions_total",
         "Cached prefixes evicted, by tier and what happened to them.",
+        "counter",
     );
-    o.sample(
-        "kv_evictions_total",
-        &[("tier", "device"), ("outcome", "kept_on_host")],
-        c.evicted_to_host as f64,
-    );
-    o.sample(
-        "kv_evictions_total",
-        &[("tier", "device"), ("outcome", "dropped")],
-        c.evicted_dropped as f64,
-    );
-    o.sample(
-        "kv_evictions_total",
-        &[("tier", "host"), ("outcome", "dropped")],
-        c.host_evictions as f64,
-    );
-
-    let t = &m.kv_transfer;
-    let transfer: [(&str, &str, f64); 4] = [
-        (
-            "kv_transfer_requests_total",
-            "Requests whose KV was transferred between prefill and decode engines.",
-            t.requests as f64,
-        ),
-        (
-            "kv_transfer_bytes_total",
-            "KV bytes transferred between prefill and decode engines.",
-            t.bytes as f64,
-        ),
-        (
-            "kv_transfer_seconds_total",
-            "Seconds spent transferring KV.",
-            t.seconds,
-        ),
-        (
-            "kv_transfer_failures_total",
-            "KV transfers that failed.",
-            t.failures as f64,
-        ),
+    let evictions = [
+        ("device", "kept_on_host", c.evicted_to_host),
+        ("device", "dropped", c.evicted_dropped),
+        ("host", "dropped", c.host_evictions),
     ];
-    for (name, help, value) in transfer {
-        o.counter(name, help);
-        o.sample(name, &[], value);
+    for (tier, outcome, n) in evictions {
+        o.sample(
+            "kv_evictions_total",
+            &[("tier", tier), ("outcome", outcome)],
+            n as f64,
+        );
     }
 
     let histograms: [(&str, &str, &Histogram); 5] = [
@@ -301,12 +256,10 @@ impl Exposition {
         let _ = writeln!(self.text, "# TYPE dsv4_{name} {kind}");
     }
 
-    fn gauge(&mut self, name: &str, help: &str) {
-        self.header(name, help, "gauge");
-    }
-
-    fn counter(&mut self, name: &str, help: &str) {
-        self.header(name, help, "counter");
+    /// A family with one unlabelled sample.
+    fn single(&mut self, kind: &str, name: &str, help: &str, value: f64) {
+        self.header(name, help, kind);
+        self.sample(name, &[], value);
     }
 
     fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {

@@ -2,8 +2,8 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{c_bytes, guard, write_text};
-use super::engine::{dsv4_engine, engine_ref};
+use super::boundary::{c_bytes, guard};
+use super::engine::{dsv4_engine, engine_ref, engine_text};
 use super::status::dsv4_status;
 use crate::error::Error;
 use crate::kv::cache::Tier;
@@ -24,13 +24,12 @@ pub unsafe extern "C" fn dsv4_cache_stats(
     cap: usize,
     needed: *mut usize,
 ) -> dsv4_status {
-    guard(|| {
-        // SAFETY: forwarded from the caller's contract.
-        let engine = unsafe { engine_ref(engine) }?;
-        let text = serde_json::to_string_pretty(&engine.cache_stats()?).unwrap_or_default();
-        // SAFETY: forwarded from the caller's contract.
-        unsafe { write_text(&text, buf, cap, needed) }
-    })
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        engine_text(engine, buf, cap, needed, |e| {
+            Ok(serde_json::to_string_pretty(&e.cache_stats()?).unwrap_or_default())
+        })
+    }
 }
 
 /// Drops every unlocked cached prefix from one tier: `"device"` (host copies are kept; with

@@ -26,6 +26,26 @@ pub(super) unsafe fn engine_ref<'a>(engine: *const dsv4_engine) -> Result<&'a En
     })
 }
 
+/// Writes the text `make` produces from a live engine with the `(buf, cap, needed)` convention.
+///
+/// # Safety
+/// `engine` is NULL or a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL
+/// or valid for one `size_t`.
+pub(super) unsafe fn engine_text(
+    engine: *const dsv4_engine,
+    buf: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+    make: impl FnOnce(&Engine) -> Result<String, Error>,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let text = make(unsafe { engine_ref(engine) }?)?;
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { write_text(&text, buf, cap, needed) }
+    })
+}
+
 /// Creates an engine from a params document (JSON, merged over the defaults): validates the
 /// params, computes the memory plan and refuses a plan that does not fit this machine
 /// (`DSV4_ERR_CAPACITY`, with the plan's reason), then loads config.json and the weights at
@@ -159,11 +179,10 @@ pub unsafe extern "C" fn dsv4_model_info(
     cap: usize,
     needed: *mut usize,
 ) -> dsv4_status {
-    guard(|| {
-        // SAFETY: forwarded from the caller's contract.
-        let engine = unsafe { engine_ref(engine) }?;
-        let text = serde_json::to_string_pretty(&engine.model_info()).unwrap_or_default();
-        // SAFETY: forwarded from the caller's contract.
-        unsafe { write_text(&text, buf, cap, needed) }
-    })
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        engine_text(engine, buf, cap, needed, |e| {
+            Ok(serde_json::to_string_pretty(&e.model_info()).unwrap_or_default())
+        })
+    }
 }

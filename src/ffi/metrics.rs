@@ -3,8 +3,8 @@
 
 use std::ffi::c_char;
 
-use super::boundary::{guard, write_text};
-use super::engine::{dsv4_engine, engine_ref};
+use super::boundary::guard;
+use super::engine::{dsv4_engine, engine_ref, engine_text};
 use super::requests::check_size;
 use super::status::dsv4_status;
 use crate::engine::{MetricsSnapshot, Outcome, Rejection, Units};
@@ -218,11 +218,6 @@ pub unsafe extern "C" fn dsv4_metrics_prometheus(
     cap: usize,
     needed: *mut usize,
 ) -> dsv4_status {
-    guard(|| {
-        // SAFETY: forwarded from the caller's contract.
-        let engine = unsafe { engine_ref(engine) }?;
-        let text = engine.prometheus();
-        // SAFETY: forwarded from the caller's contract.
-        unsafe { write_text(&text, buf, cap, needed) }
-    })
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { engine_text(engine, buf, cap, needed, |e| Ok(e.prometheus())) }
 }
