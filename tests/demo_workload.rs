@@ -46,6 +46,11 @@ fn a_small_agentic_replay_hits_both_tiers_and_agrees_with_the_metrics() {
     assert!(report.refused > 0, "a queue of 2 refuses some of 6 users");
     assert_eq!(m.finished(Outcome::Length) + m.finished(Outcome::Stop), 18);
     assert_eq!(m.requests, 18);
+    // Admission's books balance after load-backs, requeues and evictions.
+    assert_eq!(
+        (m.queued, m.queued_tokens, m.running, m.loading),
+        (0, 0, 0, 0)
+    );
     assert_eq!(report.prompt_tokens, m.prompt_tokens);
     assert_eq!(report.generated_tokens, m.generation_tokens);
     assert_eq!(report.cached_device, m.cached_tokens_device);

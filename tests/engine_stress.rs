@@ -1,6 +1,9 @@
-//! Stress: 8 threads submit, poll and abort for several seconds. Every accepted id gets exactly
-//! one terminal event; afterwards, with the cache flushed, no page, slot or snapshot is in use,
-//! and destroying the engine leaves no thread behind. (Alone in its binary: it counts threads.)
+//! Stress: 8 threads submit, poll and abort for several seconds, once on roomy pools and once
+//! with HiCache on pools small enough for load-backs, evictions and retractions (threads also
+//! flush the device tier). Every accepted id gets exactly one terminal event; afterwards the
+//! metrics match the client's books and the admission counters are back to zero, with the cache
+//! flushed no page, slot or snapshot is in use, and destroying the engine leaves no thread
+//! behind. (Alone in its binary: it counts threads.)
 
 mod common;
 
@@ -10,7 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsv4::config::params::Params;
-use dsv4::engine::{Engine, EventKind, RequestSpec, SamplingParams, ShutdownMode};
+use dsv4::engine::{
+    Engine, EventKind, MetricsSnapshot, Outcome, Rejection, RequestSpec, SamplingParams,
+    ShutdownMode,
+};
 use dsv4::error::ErrorKind;
 use serde_json::json;
 
@@ -29,13 +35,30 @@ struct Books {
 #[test]
 fn eight_threads_submit_poll_and_abort() {
     let before = threads_now();
-    let doc = json!({
+    let base = json!({
         "model_path": common::fixture("flash-like/hf-f32").to_str().unwrap(),
         "threads": 2,
         "kv": {"device_memory_bytes": "8MiB", "max_running_requests": 6, "page_size": 128},
         "admission": {"max_queued_requests": 12, "max_queued_tokens": 3000, "queue_timeout_ms": 1500},
         "scheduler": {"chunked_prefill_tokens": 96, "max_batch_tokens": 160}
     });
+    stress(base.clone(), false);
+    let mut tight = base;
+    tight["kv"]["device_memory_bytes"] = json!(1500 * 1024);
+    tight["kv"]["snapshot_fraction"] = json!(0.4);
+    tight["hicache"] = json!({"enabled": true, "ratio": 4.0});
+    let m = stress(tight, true);
+    assert!(m.cache.loadbacks > 0, "no load-back: {:?}", m.cache);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while threads_now() > before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(threads_now(), before, "threads left behind");
+}
+
+/// `tight`: prompts share a few starting points (so prefixes hit) and threads flush the device
+/// tier now and then (so hits come from the host).
+fn stress(doc: serde_json::Value, tight: bool) -> MetricsSnapshot {
     let engine = Arc::new(Engine::create(Params::from_value(&doc).unwrap()).unwrap());
     let ids = Arc::new(common::ids("flash-like"));
     let books = Arc::new(Mutex::new(Books::default()));
@@ -51,7 +74,11 @@ fn eight_threads_submit_poll_and_abort() {
                 while !stop.load(Ordering::Relaxed) {
                     match rng.u32(0..10) {
                         0..=3 => {
-                            let start = rng.usize(0..100);
+                            let start = if tight {
+                                rng.usize(0..3) * 7
+                            } else {
+                                rng.usize(0..100)
+                            };
                             let len = rng.usize(1..200);
                             let spec = RequestSpec {
                                 prompt: ids[start..start + len].to_vec(),
@@ -79,6 +106,9 @@ fn eight_threads_submit_poll_and_abort() {
                                     books.lock().unwrap().refused += 1;
                                 }
                             }
+                        }
+                        9 if tight && rng.u32(0..8) == 0 => {
+                            engine.flush_cache(dsv4::kv::cache::Tier::Device).unwrap();
                         }
                         4..=5 if !mine.is_empty() => {
                             let id = mine[rng.usize(0..mine.len())];
@@ -131,6 +161,8 @@ fn eight_threads_submit_poll_and_abort() {
         for e in events {
             if e.is_terminal() {
                 *b.terminals.entry(e.request_id).or_default() += 1;
+            } else {
+                *b.tokens.entry(e.request_id).or_default() += 1;
             }
         }
     }
@@ -172,6 +204,21 @@ fn eight_threads_submit_poll_and_abort() {
         b.refused,
         b.tokens.values().sum::<usize>()
     );
+    // The engine's books agree with the client's and the admission counters are back to 0.
+    let m = engine.metrics();
+    let ended: u64 = Outcome::ALL.iter().map(|&o| m.finished(o)).sum();
+    assert_eq!(m.requests, b.accepted.len() as u64);
+    assert_eq!(ended, b.accepted.len() as u64);
+    assert_eq!(m.rejected(Rejection::QueueFull), b.refused as u64);
+    assert_eq!(m.generation_tokens, b.tokens.values().sum::<usize>() as u64);
+    assert_eq!(
+        (m.queued, m.queued_tokens, m.running, m.loading),
+        (0, 0, 0, 0)
+    );
+    eprintln!(
+        "retractions {}, load-backs {}",
+        m.retractions, m.cache.loadbacks
+    );
     drop(b);
     assert_eq!(
         engine
@@ -180,10 +227,5 @@ fn eight_threads_submit_poll_and_abort() {
             .kind(),
         ErrorKind::Shutdown
     );
-    drop(engine);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while threads_now() > before && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert_eq!(threads_now(), before, "threads left behind");
+    m
 }

@@ -161,11 +161,20 @@ struct Running {
     p: Progress,
     /// Pages for the prefill are reserved (after any load-back has landed).
     reserved: bool,
+    /// What this request adds to the admission's `queued_tokens`: its whole prefill until it
+    /// is reserved, then what is left of it. Every change goes through `recount`, and ending
+    /// or requeueing takes exactly this back, so the books balance on every path.
+    queued_tokens: usize,
 }
 
 impl Running {
+    /// What `queued_tokens` should be now.
     fn unprefilled(&self) -> usize {
-        self.prefill_len.saturating_sub(self.req.position())
+        if self.reserved {
+            self.prefill_len.saturating_sub(self.req.position())
+        } else {
+            self.prefill_len
+        }
     }
 
     fn decoding(&self) -> bool {
@@ -250,6 +259,7 @@ impl Worker {
             shared.accepting.store(false, Ordering::SeqCst);
             let ids: Vec<u64> = shared.live().drain().collect();
             for id in ids {
+                shared.metrics.finish(Outcome::Error, Duration::ZERO);
                 shared.sink.emit(Event {
                     request_id: id,
                     user_tag: 0,
@@ -353,7 +363,7 @@ impl Worker {
             match self.cache.reserve(&mut r.req, r.prefill_len) {
                 Ok(()) => {
                     r.reserved = true;
-                    self.shared.admission().queued_tokens -= r.req.reused_tokens() as u64;
+                    self.recount(i);
                     self.on_ready(i);
                     i += 1;
                 }
@@ -390,6 +400,17 @@ impl Worker {
             m.cached_tokens_host += host;
             m.queue_time.observe(queue as f64 * 1e-6);
         });
+    }
+
+    /// Brings running request `i`'s share of `queued_tokens` up to date.
+    fn recount(&mut self, i: usize) {
+        let r = &mut self.running[i];
+        let now = r.unprefilled();
+        if now != r.queued_tokens {
+            let mut a = self.shared.admission();
+            a.queued_tokens = a.queued_tokens + now as u64 - r.queued_tokens as u64;
+            r.queued_tokens = now;
+        }
     }
 
     /// Takes every queued command; blocks (until the next deadline) only when idle.
@@ -588,10 +609,7 @@ impl Worker {
         cache: bool,
     ) {
         let r = self.running.swap_remove(i);
-        let unprefilled = r.unprefilled();
-        if unprefilled > 0 {
-            self.shared.admission().queued_tokens -= unprefilled as u64;
-        }
+        self.shared.admission().queued_tokens -= r.queued_tokens as u64;
         let info = TerminalInfo {
             id: r.id,
             user_tag: r.spec.user_tag,
@@ -624,17 +642,14 @@ impl Worker {
     /// the prefix cache (so the recompute may hit it), its pages and slot are freed.
     fn requeue(&mut self, i: usize, retracted: bool) {
         let r = self.running.swap_remove(i);
+        let counted = r.queued_tokens as u64;
         let position = r.req.position();
         self.cache.finish(r.req, &r.p.tokens[..position]);
-        let mut p = r.p;
-        if !p.counted {
-            // It never ran: it starts over as queued.
-            p.queue_us = 0;
-        }
+        let p = r.p;
         {
             let mut a = self.shared.admission();
             a.queued_requests += 1;
-            a.queued_tokens -= r.prefill_len.saturating_sub(position) as u64;
+            a.queued_tokens -= counted;
             a.queued_tokens += p.tokens.len() as u64;
         }
         if retracted {
@@ -653,7 +668,9 @@ impl Worker {
                 submitted: r.submitted,
                 max_gen: r.max_gen,
             }),
-            progress: Some(Box::new(p)),
+            // One that never ran waits again as it was submitted (its queue timeout applies,
+            // its seed is drawn when it starts).
+            progress: p.counted.then(|| Box::new(p)),
         });
     }
 
@@ -736,7 +753,6 @@ impl Worker {
     /// generate, against the free and reclaimable pages.
     fn fits(&self, i: usize) -> bool {
         let pools = self.cache.pools();
-        let page = pools.page_size();
         let mut need = 0;
         for r in &self.running {
             let target = r.prefill_len.max(r.req.position())
@@ -747,14 +763,13 @@ impl Worker {
         }
         let w = &self.waiting[i];
         let tokens = w.tokens();
-        let (_, device) = self
-            .cache
-            .peek(w.pending.spec.cache_salt.as_deref(), tokens);
         let remaining = w.pending.max_gen.saturating_sub(w.generated());
-        need += pools
-            .pages_for(tokens.len() + self.expected(remaining))
-            .saturating_sub(device / page);
-        need <= self.cache.available_pages()
+        let (own, available) = self.cache.page_budget(
+            w.pending.spec.cache_salt.as_deref(),
+            tokens,
+            tokens.len() + self.expected(remaining),
+        );
+        need + own <= available
     }
 
     fn admit(&mut self) {
@@ -804,7 +819,7 @@ impl Worker {
             {
                 let mut a = self.shared.admission();
                 a.queued_requests -= 1;
-                a.queued_tokens -= req.reused_tokens() as u64;
+                a.queued_tokens -= prefill_len as u64;
             }
             let p = match w.progress {
                 Some(p) => *p,
@@ -840,9 +855,12 @@ impl Worker {
                 prefill_len,
                 p,
                 reserved: !loading,
+                queued_tokens: 0,
             });
+            let i = self.running.len() - 1;
+            self.recount(i);
             if !loading {
-                self.on_ready(self.running.len() - 1);
+                self.on_ready(i);
             }
         }
     }
@@ -975,16 +993,13 @@ impl Worker {
                 return;
             }
         };
-        let mut prefilled = 0u64;
         let mut finished: Vec<(usize, FinishReason)> = Vec::new();
         let mut itl = Vec::new();
         let mut new_tokens = 0u64;
         let mut ttft = Vec::new();
-        for ((i, range, _), logits) in plan.iter().zip(outputs) {
+        for ((i, _, _), logits) in plan.iter().zip(outputs) {
+            self.recount(*i);
             let r = &mut self.running[*i];
-            if range.start < r.prefill_len {
-                prefilled += range.len() as u64;
-            }
             let pos = r.req.position();
             if let Err(e) = self.cache.after_step(&mut r.req, &r.p.tokens[..pos]) {
                 log::error!("request {}: prefix cache: {e}", r.id);
@@ -1034,9 +1049,6 @@ impl Worker {
                 m.itl.observe_duration(d);
             }
         });
-        if prefilled > 0 {
-            self.shared.admission().queued_tokens -= prefilled;
-        }
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason) in finished {
             self.end_running(i, reason, None, true);

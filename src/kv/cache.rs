@@ -201,15 +201,28 @@ impl<B: Backend> PrefixCache<B> {
             .peek(salt, &prompt[..prompt.len() - 1], self.host.is_some())
     }
 
-    /// Free device pages plus the cached pages eviction could give back now.
-    pub fn available_pages(&self) -> usize {
+    /// Pages a request for `prompt` would still need from the free pool to hold `tokens`
+    /// tokens, and the pages that could be found for it: the free ones plus the cached ones
+    /// eviction could give back (not counting the cached pages it would share, which it locks).
+    pub fn page_budget(&self, salt: Option<&str>, prompt: &[u32], tokens: usize) -> (usize, usize) {
         let alloc = self.pools.page_allocator();
+        let mut shared = Vec::new();
+        if self.reuse && !prompt.is_empty() {
+            self.tree.peek_into(
+                salt,
+                &prompt[..prompt.len() - 1],
+                self.host.is_some(),
+                Some(&mut shared),
+            );
+        }
+        shared.sort_unstable();
         let reclaimable = self
             .tree
             .unlocked_device_pages()
-            .filter(|&p| alloc.refs(p) == 1)
+            .filter(|&p| alloc.refs(p) == 1 && shared.binary_search(&p).is_err())
             .count();
-        alloc.free_count() + reclaimable
+        let need = self.pools.pages_for(tokens).saturating_sub(shared.len());
+        (need, alloc.free_count() + reclaimable)
     }
 
     /// Adds the host tier with its write policy.

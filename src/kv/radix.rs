@@ -306,10 +306,23 @@ impl RadixTree {
     /// touching LRU order: `(reusable tokens, of which already on the device)`. The scheduler
     /// asks this of every waiting request, so it must not disturb the cache.
     pub fn peek(&self, salt: Option<&str>, tokens: &[u32], with_host: bool) -> (usize, usize) {
+        self.peek_into(salt, tokens, with_host, None)
+    }
+
+    /// [`Self::peek`], also appending the device pages of the reusable device prefix to
+    /// `pages`.
+    pub fn peek_into(
+        &self,
+        salt: Option<&str>,
+        tokens: &[u32],
+        with_host: bool,
+        mut pages: Option<&mut Vec<u32>>,
+    ) -> (usize, usize) {
         let Some(&root) = self.roots.get(&salt.map(str::to_owned)) else {
             return (0, 0);
         };
         let p = self.page;
+        let first = pages.as_ref().map_or(0, |v| v.len());
         let (mut node, mut depth, mut device_depth) = (root, 0, 0);
         let mut reusable = 0;
         while tokens.len() >= (depth + 1) * p {
@@ -332,13 +345,20 @@ impl RadixTree {
             depth += k;
             if device {
                 device_depth = depth;
+                if let Some(v) = pages.as_mut() {
+                    v.extend_from_slice(&c.device[..k]);
+                }
             }
             if k < c.pages() {
                 break;
             }
             node = child;
         }
-        (reusable * p, reusable.min(device_depth) * p)
+        let on_device = reusable.min(device_depth);
+        if let Some(v) = pages {
+            v.truncate(first + on_device);
+        }
+        (reusable * p, on_device * p)
     }
 
     /// Device pages held by unlocked nodes: what eviction could give back (those not also
