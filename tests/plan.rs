@@ -252,6 +252,24 @@ impl Mirrored for Plan {
 }
 
 #[test]
+fn a_snapshot_pool_smaller_than_twice_the_running_requests_is_noted() {
+    let warned = |plan: &Plan| {
+        plan.notes
+            .iter()
+            .any(|n| n.contains("prefix-cache snapshots for"))
+    };
+    let roomy = flash_plan(json!({}), &Machine::big());
+    assert!(roomy.pool("snapshots").unwrap().device_units >= 2 * 64);
+    assert!(!warned(&roomy));
+    let tight = flash_plan(json!({"kv": {"snapshot_fraction": 0.001}}), &Machine::big());
+    let units = tight.pool("snapshots").unwrap().device_units;
+    assert!(units > 0 && units < 2 * 64, "{units}");
+    assert!(warned(&tight), "{:?}", tight.notes);
+    let off = flash_plan(json!({"kv": {"snapshot_fraction": 0.0}}), &Machine::big());
+    assert!(!warned(&off), "snapshots disabled on purpose: no note");
+}
+
+#[test]
 fn hicache_without_ratio_or_size_uses_ratio_two_and_says_so() {
     let plan = flash_plan(json!({"hicache": {"enabled": true}}), &Machine::big());
     assert!((plan.effective_ratio() - 2.0).abs() < 1e-12);

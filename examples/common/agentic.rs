@@ -23,15 +23,17 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// The demo's conversations (`--users N --turns N` on the command line override the
-    /// defaults of 32 and 4).
+    /// The demo's conversations: 32 users × 4 turns over a 1024-token system prompt, 256-token
+    /// messages, 48-token answers (`--users`, `--turns`, `--system`, `--message`, `--max-new`
+    /// override them). By the last turn each user has ~1200 tokens of their own: more than the
+    /// demo's device pool holds for 32 users.
     pub fn demo() -> Self {
         Self {
-            system_tokens: 1536,
+            system_tokens: arg("--system", 1024.0) as usize,
             users: arg("--users", 32.0) as usize,
             turns: arg("--turns", 4.0) as usize,
-            message_tokens: 96,
-            max_new_tokens: 32,
+            message_tokens: arg("--message", 256.0) as usize,
+            max_new_tokens: arg("--max-new", 48.0) as u32,
             seed: 7,
         }
     }

@@ -191,6 +191,14 @@ pub fn plan_with(params: &Params, model: ModelConfig, probe: &dyn MemoryProbe) -
             grouped(page_units)
         ));
     }
+    if snapshot_units > 0 && snapshot_units < 2 * max_running {
+        notes.push(format!(
+            "the device holds {snapshot_units} prefix-cache snapshots for {max_running} running \
+             requests, and each decoding request keeps one at its latest page boundary: prompt \
+             snapshots will be evicted almost as soon as they are taken (few cache hits); raise \
+             kv.snapshot_fraction or the device budget, or lower kv.max_running_requests"
+        ));
+    }
     Ok(Plan {
         model,
         params: params.clone(),
