@@ -145,6 +145,21 @@ public:
         });
     }
 
+    // Counters, latency sums and gauges (struct dsv4_metrics, this header's version).
+    dsv4_metrics metrics() const {
+        dsv4_metrics m{};
+        m.struct_size = sizeof m;
+        check(dsv4_metrics_get(handle_, &m));
+        return m;
+    }
+
+    // The Prometheus text exposition (serve as text/plain; version=0.0.4).
+    std::string prometheus() const {
+        return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_metrics_prometheus(handle_, buf, cap, needed);
+        });
+    }
+
 private:
     dsv4_engine *handle_ = nullptr;
 };

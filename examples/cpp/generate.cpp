@@ -39,6 +39,16 @@ int main(int argc, char **argv) {
             for (int32_t t : toks) std::cout << ' ' << t;
             std::cout << '\n';
         }
+        size_t received = 0;
+        for (const auto &entry : tokens) received += entry.second.size();
+        const dsv4_metrics m = engine.metrics();
+        std::cout << "metrics: " << m.requests_total << " requests, " << m.generation_tokens_total
+                  << " tokens (" << (m.generation_tokens_total == received ? "" : "not ")
+                  << "as received), TTFT mean " << 1e3 * m.ttft_seconds_sum / m.ttft_count
+                  << " ms\n";
+        const std::string text = engine.prometheus();
+        const size_t line = text.find("\ndsv4_num_running_reqs ");
+        std::cout << text.substr(line + 1, text.find('\n', line + 1) - line - 1) << '\n';
         engine.shutdown();
         std::vector<int32_t> late = {5};
         engine.submit(dsv4::request(late));  // throws: the engine is shut down
