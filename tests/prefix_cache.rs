@@ -295,3 +295,37 @@ fn hits_are_exact_with_low_precision_rows_too() {
         assert!(worst <= 1e-5, "kv {kv} / indexer {index}: {worst}");
     }
 }
+
+/// A prefix several prompts share (a system prompt) gets a snapshot where they branch, even
+/// when no snapshot interval or prompt end falls there: the second prompt to branch off it
+/// captures one, and every later prompt resumes there.
+#[test]
+fn prompts_branching_off_a_shared_prefix_resume_at_the_branch() {
+    let m = model("flash-like");
+    let ids = long_ids("flash-like");
+    // An interval beyond every prompt: only prompt ends and branch points are snapshotted.
+    let mut cache = PrefixCache::new(pools_with(&m, json!({})), 1024).unwrap();
+    let with_tail = |tail: &[u32]| -> Vec<u32> { ids[..256].iter().chain(tail).copied().collect() };
+    let a = with_tail(&ids[256..420]);
+    let b = with_tail(&ids[100..250]);
+    let c = with_tail(&ids[10..160]);
+    assert_eq!(run(&m, &mut cache, None, &a, &[]).reused, 0);
+    // B shares A's first two pages; A's only snapshot is at 384, past the branch.
+    let run_b = run(&m, &mut cache, None, &b, &[]);
+    assert_eq!(run_b.reused, 0);
+    let run_c = run(&m, &mut cache, None, &c, &[]);
+    assert_eq!(run_c.reused, 256, "C resumes where B branched off");
+    let mut pools = pools_with(&m, json!({}));
+    let scratch = full(&m, &mut pools, &c);
+    let vocab = m.config.vocab_size;
+    let worst = run_c
+        .logits
+        .iter()
+        .map(|(&pos, row)| max_diff(row, &scratch[pos * vocab..(pos + 1) * vocab]))
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-4, "C vs one full pass: {worst}");
+    // The state B captured at the branch is the state C restored, byte for byte.
+    assert_eq!(run_b.states[&256], run_c.states[&256]);
+    // A's own end is still where a repeat of A resumes.
+    assert_eq!(run(&m, &mut cache, None, &a, &[]).reused, 384);
+}

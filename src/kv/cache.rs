@@ -52,6 +52,9 @@ pub struct Request {
     /// The snapshot of the latest page boundary passed while decoding: `(tokens, snapshot)`.
     latest: Option<(usize, u32)>,
     loading: Option<Loading>,
+    /// Where this prompt leaves the cached pages with no snapshot there (a branch point): it
+    /// is snapshotted too, so the next prompt sharing that prefix can resume at it.
+    branch: Option<usize>,
 }
 
 impl Request {
@@ -295,6 +298,9 @@ impl<B: Backend> PrefixCache<B> {
             reused_host: 0,
             latest: None,
             loading: None,
+            // Cached pages run past the deepest snapshot: several prompts share them (a system
+            // prompt) but nobody could resume there until a state is captured at the end.
+            branch: (m.matched_tokens > m.reusable_tokens).then_some(m.matched_tokens),
         };
         let (Some((snap_node, snap)), Some(_)) = (m.snapshot, m.lock) else {
             return Ok(req);
@@ -437,7 +443,10 @@ impl<B: Backend> PrefixCache<B> {
     fn is_snapshot_point(&self, req: &Request, tokens: usize) -> bool {
         let page = self.pools.page_size();
         let last_boundary = req.prompt_len / page * page;
-        tokens > 0 && (tokens.is_multiple_of(self.interval) || tokens == last_boundary)
+        tokens > 0
+            && (tokens.is_multiple_of(self.interval)
+                || tokens == last_boundary
+                || Some(tokens) == req.branch)
     }
 
     /// Where the current prefill chunk of `req` must end at the latest: the next prompt
