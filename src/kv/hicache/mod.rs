@@ -128,26 +128,8 @@ impl HostPools {
         pairs: &[(u32, u32)],
         ticket: &Arc<Ticket>,
     ) {
-        if pairs.is_empty() {
-            return;
-        }
         for id in [PoolId::C4Kv, PoolId::C4Indexer, PoolId::C128Kv] {
-            let i = Self::index(id);
-            let unit = self.unit_bytes[i];
-            if unit == 0 {
-                continue;
-            }
-            let copies = pairs
-                .iter()
-                .map(|&(device, host)| TierCopy {
-                    pool_offset: device as usize * unit,
-                    host: self.memory[i].ptr_at(host as usize * unit),
-                    len: unit,
-                })
-                .collect();
-            pools
-                .backend()
-                .copy_tier(pools.buffer(id), direction, copies, ticket);
+            self.copy_units(pools, id, direction, pairs, ticket);
         }
     }
 
@@ -159,7 +141,19 @@ impl HostPools {
         pairs: &[(u32, u32)],
         ticket: &Arc<Ticket>,
     ) {
-        let i = Self::index(PoolId::Snapshots);
+        self.copy_units(pools, PoolId::Snapshots, direction, pairs, ticket);
+    }
+
+    /// One copy part for pool `id`: whole units, `(device unit, host unit)` pairs.
+    fn copy_units<B: Backend>(
+        &self,
+        pools: &KvPools<B>,
+        id: PoolId,
+        direction: CopyDirection,
+        pairs: &[(u32, u32)],
+        ticket: &Arc<Ticket>,
+    ) {
+        let i = Self::index(id);
         let unit = self.unit_bytes[i];
         if pairs.is_empty() || unit == 0 {
             return;
@@ -174,7 +168,7 @@ impl HostPools {
             .collect();
         pools
             .backend()
-            .copy_tier(pools.buffer(PoolId::Snapshots), direction, copies, ticket);
+            .copy_tier(pools.buffer(id), direction, copies, ticket);
     }
 
     /// The first bytes of host unit `unit` of pool `id` (tests).
