@@ -85,7 +85,7 @@ pub struct PoolGauges {
     pub host_snapshots: Units,
 }
 
-/// Why a submit was refused.
+/// Why a submit was refused (declaration order = `ALL` order = index in the counters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rejection {
     QueueFull,
@@ -121,7 +121,7 @@ impl Rejection {
     }
 }
 
-/// How an accepted request ended.
+/// How an accepted request ended (declaration order = `ALL` order = index in the counters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Stop,
@@ -185,10 +185,10 @@ pub struct MetricsSnapshot {
     pub pools: PoolGauges,
     /// Accepted by submit.
     pub requests: u64,
-    /// Terminal events by outcome, in `Outcome::ALL` order.
-    pub finished: [u64; 5],
-    /// Refused by submit, in `Rejection::ALL` order.
-    pub rejected: [u64; 4],
+    /// Terminal events, indexed by `Outcome as usize`.
+    pub finished: [u64; Outcome::ALL.len()],
+    /// Refused by submit, indexed by `Rejection as usize`.
+    pub rejected: [u64; Rejection::ALL.len()],
     /// Prompt tokens of requests that started running.
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
@@ -209,11 +209,11 @@ pub struct MetricsSnapshot {
 
 impl MetricsSnapshot {
     pub fn finished(&self, o: Outcome) -> u64 {
-        self.finished[Outcome::ALL.iter().position(|&x| x == o).unwrap_or(0)]
+        self.finished[o as usize]
     }
 
     pub fn rejected(&self, r: Rejection) -> u64 {
-        self.rejected[Rejection::ALL.iter().position(|&x| x == r).unwrap_or(0)]
+        self.rejected[r as usize]
     }
 
     /// Device pages in use over device pages (SGLang's `token_usage`).
@@ -236,8 +236,8 @@ impl Default for MetricsSnapshot {
             queued_tokens: 0,
             pools: PoolGauges::default(),
             requests: 0,
-            finished: [0; 5],
-            rejected: [0; 4],
+            finished: [0; Outcome::ALL.len()],
+            rejected: [0; Rejection::ALL.len()],
             prompt_tokens: 0,
             generation_tokens: 0,
             cached_tokens_device: 0,

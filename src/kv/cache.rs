@@ -197,11 +197,23 @@ impl<B: Backend> PrefixCache<B> {
     /// Prompt tokens a request for `prompt` would skip right now, and how many of them are on
     /// the device: `(reusable, device)`. Read-only (no lock, no LRU touch).
     pub fn peek(&self, salt: Option<&str>, prompt: &[u32]) -> (usize, usize) {
+        self.peek_into(salt, prompt, None)
+    }
+
+    /// [`Self::peek`], appending the device pages a hit would share to `pages`. Like `start`,
+    /// it matches all but the last prompt token (that one is always computed).
+    fn peek_into(
+        &self,
+        salt: Option<&str>,
+        prompt: &[u32],
+        pages: Option<&mut Vec<u32>>,
+    ) -> (usize, usize) {
         if !self.reuse || prompt.is_empty() {
             return (0, 0);
         }
+        let with_host = self.host.is_some();
         self.tree
-            .peek(salt, &prompt[..prompt.len() - 1], self.host.is_some())
+            .peek(salt, &prompt[..prompt.len() - 1], with_host, pages)
     }
 
     /// Pages a request for `prompt` would still need from the free pool to hold `tokens`
@@ -210,14 +222,7 @@ impl<B: Backend> PrefixCache<B> {
     pub fn page_budget(&self, salt: Option<&str>, prompt: &[u32], tokens: usize) -> (usize, usize) {
         let alloc = self.pools.page_allocator();
         let mut shared = Vec::new();
-        if self.reuse && !prompt.is_empty() {
-            self.tree.peek_into(
-                salt,
-                &prompt[..prompt.len() - 1],
-                self.host.is_some(),
-                Some(&mut shared),
-            );
-        }
+        self.peek_into(salt, prompt, Some(&mut shared));
         shared.sort_unstable();
         let reclaimable = self
             .tree

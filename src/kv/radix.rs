@@ -303,15 +303,10 @@ impl RadixTree {
     }
 
     /// What [`Self::match_prefix`] would let a request skip, without locking, splitting or
-    /// touching LRU order: `(reusable tokens, of which already on the device)`. The scheduler
-    /// asks this of every waiting request, so it must not disturb the cache.
-    pub fn peek(&self, salt: Option<&str>, tokens: &[u32], with_host: bool) -> (usize, usize) {
-        self.peek_into(salt, tokens, with_host, None)
-    }
-
-    /// [`Self::peek`], also appending the device pages of the reusable device prefix to
-    /// `pages`.
-    pub fn peek_into(
+    /// touching LRU order: `(reusable tokens, of which already on the device)`, and the device
+    /// pages of that device prefix appended to `pages` when given. The scheduler asks this of
+    /// every waiting request, so it must not disturb the cache.
+    pub fn peek(
         &self,
         salt: Option<&str>,
         tokens: &[u32],
