@@ -8,7 +8,7 @@
 //! The queue bound is sized the way an operator should size it: capacity (requests/s) × the
 //! queueing delay one is willing to add (here 1.5× the unloaded TTFT).
 
-// Only its command-line and model helpers are used here.
+// Only its command-line, model and quantile helpers are used here.
 #[allow(dead_code)]
 #[path = "common/agentic.rs"]
 mod agentic;
@@ -49,14 +49,6 @@ fn spec(rng: &mut fastrand::Rng, vocab: u32, prompt: usize, max_new: u32) -> Req
         },
         ..RequestSpec::default()
     }
-}
-
-fn quantile(v: &mut [f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
 fn rss_mib() -> f64 {
@@ -100,8 +92,8 @@ fn main() {
         e.submit(spec(&mut rng, vocab, prompt, max_new)).unwrap();
         unloaded.extend(drain(&e, 1));
     }
-    let unloaded_p50 = quantile(&mut unloaded, 0.5);
-    let unloaded_p99 = quantile(&mut unloaded, 0.99);
+    let unloaded_p50 = agentic::quantile(&mut unloaded, 0.5);
+    let unloaded_p99 = agentic::quantile(&mut unloaded, 0.99);
 
     // 2. Capacity: the running set kept full for 5 s.
     let start = Instant::now();
@@ -195,10 +187,13 @@ fn main() {
     sampler.join().unwrap();
 
     let mut ttft = admitted_ttft.lock().unwrap().clone();
-    let (p50, p99) = (quantile(&mut ttft, 0.5), quantile(&mut ttft, 0.99));
+    let (p50, p99) = (
+        agentic::quantile(&mut ttft, 0.5),
+        agentic::quantile(&mut ttft, 0.99),
+    );
     let (r50, r99) = (
-        quantile(&mut refusal_us, 0.5),
-        quantile(&mut refusal_us, 0.99),
+        agentic::quantile(&mut refusal_us, 0.5),
+        agentic::quantile(&mut refusal_us, 0.99),
     );
     println!(
         "offered {:.0} req/s ({factor}x) for {offered_s:.0} s: {accepted} admitted ({:.1} req/s), \

@@ -11,13 +11,6 @@ use dsv4::engine::{Engine, EventKind, FinishReason, Outcome, Rejection, RequestS
 use dsv4::error::ErrorKind;
 use serde_json::json;
 
-/// Greedy, EOS suppressed: runs exactly `max_new` tokens.
-fn exact(prompt: &[u32], max_new: u32) -> RequestSpec {
-    let mut spec = greedy(prompt, max_new);
-    spec.sampling.logit_bias = vec![(1, -1000.0)];
-    spec
-}
-
 #[test]
 fn metrics_match_a_known_workload() {
     let engine = engine_with(json!({"admission": {"max_queued_requests": 3}}));

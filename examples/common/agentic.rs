@@ -109,10 +109,17 @@ pub fn quantile_ms(v: &[u64], q: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
-    let mut s = v.to_vec();
-    s.sort_unstable();
-    let i = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1;
-    s[i] as f64 / 1000.0
+    let mut ms: Vec<f64> = v.iter().map(|&us| us as f64 / 1000.0).collect();
+    quantile(&mut ms, q)
+}
+
+/// The `q` quantile (0..=1) of `v` (nearest rank; sorts `v`); NaN when empty.
+pub fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
 struct User {

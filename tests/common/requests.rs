@@ -46,7 +46,12 @@ pub fn greedy(prompt: &[u32], max_new: u32) -> RequestSpec {
 /// A request that runs until aborted (or its deadline): EOS suppressed, no length limit in
 /// practice.
 pub fn endless(prompt: &[u32]) -> RequestSpec {
-    let mut spec = greedy(prompt, 100_000);
+    exact(prompt, 100_000)
+}
+
+/// Greedy with EOS (token 1) suppressed: runs exactly `max_new` tokens.
+pub fn exact(prompt: &[u32], max_new: u32) -> RequestSpec {
+    let mut spec = greedy(prompt, max_new);
     spec.sampling.logit_bias = vec![(1, -1000.0)];
     spec
 }
