@@ -8,26 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures = 0;
-
-#define CHECK(cond)                                                               \
-    do {                                                                          \
-        if (!(cond)) {                                                            \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            failures++;                                                           \
-        }                                                                         \
-    } while (0)
-
-#define CHECK_STATUS(call, expected)                                                          \
-    do {                                                                                      \
-        dsv4_status got_ = (call);                                                            \
-        if (got_ != (expected)) {                                                             \
-            fprintf(stderr, "%s:%d: %s returned %s, expected %s (last error: %s)\n", __FILE__, \
-                    __LINE__, #call, dsv4_status_name(got_), dsv4_status_name(expected),     \
-                    dsv4_last_error());                                                       \
-            failures++;                                                                       \
-        }                                                                                     \
-    } while (0)
+#include "check.h"
 
 /* The values external code relies on. */
 _Static_assert(DSV4_OK == 0, "ok");
