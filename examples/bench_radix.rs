@@ -10,20 +10,9 @@ use std::time::Instant;
 use dsv4::kv::{RadixTree, UnitAllocator};
 use serde_json::json;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn tokens(&mut self, n: usize) -> Vec<u32> {
-        (0..n).map(|_| (self.next() % 129_280) as u32).collect()
-    }
+/// `n` random token ids from a V4-sized vocabulary.
+fn tokens(rng: &mut fastrand::Rng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.u32(..129_280)).collect()
 }
 
 /// Best of `runs` timings of `f`, in seconds.
@@ -47,9 +36,9 @@ fn main() {
     // 128 shared "system prompts" of 8 pages, each with 8 conversations of 8 more pages:
     // 1024 sequences, 128·8 + 1024·8 pages of tokens in the tree.
     let (prefixes, per_prefix, prefix_pages, tail_pages) = (128, 8, 8, 8);
-    let mut rng = Rng(7);
+    let mut rng = fastrand::Rng::with_seed(7);
     let heads: Vec<Vec<u32>> = (0..prefixes)
-        .map(|_| rng.tokens(prefix_pages * page))
+        .map(|_| tokens(&mut rng, prefix_pages * page))
         .collect();
     let seqs: Vec<Vec<u32>> = heads
         .iter()
@@ -57,7 +46,7 @@ fn main() {
             (0..per_prefix)
                 .map(|_| {
                     let mut s = h.clone();
-                    s.extend(rng.tokens(tail_pages * page));
+                    s.extend(tokens(&mut rng, tail_pages * page));
                     s
                 })
                 .collect::<Vec<_>>()

@@ -19,22 +19,6 @@ use dsv4::kv::hicache::HostPools;
 use dsv4::kv::{KvPools, PoolId, PrefixCache, Request};
 use serde_json::json;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 const PAGE: usize = 128;
 
 fn digest(salt: Option<&str>, tokens: &[u32]) -> [u8; 16] {
@@ -141,7 +125,7 @@ fn property(seed: u64, ops: usize, host: Option<WritePolicy>) {
         let host_pools = HostPools::new(&plan, model.backend(), 1).unwrap();
         cache = cache.with_host(host_pools, policy);
     }
-    let mut rng = Rng(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let bases: Vec<Vec<u32>> = (0..4)
         .map(|b| (0..1500).map(|i| ((i * 7 + b * 13) % 384) as u32).collect())
         .collect();
@@ -149,16 +133,16 @@ fn property(seed: u64, ops: usize, host: Option<WritePolicy>) {
     let mut running: Vec<Running> = Vec::new();
     let (mut hits, mut capacity_errors, mut finished) = (0, 0, 0);
     for _ in 0..ops {
-        match rng.below(10) {
+        match rng.usize(..10) {
             0..=2 if running.len() < 5 => {
-                let base = &bases[rng.below(bases.len())];
-                let len = 1 + rng.below(1400);
+                let base = &bases[rng.usize(..bases.len())];
+                let len = 1 + rng.usize(..1400);
                 let mut prompt = base[..len].to_vec();
-                if rng.below(3) == 0 {
-                    let at = rng.below(len);
+                if rng.usize(..3) == 0 {
+                    let at = rng.usize(..len);
                     prompt[at] = (prompt[at] + 1) % 384;
                 }
-                let salt = salts[rng.below(salts.len())];
+                let salt = salts[rng.usize(..salts.len())];
                 match cache.start(salt, &prompt) {
                     Ok(req) => {
                         let r = Running {
@@ -183,7 +167,7 @@ fn property(seed: u64, ops: usize, host: Option<WritePolicy>) {
                 }
             }
             3..=6 if !running.is_empty() => {
-                let i = rng.below(running.len());
+                let i = rng.usize(..running.len());
                 let r = &mut running[i];
                 if r.req.is_loading() {
                     assert!(cache.complete_load(&mut r.req, Duration::from_secs(10)));
@@ -198,7 +182,7 @@ fn property(seed: u64, ops: usize, host: Option<WritePolicy>) {
                     cache.chunk_limit(&r.req)
                 } else {
                     if r.tokens.len() == pos {
-                        r.tokens.push(rng.below(384) as u32);
+                        r.tokens.push(rng.usize(..384) as u32);
                     }
                     pos + 1
                 };
@@ -223,26 +207,26 @@ fn property(seed: u64, ops: usize, host: Option<WritePolicy>) {
                 }
             }
             7 if !running.is_empty() => {
-                let r = running.swap_remove(rng.below(running.len()));
+                let r = running.swap_remove(rng.usize(..running.len()));
                 let n = r.req.position();
                 cache.finish(r.req, &r.tokens[..n]);
                 finished += 1;
             }
             8 if !running.is_empty() => {
-                let r = running.swap_remove(rng.below(running.len()));
+                let r = running.swap_remove(rng.usize(..running.len()));
                 cache.abort(r.req);
             }
-            9 if rng.below(4) == 0 => {
+            9 if rng.usize(..4) == 0 => {
                 cache.poll();
-                match rng.below(3) {
+                match rng.usize(..3) {
                     0 => cache.flush(Tier::Device),
                     1 => cache.flush(Tier::Host),
                     _ => cache.wait_backups(),
                 }
             }
             _ => {
-                let want = rng.below(pages_cap + 1);
-                cache.evict(want, rng.below(snaps_cap + 1));
+                let want = rng.usize(..pages_cap + 1);
+                cache.evict(want, rng.usize(..snaps_cap + 1));
             }
         }
         let refs: Vec<&Request> = running.iter().map(|r| &r.req).collect();
