@@ -13,7 +13,7 @@ use dsv4::error::ErrorKind;
 use dsv4::kv::cache::Tier;
 use dsv4::kv::hicache::HostPools;
 use dsv4::kv::{KvPools, PrefixCache};
-use dsv4::model::{Chunk, Logits, Model};
+use dsv4::model::Model;
 use serde_json::{json, Value};
 
 fn engine(hicache: Value) -> Engine {
@@ -135,30 +135,10 @@ fn a_forward_step_completes_while_a_load_back_is_in_flight() {
         .with_host(host, WritePolicy::WriteThrough);
     let ids = common::ids("flash-like");
     let vocab = model.config.vocab_size;
-    let run = |cache: &mut PrefixCache<CpuBackend>, req: &mut dsv4::kv::Request, prompt: &[u32]| {
-        let mut last = Vec::new();
-        while req.position() < prompt.len() {
-            let (pos, end) = (req.position(), cache.chunk_limit(req));
-            cache.reserve(req, end).unwrap();
-            last = model
-                .forward(
-                    cache.pools_mut(),
-                    &mut [Chunk {
-                        tokens: &prompt[pos..end],
-                        seq: req.kv_mut(),
-                        logits: Logits::Last,
-                    }],
-                )
-                .unwrap()
-                .remove(0);
-            cache.after_step(req, &prompt[..end]).unwrap();
-        }
-        last
-    };
     // Cache A's prefix on both tiers, then drop the device copy.
     let a = &ids[..300];
     let mut req = cache.start(None, a).unwrap();
-    run(&mut cache, &mut req, a);
+    common::prefill(&model, &mut cache, &mut req, a).unwrap();
     cache.finish(req, a);
     cache.wait_backups();
     cache.flush(Tier::Device);
@@ -170,7 +150,7 @@ fn a_forward_step_completes_while_a_load_back_is_in_flight() {
     let c_prompt = &ids[150..200];
     let mut c = cache.start(None, c_prompt).unwrap();
     let t = Instant::now();
-    let c_logits = run(&mut cache, &mut c, c_prompt);
+    let c_logits = common::prefill(&model, &mut cache, &mut c, c_prompt).unwrap();
     assert!(
         !cache.complete_load(&mut b, Duration::ZERO),
         "the load-back landed too early to show overlap"
@@ -183,7 +163,7 @@ fn a_forward_step_completes_while_a_load_back_is_in_flight() {
     model.backend().throttle_tier_copies(None);
     assert!(cache.complete_load(&mut b, Duration::from_secs(30)));
     assert_eq!((b.reused_tokens(), b.reused_host_tokens()), (256, 256));
-    let b_logits = run(&mut cache, &mut b, a);
+    let b_logits = common::prefill(&model, &mut cache, &mut b, a).unwrap();
     cache.finish(b, a);
     cache.check(&[]).unwrap();
     // Both equal scratch.

@@ -114,33 +114,10 @@ fn eviction_under_pressure_spares_requests_in_flight() {
     let pages = pools.page_allocator().capacity();
     assert!((6..14).contains(&pages), "{pages} pages");
     let mut cache = PrefixCache::new(pools, 128).unwrap();
-    let run = |cache: &mut PrefixCache<CpuBackend>,
-               req: &mut dsv4::kv::Request,
-               prompt: &[u32]|
-     -> dsv4::error::Result<Vec<f32>> {
-        let mut logits = Vec::new();
-        while req.position() < prompt.len() {
-            let (pos, end) = (req.position(), cache.chunk_limit(req));
-            cache.reserve(req, end)?;
-            logits = m
-                .forward(
-                    cache.pools_mut(),
-                    &mut [Chunk {
-                        tokens: &prompt[pos..end],
-                        seq: req.kv_mut(),
-                        logits: Logits::Last,
-                    }],
-                )
-                .unwrap()
-                .remove(0);
-            cache.after_step(req, &prompt[..end]).unwrap();
-        }
-        Ok(logits)
-    };
     // A caches 2 pages with snapshots at 128 and 256.
     let a_prompt = &ids[..300];
     let mut a = cache.start(None, a_prompt).unwrap();
-    run(&mut cache, &mut a, a_prompt).unwrap();
+    common::prefill(&m, &mut cache, &mut a, a_prompt).unwrap();
     cache.finish(a, a_prompt);
     assert_eq!(cache.tree().pages_held(), 2);
     // B hits at 256 and holds the lock while C puts the pools under pressure.
@@ -160,7 +137,7 @@ fn eviction_under_pressure_spares_requests_in_flight() {
     assert_eq!(c.reused_tokens(), 0);
     // C needs every page but B's two: the tree's references on them are dropped (nothing
     // else is evictable) but B's own references keep them.
-    run(&mut cache, &mut c, &c_prompt).unwrap();
+    common::prefill(&m, &mut cache, &mut c, &c_prompt).unwrap();
     assert_eq!(cache.pools().page_allocator().free_count(), 0);
     for &p in &shared {
         assert!(cache.pools().page_allocator().refs(p) >= 1);
@@ -173,7 +150,7 @@ fn eviction_under_pressure_spares_requests_in_flight() {
     cache.check(&[&b, &c]).unwrap();
     cache.abort(c);
     // B continues exactly.
-    let last = run(&mut cache, &mut b, &b_prompt).unwrap();
+    let last = common::prefill(&m, &mut cache, &mut b, &b_prompt).unwrap();
     let mut fresh = pools_with(&m, json!({}));
     let scratch = full(&m, &mut fresh, &b_prompt);
     let diff = max_diff(&last, &scratch[(b_prompt.len() - 1) * vocab..]);

@@ -143,3 +143,32 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// Prefills `prompt` for `req` through the cache (chunks cut at its snapshot points, pages
+/// reserved per chunk, snapshots captured); the last position's logits. A page shortage is
+/// returned, anything else unwraps.
+pub fn prefill(
+    model: &Model<CpuBackend>,
+    cache: &mut dsv4::kv::PrefixCache<CpuBackend>,
+    req: &mut dsv4::kv::Request,
+    prompt: &[u32],
+) -> dsv4::error::Result<Vec<f32>> {
+    let mut logits = Vec::new();
+    while req.position() < prompt.len() {
+        let (pos, end) = (req.position(), cache.chunk_limit(req));
+        cache.reserve(req, end)?;
+        logits = model
+            .forward(
+                cache.pools_mut(),
+                &mut [Chunk {
+                    tokens: &prompt[pos..end],
+                    seq: req.kv_mut(),
+                    logits: Logits::Last,
+                }],
+            )
+            .unwrap()
+            .remove(0);
+        cache.after_step(req, &prompt[..end]).unwrap();
+    }
+    Ok(logits)
+}
