@@ -29,6 +29,15 @@
  *     run on the engine thread, one event at a time.
  *   - The log callback is process-global and is invoked from any dsv4 thread; see
  *     dsv4_set_log_callback.
+ *   - CALLBACKS (event and log callbacks run on dsv4's own threads) may call dsv4_submit,
+ *     dsv4_abort, dsv4_poll, dsv4_metrics_get, dsv4_metrics_prometheus, dsv4_model_info and the
+ *     functions without an engine. Calls that wait for an engine thread — dsv4_score,
+ *     dsv4_cache_stats, dsv4_cache_flush, dsv4_set_event_callback, dsv4_engine_shutdown — are
+ *     refused there with DSV4_ERR_INVALID_ARGUMENT (they would wait for the thread running the
+ *     callback); dsv4_engine_destroy from a callback stops the engine but cannot join it.
+ *   - If the engine thread panics (a dsv4 bug), every request in flight ends with
+ *     DSV4_ERR_INTERNAL and the engine is dead: every later call on it returns
+ *     DSV4_ERR_INTERNAL with the original message; destroy it.
  *
  * FORK AND UNLOAD
  *   - Functions without an engine start no threads and hold no global state beyond the log
@@ -390,7 +399,7 @@ typedef struct {
      */
     uint32_t cached_tokens_device;
     /**
-     * Prompt tokens loaded back from the host tier (0 until HiCache lands).
+     * Prompt tokens loaded back from the host tier (HiCache).
      */
     uint32_t cached_tokens_host;
     uint32_t generated_tokens;
@@ -406,12 +415,20 @@ typedef struct {
      * Submit → this event.
      */
     uint64_t elapsed_us;
+    /**
+     * ERROR events: a NUL-terminated message naming the cause and the fix; NULL otherwise.
+     * Owned by the library: valid until the next `dsv4_poll` on the same thread (polling) or
+     * until the callback returns (push mode). Copy it to keep it. (Appended after version 1.)
+     */
+    const char *message;
 } dsv4_event;
 
 /**
  * Receives one event in push mode. Called on the engine thread, one event at a time, never
  * concurrently; `event` is valid during the call only. It must not block for long (the engine
- * waits) and must not call `dsv4_engine_shutdown` or `dsv4_engine_destroy` on its engine.
+ * waits). It may call `dsv4_submit`, `dsv4_abort` and the metrics functions; calls that wait
+ * for the engine thread (`dsv4_score`, `dsv4_cache_stats`, `dsv4_cache_flush`,
+ * `dsv4_set_event_callback`, `dsv4_engine_shutdown`) return `DSV4_ERR_INVALID_ARGUMENT` there.
  */
 typedef void (*dsv4_event_fn)(const dsv4_event *event, void *user_data);
 
@@ -511,7 +528,8 @@ const char *dsv4_last_error(void);
  * total units and bytes; hits and hit tokens by tier; load-backs and backups (count, tokens,
  * bytes, seconds, bytes/s, in flight, skipped); evictions by tier and reason; the write policy.
  * docs/hicache.md lists every field. `(buf, cap, needed)` convention; thread-safe; blocks
- * until the engine thread answers (between forward steps).
+ * until the engine thread answers (between forward steps); from a callback (a dsv4 thread):
+ * `DSV4_ERR_INVALID_ARGUMENT`.
  *
  * # Safety
  * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
@@ -522,7 +540,8 @@ dsv4_status dsv4_cache_stats(const dsv4_engine *engine, char *buf, size_t cap, s
 /**
  * Drops every unlocked cached prefix from one tier: `"device"` (host copies are kept; with
  * `write_back` the device copies are written to the host first), `"host"`, or `"all"`.
- * Prefixes in use by running requests stay. Thread-safe; blocks until done.
+ * Prefixes in use by running requests stay. Thread-safe; blocks until done; from a callback
+ * (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
  *
  * # Safety
  * `engine` is a live handle; `tier` is a NUL-terminated string.
@@ -540,7 +559,7 @@ dsv4_status dsv4_cache_flush(const dsv4_engine *engine, const char *tier);
  * allocated. Errors: `DSV4_ERR_CONFIG` (params), `DSV4_ERR_IO` (files missing or unreadable),
  * `DSV4_ERR_MODEL_FORMAT` (checkpoint problems, each tensor named), `DSV4_ERR_CAPACITY`,
  * `DSV4_ERR_UNSUPPORTED` (valid params this build does not implement yet: backend cuda,
- * prefill/decode roles, tp/ep > 1, HiCache).
+ * prefill/decode roles, tp/ep > 1).
  *
  * # Safety
  * `params_json` is a NUL-terminated string; `out` is valid for one pointer write.
@@ -551,8 +570,9 @@ dsv4_status dsv4_engine_create(const char *params_json, dsv4_engine **out);
  * Destroys an engine and frees everything it holds. NULL is ignored. A live engine is first shut
  * down with `DSV4_SHUTDOWN_ABORT`: every request in flight ends with FINISHED / ABORTED (an event
  * callback still receives those terminal events; unpolled events are dropped), then the engine
- * thread and the backend's threads are joined. The handle must not be used afterwards, no other
- * call may be using it concurrently, and it must not be called from the engine's callback.
+ * thread and the backend's threads are joined (no dsv4 code of this engine runs after it
+ * returns). The handle must not be used afterwards and no other call may be using it
+ * concurrently. From a callback it stops the engine but cannot join its threads: don't.
  *
  * # Safety
  * `engine` is NULL or a live handle from `dsv4_engine_create`, not yet destroyed.
@@ -564,7 +584,8 @@ void dsv4_engine_destroy(dsv4_engine *engine);
  * every position, row-major `[n_tokens, vocab]` f32, to `logits_out`. `logits_len` counts
  * floats: fewer than `n_tokens × vocab` returns `DSV4_ERR_BUFFER_TOO_SMALL` (the message
  * states the number needed) and writes nothing. Blocks while the forward pass runs;
- * thread-safe (calls on one engine share its KV pools and run one at a time).
+ * thread-safe (calls on one engine share its KV pools and run one at a time); from a
+ * callback (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
  *
  * Errors: `DSV4_ERR_INVALID_ARGUMENT` for NULL pointers, `n_tokens == 0`, more tokens than
  * `kv.max_context_tokens`, or a token id outside the vocabulary (the message names its
@@ -719,11 +740,18 @@ dsv4_status dsv4_submit(const dsv4_engine *engine,
 /**
  * Takes up to `cap` queued events into `events`, `*n_out` of them. Set `events[0].struct_size
  * = sizeof(dsv4_event)` before the call: it gives the array's element size (so callers built
- * against an older header keep working). `timeout_ms`: −1 waits for an event (or for the
- * engine to stop), 0 never blocks, > 0 waits at most that long; a timeout is `DSV4_OK` with
- * `*n_out == 0`. While an event callback is set: `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL
- * pointers: `DSV4_ERR_INVALID_ARGUMENT`. Thread-safe: concurrent pollers each get different
- * events.
+ * against an older header keep working: each element gets at most that many bytes, and its
+ * `struct_size` says how many were written); a size below version 1 or above 1024 is
+ * `DSV4_ERR_INVALID_ARGUMENT`. `timeout_ms`: −1 waits for an event (or until the engine has
+ * stopped and every event is taken, or a callback is set), 0 never blocks, > 0 waits at most
+ * that long; a timeout is `DSV4_OK` with `*n_out == 0`. While an event callback is set:
+ * `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL pointers: `DSV4_ERR_INVALID_ARGUMENT`.
+ * Thread-safe: concurrent pollers each get different events. Events' `message` strings stay
+ * valid until the next `dsv4_poll` on the same thread.
+ *
+ * Unpolled events are bounded by `admission.max_unpolled_events`: at that many the engine
+ * pauses every request whose events wait (no token is lost, deadlines still apply) and
+ * resumes them as the host polls.
  *
  * # Safety
  * `engine` is a live handle; `events` is valid for `cap` elements of `events[0].struct_size`
@@ -741,7 +769,8 @@ dsv4_status dsv4_poll(const dsv4_engine *engine,
  * returns to polling. While a callback is set, `dsv4_poll` returns `DSV4_ERR_UNSUPPORTED`.
  * When the callback is replaced, cleared or the engine destroyed, `on_drop(user_data)` (if not
  * NULL) is called once the library no longer uses it. Blocks until the engine thread has
- * switched; must not be called from the callback itself.
+ * switched; a `dsv4_poll` waiting meanwhile returns `DSV4_ERR_UNSUPPORTED`. From a callback
+ * (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
  *
  * # Safety
  * `engine` is a live handle; `callback` and `on_drop` are NULL or valid functions that may be
@@ -753,7 +782,8 @@ dsv4_status dsv4_set_event_callback(const dsv4_engine *engine,
                                     dsv4_drop_fn on_drop);
 
 /**
- * Ends a request: it gets FINISHED / ABORTED (its pages go back to the pools). Does not block.
+ * Ends a request: it gets FINISHED / ABORTED (its pages go back to the pools). Never blocks,
+ * also from a callback and however many aborts are pending.
  * `DSV4_ERR_NOT_FOUND` for an unknown id or one that already had its terminal event.
  *
  * # Safety
@@ -767,7 +797,7 @@ dsv4_status dsv4_abort(const dsv4_engine *engine, uint64_t request_id);
  * them now with FINISHED / ABORTED. Their terminal events stay pollable until destroy. Waits
  * for the engine thread to finish: `timeout_ms` −1 as long as it takes, ≥ 0 at most that long
  * (`DSV4_ERR_TIMEOUT` if still draining; the shutdown continues). Calling it again is allowed
- * (an abort overrides a drain). Must not be called from an event callback.
+ * (an abort overrides a drain). From a callback (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
  *
  * # Safety
  * `engine` is a live handle.

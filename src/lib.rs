@@ -11,6 +11,7 @@ pub mod formats;
 pub mod kv;
 pub mod model;
 pub mod plan;
+pub mod threads;
 
 pub mod ffi;
 

@@ -1,7 +1,7 @@
 //! What the engine tells the host: one event per generated token and exactly one terminal event
 //! (FINISHED or ERROR) per accepted request, delivered by polling or by a callback.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,8 @@ pub struct Event {
     pub queue_us: u64,
     pub ttft_us: u64,
     pub elapsed_us: u64,
+    /// ERROR events: what went wrong and what to do (the status alone rarely says).
+    pub message: Option<String>,
 }
 
 impl Event {
@@ -59,28 +61,49 @@ pub trait EventCallback: Send + Sync {
 
 struct Queue {
     events: VecDeque<Event>,
+    /// Unpolled events per request: requests with events waiting pause once the queue is full.
+    per_request: HashMap<u64, u32>,
     callback: Option<Arc<dyn EventCallback>>,
+    /// The engine thread has stopped: nothing more will be queued.
+    closed: bool,
 }
 
 /// Where the engine thread puts events.
 pub struct EventSink {
     queue: Mutex<Queue>,
     ready: Condvar,
+    /// Unpolled events beyond which the engine pauses the requests whose events wait.
+    limit: usize,
 }
 
 impl Default for EventSink {
     fn default() -> Self {
-        Self {
-            queue: Mutex::new(Queue {
-                events: VecDeque::new(),
-                callback: None,
-            }),
-            ready: Condvar::new(),
-        }
+        Self::new(usize::MAX)
     }
 }
 
+/// What one poll took.
+pub struct Polled {
+    pub events: Vec<Event>,
+    /// The queue was at its limit before: paused requests may continue now.
+    pub freed: bool,
+}
+
 impl EventSink {
+    /// A sink that pauses requests (see [`Self::paused`]) once `limit` events are unpolled.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            queue: Mutex::new(Queue {
+                events: VecDeque::new(),
+                per_request: HashMap::new(),
+                callback: None,
+                closed: false,
+            }),
+            ready: Condvar::new(),
+            limit,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
         // A panic while holding this lock cannot leave the queue half-updated (each
         // operation is one push or pop), so a poisoned lock is still usable.
@@ -94,6 +117,7 @@ impl EventSink {
             match &q.callback {
                 Some(cb) => Arc::clone(cb),
                 None => {
+                    *q.per_request.entry(event.request_id).or_insert(0) += 1;
                     q.events.push_back(event);
                     self.ready.notify_all();
                     return;
@@ -103,21 +127,34 @@ impl EventSink {
         callback.deliver(&event);
     }
 
+    /// The requests to pause: with `limit` or more events unpolled, every request that has
+    /// events waiting (the others may still add one step's worth each). Empty otherwise.
+    pub fn paused(&self) -> HashSet<u64> {
+        let q = self.lock();
+        if q.events.len() < self.limit {
+            return HashSet::new();
+        }
+        q.per_request.keys().copied().collect()
+    }
+
     /// Switches to push mode (or back to polling with `None`); events queued before are handed
     /// to the new callback first (on the calling thread — the engine thread when called from
-    /// the worker).
+    /// the worker). Pollers waiting meanwhile return UNSUPPORTED.
     pub fn set_callback(&self, callback: Option<Arc<dyn EventCallback>>) -> Vec<Event> {
         let mut q = self.lock();
         q.callback = callback;
+        self.ready.notify_all();
         if q.callback.is_some() {
+            q.per_request.clear();
             q.events.drain(..).collect()
         } else {
             Vec::new()
         }
     }
 
-    /// Up to `max` queued events, waiting up to `timeout` (None = forever) for the first.
-    pub fn poll(&self, max: usize, timeout: Option<Duration>) -> Result<Vec<Event>> {
+    /// Up to `max` queued events, waiting up to `timeout` (None = forever) for the first;
+    /// returns early (with none) once the sink is closed and empty.
+    pub fn poll(&self, max: usize, timeout: Option<Duration>) -> Result<Polled> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut q = self.lock();
         loop {
@@ -127,16 +164,29 @@ impl EventSink {
                      callback to poll again",
                 ));
             }
-            if !q.events.is_empty() || max == 0 {
+            if !q.events.is_empty() || max == 0 || q.closed {
+                let freed = q.events.len() >= self.limit;
                 let n = q.events.len().min(max);
-                return Ok(q.events.drain(..n).collect());
+                let events: Vec<Event> = q.events.drain(..n).collect();
+                for e in &events {
+                    if let Some(c) = q.per_request.get_mut(&e.request_id) {
+                        *c -= 1;
+                        if *c == 0 {
+                            q.per_request.remove(&e.request_id);
+                        }
+                    }
+                }
+                return Ok(Polled { events, freed });
             }
             match deadline {
                 None => q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner()),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
-                        return Ok(Vec::new());
+                        return Ok(Polled {
+                            events: Vec::new(),
+                            freed: false,
+                        });
                     }
                     q = self
                         .ready
@@ -148,13 +198,16 @@ impl EventSink {
         }
     }
 
-    /// Wakes pollers (shutdown).
-    pub fn wake(&self) {
+    /// The engine thread has stopped: pollers waiting for an event return with what is left.
+    pub fn close(&self) {
+        self.lock().closed = true;
         self.ready.notify_all();
     }
 
     /// Drops queued events (destroy).
     pub fn clear(&self) {
-        self.lock().events.clear();
+        let mut q = self.lock();
+        q.events.clear();
+        q.per_request.clear();
     }
 }

@@ -4,6 +4,7 @@
 //! admission control answers at submit time.
 
 mod event;
+mod inbox;
 mod metrics;
 mod prometheus;
 mod request;
@@ -16,17 +17,18 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, Sender, TrySendError};
+use crossbeam_channel::bounded;
 use serde_json::Value;
 
 pub use event::{Event, EventCallback, EventKind, FinishReason};
+use inbox::Control;
 pub use metrics::{
     Histogram, KvTransfer, MetricsSnapshot, Outcome, PoolGauges, Rejection, Units, LATENCY_BUCKETS,
     STEP_BUCKETS,
 };
 pub use request::RequestSpec;
 pub use sampling::{filtered, Sampler, SamplingParams};
-use worker::{Command, Limits, Pending, Shared, Worker};
+use worker::{Limits, Pending, Shared, Worker};
 pub use worker::{PoolUsage, ShutdownMode};
 
 use crate::backend::cpu::CpuBackend;
@@ -44,7 +46,6 @@ pub struct Engine {
     plan: Plan,
     model: Arc<Model<CpuBackend>>,
     shared: Arc<Shared>,
-    commands: Sender<Command>,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
     /// Prompt + generated tokens one request may reach: the smaller of kv.max_context_tokens
     /// and what the device pages hold.
@@ -89,10 +90,7 @@ impl Engine {
             cache = cache.with_host(host, params.hicache.write_policy);
         }
         let context_limit = (plan.max_context_tokens as usize).min(plan.device_tokens() as usize);
-        let shared = Arc::new(Shared::new());
-        // Room for every request admission allows plus control messages: a submit that passed
-        // admission never finds the channel full.
-        let (tx, rx) = bounded(params.admission.max_queued_requests as usize + 1024);
+        let shared = Arc::new(Shared::new(params.admission.max_unpolled_events as usize));
         let limits = Limits {
             max_running: params.kv.max_running_requests as usize,
             chunk_tokens: params.scheduler.chunked_prefill_tokens as usize,
@@ -104,7 +102,7 @@ impl Engine {
             policy: params.scheduler.policy,
             lpm_max_waiting: params.scheduler.lpm_max_waiting as usize,
         };
-        let worker = Worker::new(model.clone(), cache, shared.clone(), rx, limits);
+        let worker = Worker::new(model.clone(), cache, shared.clone(), limits);
         let thread = std::thread::Builder::new()
             .name("dsv4-engine".into())
             .spawn(move || worker.run())
@@ -114,7 +112,6 @@ impl Engine {
             plan,
             model,
             shared,
-            commands: tx,
             thread: std::sync::Mutex::new(Some(thread)),
             context_limit,
         })
@@ -136,6 +133,7 @@ impl Engine {
     /// (a prompt no pool could ever hold), `QueueFull` (admission limits), `Shutdown`. Does not
     /// block. Returns the request id.
     pub fn submit(&self, spec: RequestSpec) -> Result<u64> {
+        self.alive()?;
         let result = self.admit(spec);
         match &result {
             Ok(_) => self.shared.metrics.update(|m| m.requests += 1),
@@ -145,11 +143,8 @@ impl Engine {
     }
 
     fn admit(&self, spec: RequestSpec) -> Result<u64> {
-        if !self.shared.accepting.load(Ordering::SeqCst) {
-            return Err(Error::new(
-                ErrorKind::Shutdown,
-                "the engine is shutting down: it accepts no new requests",
-            ));
+        if !self.shared.inbox.accepting() {
+            return Err(shutting_down());
         }
         spec.validate(self.vocab_size())?;
         let prompt = spec.prompt.len();
@@ -193,88 +188,79 @@ impl Engine {
             a.queued_tokens += prompt as u64;
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
-        self.shared.live().insert(id);
+        self.shared.live().insert(id, spec.user_tag);
         let max_gen = (spec.max_new_tokens as usize).min(self.context_limit - prompt + 1);
-        let pending = Box::new(Pending {
+        let pending = Pending {
             id,
             spec,
             submitted: Instant::now(),
             max_gen,
-        });
-        match self.commands.try_send(Command::Submit(pending)) {
+        };
+        // Accepted only if the engine thread will see it: the inbox refuses once a shutdown
+        // began, under the same lock the engine thread takes to decide it is done.
+        match self.shared.inbox.submit(pending) {
             Ok(()) => Ok(id),
-            Err(e) => {
+            Err(_) => {
                 self.shared.live().remove(&id);
                 let mut a = self.shared.admission();
                 a.queued_requests -= 1;
                 a.queued_tokens -= prompt as u64;
-                Err(match e {
-                    TrySendError::Full(_) => Error::new(
-                        ErrorKind::QueueFull,
-                        "the engine's command queue is full: retry later",
-                    ),
-                    TrySendError::Disconnected(_) => Error::new(
-                        ErrorKind::Shutdown,
-                        "the engine thread has stopped: it accepts no new requests",
-                    ),
-                })
+                Err(shutting_down())
             }
         }
     }
 
     /// Up to `max` events; waits up to `timeout` for the first (`None` = until one arrives or
-    /// the engine stops, `Some(0)` = never blocks). `Unsupported` while a callback is set.
+    /// the engine stops, `Some(0)` = never blocks). `Unsupported` while a callback is set
+    /// (also for a poller already waiting when one is set).
     pub fn poll(&self, max: usize, timeout: Option<Duration>) -> Result<Vec<Event>> {
-        let timeout = match timeout {
-            // Waiting forever on a stopped engine with nothing queued would hang the caller.
-            None if self.stopped() => Some(Duration::ZERO),
-            t => t,
-        };
-        self.shared.sink.poll(max, timeout)
+        let polled = self.shared.sink.poll(max, timeout)?;
+        if polled.freed {
+            // Requests paused for unpolled events may continue.
+            self.shared.inbox.wake();
+        }
+        Ok(polled.events)
     }
 
     /// Ends a request with FINISHED/ABORTED. `NotFound` for unknown or already ended ids.
+    /// Never blocks (also from a callback).
     pub fn abort(&self, id: u64) -> Result<()> {
-        if !self.shared.live().contains(&id) {
+        self.alive()?;
+        if !self.shared.live().contains_key(&id) {
             return Err(Error::new(
                 ErrorKind::NotFound,
                 format!("request {id} is not in flight (unknown, or it already ended)"),
             ));
         }
-        self.send(Command::Abort(id))
+        self.shared.inbox.abort(id);
+        Ok(())
     }
 
     /// Push mode: `callback` receives every event on the engine thread (`None`: back to
     /// polling). Events queued before are delivered to it first. Blocks until the engine
-    /// thread has switched.
+    /// thread has switched; refused on dsv4's own threads (from a callback).
     pub fn set_callback(&self, callback: Option<Arc<dyn EventCallback>>) -> Result<()> {
+        self.not_from_callback("dsv4_set_event_callback")?;
         let (tx, rx) = bounded(1);
-        match self
-            .commands
-            .send(Command::SetCallback(callback.clone(), tx))
-        {
-            Ok(()) if rx.recv().is_ok() => Ok(()),
-            _ => {
-                // The engine thread has ended: nothing else emits, so switch here.
-                for e in self.shared.sink.set_callback(callback) {
-                    self.shared.sink.emit(e);
-                }
-                Ok(())
-            }
+        let queued = self
+            .shared
+            .inbox
+            .control(Control::SetCallback(callback.clone(), tx));
+        if queued.is_ok() && rx.recv().is_ok() {
+            return Ok(());
         }
+        // The engine thread has ended: nothing else emits, so switch here.
+        for e in self.shared.sink.set_callback(callback) {
+            self.shared.sink.emit(e);
+        }
+        Ok(())
     }
 
     /// Stops intake and ends the requests in flight per `mode`; waits up to `timeout` (None =
     /// as long as it takes) for the engine thread to finish. `Timeout` if it is still draining.
     pub fn shutdown(&self, mode: ShutdownMode, timeout: Option<Duration>) -> Result<()> {
-        if self.on_engine_thread() {
-            return Err(Error::invalid_argument(
-                "shutdown called from an event callback (the engine thread would wait for \
-                 itself): call it from another thread",
-            ));
-        }
-        self.shared.accepting.store(false, Ordering::SeqCst);
-        let _ = self.commands.send(Command::Shutdown(mode));
+        self.not_from_callback("dsv4_engine_shutdown")?;
+        self.shared.inbox.shutdown(mode);
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut stopped = self
             .shared
@@ -315,53 +301,68 @@ impl Engine {
         Ok(())
     }
 
-    fn on_engine_thread(&self) -> bool {
-        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
-        t.as_ref()
-            .is_some_and(|h| h.thread().id() == std::thread::current().id())
+    /// Calls that wait for the engine thread are refused on dsv4's own threads: there they run
+    /// inside a host callback, and the engine thread (or the worker it waits for) is the one
+    /// running it.
+    fn not_from_callback(&self, call: &str) -> Result<()> {
+        if crate::threads::is_internal() {
+            return Err(Error::invalid_argument(format!(
+                "{call} was called on a dsv4 thread (from an event or log callback): it waits \
+                 for the engine thread, which is running the callback; call it from another \
+                 thread (submit, abort, poll and the metrics calls may be made from callbacks)"
+            )));
+        }
+        Ok(())
     }
 
-    fn stopped(&self) -> bool {
-        *self
-            .shared
-            .stopped
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+    /// `Internal` with the panic's message once the engine thread has died.
+    fn alive(&self) -> Result<()> {
+        match self.shared.dead() {
+            Some(message) => Err(Error::internal(message)),
+            None => Ok(()),
+        }
     }
 
-    fn send(&self, c: Command) -> Result<()> {
-        self.commands
-            .send(c)
-            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
+    /// Runs `make(reply)` on the engine thread between steps and waits for its answer.
+    fn ask<T>(
+        &self,
+        call: &str,
+        make: impl FnOnce(crossbeam_channel::Sender<T>) -> Control,
+    ) -> Result<T> {
+        self.alive()?;
+        self.not_from_callback(call)?;
+        let (tx, rx) = bounded(1);
+        if self.shared.inbox.control(make(tx)).is_err() {
+            return Err(self.stopped_error());
+        }
+        rx.recv().map_err(|_| self.stopped_error())
+    }
+
+    fn stopped_error(&self) -> Error {
+        match self.shared.dead() {
+            Some(message) => Error::internal(message),
+            None => Error::new(ErrorKind::Shutdown, "the engine thread has stopped"),
+        }
     }
 
     /// Logits of every position of one fresh sequence, `[tokens.len(), vocab]` row-major.
     /// Runs on the engine thread between steps.
     pub fn score(&self, tokens: &[i32]) -> Result<Vec<f32>> {
         let ids = self.check_tokens(tokens)?;
-        let (tx, rx) = bounded(1);
-        self.send(Command::Score(ids, tx))?;
-        rx.recv()
-            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))?
+        self.ask("dsv4_score", |tx| Control::Score(ids, tx))?
     }
 
     /// Drops every unlocked cached prefix of `tier` (flushing the device keeps host copies)
     /// and reports the device units still in use (running requests' pages, slots and
     /// snapshots). Blocks until the engine thread has done it.
     pub fn flush_cache(&self, tier: Tier) -> Result<PoolUsage> {
-        let (tx, rx) = bounded(1);
-        self.send(Command::FlushCache(tier, tx))?;
-        rx.recv()
-            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
+        self.ask("dsv4_cache_flush", |tx| Control::FlushCache(tier, tx))
     }
 
     /// Per pool and tier: used / total units and bytes; hits, load-backs, backups and
     /// evictions (see docs/hicache.md). Blocks briefly (answered between steps).
     pub fn cache_stats(&self) -> Result<Value> {
-        let (tx, rx) = bounded(1);
-        self.send(Command::CacheStats(tx))?;
-        rx.recv()
-            .map_err(|_| Error::new(ErrorKind::Shutdown, "the engine thread has stopped"))
+        self.ask("dsv4_cache_stats", Control::CacheStats)
     }
 
     /// Counters, histograms and gauges at this instant. Never waits for the engine thread:
@@ -419,16 +420,22 @@ impl Drop for Engine {
     /// An abort shutdown: every request in flight gets its terminal event (callbacks see them;
     /// unpolled events are dropped), then the engine thread is joined.
     fn drop(&mut self) {
-        if self.on_engine_thread() {
-            // Destroyed from its own callback: stop it, but it cannot join itself.
-            log::error!("engine destroyed from its event callback; its thread is detached");
-            self.shared.accepting.store(false, Ordering::SeqCst);
-            let _ = self.commands.send(Command::Shutdown(ShutdownMode::Abort));
+        if crate::threads::is_internal() {
+            // Destroyed from a callback: stop it, but it cannot join itself.
+            log::error!("engine destroyed from a dsv4 thread (a callback); its thread is detached");
+            self.shared.inbox.shutdown(ShutdownMode::Abort);
             return;
         }
         let _ = self.shutdown(ShutdownMode::Abort, None);
         self.shared.sink.clear();
     }
+}
+
+fn shutting_down() -> Error {
+    Error::new(
+        ErrorKind::Shutdown,
+        "the engine is shutting down: it accepts no new requests",
+    )
 }
 
 /// Parameters that are valid (they plan) but whose implementation has not landed yet.

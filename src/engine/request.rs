@@ -3,6 +3,10 @@
 use super::sampling::SamplingParams;
 use crate::error::{Error, Result};
 
+/// The largest total logit bias one token may get: far beyond any logit, yet small enough that
+/// logit + bias stays finite in f32.
+pub const MAX_LOGIT_BIAS: f64 = 1e6;
+
 /// One generation request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestSpec {
@@ -85,6 +89,23 @@ impl RequestSpec {
                 "logit_bias for token {} is {}: use a finite value",
                 b.0, b.1
             ));
+        } else {
+            // Entries for one token add up: their sum, added to a logit, must stay finite.
+            let mut sums = std::collections::HashMap::new();
+            for &(t, b) in &s.logit_bias {
+                *sums.entry(t).or_insert(0.0f64) += f64::from(b);
+            }
+            let mut over: Vec<(u32, f64)> = sums
+                .into_iter()
+                .filter(|(_, v)| v.abs() > MAX_LOGIT_BIAS)
+                .collect();
+            over.sort_unstable_by_key(|o| o.0);
+            if let Some((t, v)) = over.first() {
+                problems.push(format!(
+                    "logit_bias for token {t} adds up to {v:e} over its entries: keep each \
+                     token's total within ±{MAX_LOGIT_BIAS:e} (−1e6 already bans a token)"
+                ));
+            }
         }
         if problems.is_empty() {
             Ok(())

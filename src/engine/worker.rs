@@ -10,25 +10,22 @@
 //! and slot are freed, and it waits at the front of the queue to be recomputed, its sampler
 //! and emitted tokens kept, so its output is what it would have been.
 
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-
-use super::event::{Event, EventCallback, EventKind, EventSink, FinishReason};
+use super::event::{Event, EventKind, EventSink, FinishReason};
+use super::inbox::{Batch, Control, Inbox};
 use super::metrics::{Metrics, Outcome, PoolGauges, Units};
 use super::request::RequestSpec;
 use super::sampling::Sampler;
 use crate::backend::cpu::CpuBackend;
 use crate::config::params::SchedulerPolicy;
-use crate::error::{ErrorKind, Result};
-use crate::kv::cache::Tier;
+use crate::error::{Error, ErrorKind, Result};
 use crate::kv::layout::PoolId;
 use crate::kv::{PrefixCache, Request};
 use crate::model::{Chunk, Logits, Model};
-use serde_json::Value;
 
 /// How a shutdown ends the requests in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,19 +34,6 @@ pub enum ShutdownMode {
     Drain,
     /// Every accepted request ends now with FINISHED/ABORTED.
     Abort,
-}
-
-/// What callers send the engine thread.
-pub enum Command {
-    Submit(Box<Pending>),
-    Abort(u64),
-    Shutdown(ShutdownMode),
-    SetCallback(Option<Arc<dyn EventCallback>>, Sender<()>),
-    Score(Vec<u32>, Sender<Result<Vec<f32>>>),
-    /// Drop every unlocked cached prefix of a tier; reports the device units still in use.
-    FlushCache(Tier, Sender<PoolUsage>),
-    /// The cache's per-pool, per-tier usage and counters.
-    CacheStats(Sender<Value>),
 }
 
 /// Units in use per pool kind after a cache flush.
@@ -81,27 +65,31 @@ pub struct Admission {
 /// State shared by the engine handle and its thread.
 pub struct Shared {
     pub sink: EventSink,
+    pub inbox: Inbox,
     pub admission: Mutex<Admission>,
-    /// Accepted requests without a terminal event yet.
-    pub live: Mutex<HashSet<u64>>,
-    pub accepting: AtomicBool,
+    /// Accepted requests without a terminal event yet, with their user tags.
+    pub live: Mutex<HashMap<u64, u64>>,
     pub next_id: AtomicU64,
     /// Set when the engine thread has ended.
     pub stopped: Mutex<bool>,
     pub stopped_cv: Condvar,
+    /// Set when the engine thread panicked: every later call fails with this message.
+    pub dead: Mutex<Option<String>>,
     pub metrics: Metrics,
 }
 
 impl Shared {
-    pub fn new() -> Self {
+    /// `max_unpolled`: unpolled events beyond which requests with events waiting pause.
+    pub fn new(max_unpolled: usize) -> Self {
         Self {
-            sink: EventSink::default(),
+            sink: EventSink::new(max_unpolled),
+            inbox: Inbox::default(),
             admission: Mutex::new(Admission::default()),
-            live: Mutex::new(HashSet::new()),
-            accepting: AtomicBool::new(true),
+            live: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             stopped: Mutex::new(false),
             stopped_cv: Condvar::new(),
+            dead: Mutex::new(None),
             metrics: Metrics::default(),
         }
     }
@@ -110,8 +98,13 @@ impl Shared {
         self.admission.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn live(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+    pub fn live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u64>> {
         self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The panic message once the engine thread has died.
+    pub fn dead(&self) -> Option<String> {
+        self.dead.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -205,7 +198,6 @@ pub struct Worker {
     model: Arc<Model<CpuBackend>>,
     cache: PrefixCache<CpuBackend>,
     shared: Arc<Shared>,
-    commands: Receiver<Command>,
     limits: Limits,
     eos: Vec<u32>,
     rng: fastrand::Rng,
@@ -214,6 +206,8 @@ pub struct Worker {
     shutdown: Option<ShutdownMode>,
     /// Admission failed for lack of pages; retried when something ends.
     blocked: bool,
+    /// The last step had nothing to compute (e.g. every request paused for unpolled events).
+    stalled: bool,
     new_token_ratio: f64,
 }
 
@@ -226,7 +220,6 @@ impl Worker {
         model: Arc<Model<CpuBackend>>,
         cache: PrefixCache<CpuBackend>,
         shared: Arc<Shared>,
-        commands: Receiver<Command>,
         limits: Limits,
     ) -> Self {
         let eos = model.config.eos_token_ids.clone();
@@ -234,7 +227,6 @@ impl Worker {
             model,
             cache,
             shared,
-            commands,
             limits,
             eos,
             rng: fastrand::Rng::new(),
@@ -242,6 +234,7 @@ impl Worker {
             running: Vec::new(),
             shutdown: None,
             blocked: false,
+            stalled: false,
             new_token_ratio: RATIO_INIT,
         };
         // Gauges are valid from creation on, not from the first step.
@@ -250,19 +243,32 @@ impl Worker {
     }
 
     /// Runs until shutdown has ended every request. A panic ends every live request with an
-    /// INTERNAL error instead of leaving them without a terminal event.
+    /// INTERNAL error instead of leaving them without a terminal event, and leaves the engine
+    /// dead: every later call fails with the panic's message.
     pub fn run(mut self) {
+        crate::threads::mark_internal();
         let shared = Arc::clone(&self.shared);
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.main_loop()));
-        if outcome.is_err() {
-            log::error!("the engine thread panicked; ending every request with DSV4_ERR_INTERNAL");
-            shared.accepting.store(false, Ordering::SeqCst);
-            let ids: Vec<u64> = shared.live().drain().collect();
-            for id in ids {
+        if let Err(payload) = outcome {
+            let text = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic with a non-text payload".into());
+            let message = format!(
+                "internal error: the engine thread panicked ({text}); the engine is dead: \
+                 destroy it and create a new one (this is a dsv4 bug; please report it)"
+            );
+            log::error!("{message}");
+            *shared.dead.lock().unwrap_or_else(|e| e.into_inner()) = Some(message.clone());
+            // Requests still in the inbox were accepted: they are in `live` and end below.
+            drop(shared.inbox.close());
+            let live: Vec<(u64, u64)> = shared.live().drain().collect();
+            for (id, user_tag) in live {
                 shared.metrics.finish(Outcome::Error, Duration::ZERO);
                 shared.sink.emit(Event {
                     request_id: id,
-                    user_tag: 0,
+                    user_tag,
                     kind: EventKind::Error,
                     token: -1,
                     logprob: 0.0,
@@ -275,12 +281,15 @@ impl Worker {
                     queue_us: 0,
                     ttft_us: 0,
                     elapsed_us: 0,
+                    message: Some(message.clone()),
                 });
             }
+            let mut a = shared.admission();
+            *a = Admission::default();
         }
         *shared.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
         shared.stopped_cv.notify_all();
-        shared.sink.wake();
+        shared.sink.close();
     }
 
     fn main_loop(&mut self) {
@@ -291,15 +300,21 @@ impl Worker {
                 self.abort_all();
             }
             if self.shutdown.is_some() && self.waiting.is_empty() && self.running.is_empty() {
-                self.publish();
-                return;
+                // Only once nothing arrived since the last take: a request accepted before the
+                // shutdown must still get its terminal event.
+                if self.shared.inbox.close_if_empty() {
+                    self.publish();
+                    return;
+                }
+                continue;
             }
             self.cache.poll();
             self.finish_loads();
             self.admit();
+            self.stalled = false;
             if self.running.iter().any(|r| r.reserved) {
                 self.make_room_for_decode();
-                self.step();
+                self.stalled = !self.step();
             } else if let Some(r) = self.running.iter_mut().find(|r| r.req.is_loading()) {
                 // Only load-backs in flight: wait for one instead of spinning.
                 self.cache
@@ -413,26 +428,19 @@ impl Worker {
         }
     }
 
-    /// Takes every queued command; blocks (until the next deadline) only when idle.
+    /// Takes everything queued; blocks (until the next deadline, or until events are polled)
+    /// only when there is nothing to compute.
     fn receive(&mut self) {
-        let idle = self.running.is_empty() && (self.waiting.is_empty() || self.blocked);
-        if idle && self.shutdown.is_none() {
-            let wait = self
-                .next_deadline()
+        let idle =
+            self.stalled || (self.running.is_empty() && (self.waiting.is_empty() || self.blocked));
+        let wait = (idle && self.shutdown.is_none()).then(|| {
+            self.next_deadline()
                 .map_or(Duration::from_millis(200), |d| {
                     d.saturating_duration_since(Instant::now())
-                });
-            match self.commands.recv_timeout(wait) {
-                Ok(c) => self.handle(c),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    self.shutdown.get_or_insert(ShutdownMode::Abort);
-                }
-            }
-        }
-        while let Ok(c) = self.commands.try_recv() {
-            self.handle(c);
-        }
+                })
+        });
+        let batch = self.shared.inbox.take(wait);
+        self.handle(batch);
     }
 
     /// The queue timeout of a waiting request (retracted ones already ran: only their
@@ -459,43 +467,47 @@ impl Worker {
         next
     }
 
-    fn handle(&mut self, command: Command) {
-        match command {
-            Command::Submit(p) => {
-                self.waiting.push(Waiting {
-                    pending: p,
-                    progress: None,
-                });
+    fn handle(&mut self, batch: Batch) {
+        for p in batch.submits {
+            self.waiting.push(Waiting {
+                pending: Box::new(p),
+                progress: None,
+            });
+        }
+        for id in batch.aborts {
+            self.abort(id);
+        }
+        if let Some(mode) = batch.shutdown {
+            // An abort shutdown overrides an earlier drain, never the reverse.
+            if self.shutdown != Some(ShutdownMode::Abort) {
+                self.shutdown = Some(mode);
             }
-            Command::Abort(id) => self.abort(id),
-            Command::Shutdown(mode) => {
-                // An abort shutdown overrides an earlier drain, never the reverse.
-                if self.shutdown != Some(ShutdownMode::Abort) {
-                    self.shutdown = Some(mode);
+        }
+        for c in batch.controls {
+            match c {
+                Control::SetCallback(cb, done) => {
+                    for e in self.shared.sink.set_callback(cb) {
+                        self.shared.sink.emit(e);
+                    }
+                    let _ = done.send(());
                 }
-            }
-            Command::SetCallback(cb, done) => {
-                for e in self.shared.sink.set_callback(cb) {
-                    self.shared.sink.emit(e);
+                Control::Score(tokens, reply) => {
+                    let _ = reply.send(self.score(&tokens));
                 }
-                let _ = done.send(());
-            }
-            Command::Score(tokens, reply) => {
-                let _ = reply.send(self.score(&tokens));
-            }
-            Command::CacheStats(reply) => {
-                self.cache.poll();
-                let _ = reply.send(self.cache.stats_json());
-            }
-            Command::FlushCache(tier, reply) => {
-                self.cache.flush(tier);
-                let pools = self.cache.pools();
-                let _ = reply.send(PoolUsage {
-                    pages: pools.page_allocator().used_count(),
-                    slots: pools.slot_allocator().used_count(),
-                    snapshots: pools.snapshot_allocator().used_count(),
-                });
-                self.publish();
+                Control::CacheStats(reply) => {
+                    self.cache.poll();
+                    let _ = reply.send(self.cache.stats_json());
+                }
+                Control::FlushCache(tier, reply) => {
+                    self.cache.flush(tier);
+                    let pools = self.cache.pools();
+                    let _ = reply.send(PoolUsage {
+                        pages: pools.page_allocator().used_count(),
+                        slots: pools.slot_allocator().used_count(),
+                        snapshots: pools.snapshot_allocator().used_count(),
+                    });
+                    self.publish();
+                }
             }
         }
     }
@@ -532,7 +544,7 @@ impl Worker {
         r: TerminalInfo,
         kind: EventKind,
         reason: FinishReason,
-        error: Option<ErrorKind>,
+        error: Option<Error>,
     ) {
         // Off the live set first: once the host sees the terminal event, abort says NOT_FOUND.
         self.shared.live().remove(&r.id);
@@ -547,7 +559,7 @@ impl Worker {
             token: -1,
             logprob: 0.0,
             finish_reason: reason,
-            error,
+            error: error.as_ref().map(Error::kind),
             prompt_tokens: r.prompt_tokens,
             cached_tokens_device: (r.cached - r.cached_host) as u32,
             cached_tokens_host: r.cached_host as u32,
@@ -555,6 +567,7 @@ impl Worker {
             queue_us: r.queue_us,
             ttft_us: r.first_token.map_or(0, |t| micros(t - r.submitted)),
             elapsed_us: micros(now - r.submitted),
+            message: error.map(|e| e.message().to_string()),
         });
     }
 
@@ -564,7 +577,7 @@ impl Worker {
         i: usize,
         kind: EventKind,
         reason: FinishReason,
-        error: Option<ErrorKind>,
+        error: Option<Error>,
     ) {
         let w = self.waiting.remove(i);
         {
@@ -601,13 +614,7 @@ impl Worker {
     }
 
     /// Ends running request `i`; `cache` inserts its sequence into the prefix cache.
-    fn end_running(
-        &mut self,
-        i: usize,
-        reason: FinishReason,
-        error: Option<ErrorKind>,
-        cache: bool,
-    ) {
+    fn end_running(&mut self, i: usize, reason: FinishReason, error: Option<Error>, cache: bool) {
         let r = self.running.swap_remove(i);
         self.shared.admission().queued_tokens -= r.queued_tokens as u64;
         let info = TerminalInfo {
@@ -683,6 +690,13 @@ impl Worker {
     }
 
     fn abort_all(&mut self) {
+        if !self.waiting.is_empty() || !self.running.is_empty() {
+            log::info!(
+                "abort shutdown: ending {} waiting and {} running requests",
+                self.waiting.len(),
+                self.running.len()
+            );
+        }
         while !self.waiting.is_empty() {
             self.end_waiting(0, EventKind::Finished, FinishReason::Aborted, None);
         }
@@ -803,12 +817,7 @@ impl Worker {
                 if self.running.is_empty() {
                     // Nothing will free pages: it can never run.
                     log::warn!("request {}: {e}", self.waiting[i].pending.id);
-                    self.end_waiting(
-                        i,
-                        EventKind::Error,
-                        FinishReason::None,
-                        Some(ErrorKind::Capacity),
-                    );
+                    self.end_waiting(i, EventKind::Error, FinishReason::None, Some(e));
                     continue;
                 }
                 self.blocked = true;
@@ -896,11 +905,14 @@ impl Worker {
                 if self.running.len() == 1 {
                     // Alone and still short: the pools cannot hold it (the context limit
                     // should have prevented this).
-                    log::error!(
-                        "request {}: no KV page for token {want} with nothing else running",
+                    let message = format!(
+                        "request {}: no KV page for token {want} with nothing else running: \
+                         raise kv.device_memory_bytes or lower kv.max_context_tokens",
                         self.running[victim].id
                     );
-                    self.end_running(victim, FinishReason::None, Some(ErrorKind::Capacity), true);
+                    log::error!("{message}");
+                    let e = Error::new(ErrorKind::Capacity, message);
+                    self.end_running(victim, FinishReason::None, Some(e), true);
                     return;
                 }
                 self.new_token_ratio = (self.new_token_ratio + RATIO_BUMP).clamp(RATIO_INIT, 1.0);
@@ -925,12 +937,18 @@ impl Worker {
 
     // --- one forward step -----------------------------------------------------------------
 
-    fn step(&mut self) {
+    /// One forward step over every runnable request; false when there was nothing to run.
+    /// Requests whose events wait unpolled while the event queue is full sit this one out.
+    fn step(&mut self) -> bool {
         // (running index, token range, wants logits)
         let mut plan: Vec<(usize, std::ops::Range<usize>, bool)> = Vec::new();
         let mut budget = self.limits.batch_tokens;
+        let paused = self.shared.sink.paused();
         for (i, r) in self.running.iter().enumerate() {
             let pos = r.req.position();
+            if paused.contains(&r.id) {
+                continue;
+            }
             if r.decoding() && self.cache.pools().pages_for(pos + 1) <= r.req.kv().pages().len() {
                 plan.push((i, pos..pos + 1, true));
                 budget = budget.saturating_sub(1);
@@ -939,7 +957,7 @@ impl Worker {
         let decodes = plan.len();
         for (i, r) in self.running.iter().enumerate() {
             let pos = r.req.position();
-            if !r.reserved || pos >= r.prefill_len || budget == 0 {
+            if !r.reserved || pos >= r.prefill_len || budget == 0 || paused.contains(&r.id) {
                 continue;
             }
             let end = self
@@ -951,7 +969,7 @@ impl Worker {
             plan.push((i, pos..end, end == r.prefill_len));
         }
         if plan.is_empty() {
-            return;
+            return false;
         }
         if decodes > 0 {
             self.new_token_ratio = (self.new_token_ratio - RATIO_DECAY).max(RATIO_MIN);
@@ -988,12 +1006,12 @@ impl Worker {
                 let mut idx: Vec<usize> = order.clone();
                 idx.sort_unstable_by(|a, b| b.cmp(a));
                 for i in idx {
-                    self.end_running(i, FinishReason::None, Some(e.kind()), false);
+                    self.end_running(i, FinishReason::None, Some(e.clone()), false);
                 }
-                return;
+                return true;
             }
         };
-        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        let mut finished: Vec<(usize, FinishReason, Option<Error>)> = Vec::new();
         let mut itl = Vec::new();
         let mut new_tokens = 0u64;
         let mut ttft = Vec::new();
@@ -1005,6 +1023,14 @@ impl Worker {
                 log::error!("request {}: prefix cache: {e}", r.id);
             }
             if logits.is_empty() {
+                continue;
+            }
+            // One pass over the sampled rows only (not per layer): a NaN or inf here would be
+            // sampled as some token and the request would "finish" normally with garbage.
+            if logits.iter().any(|v| !v.is_finite()) {
+                let e = nonfinite_logits(r.id, pos, &logits);
+                log::error!("{}", e.message());
+                finished.push((*i, FinishReason::None, Some(e)));
                 continue;
             }
             let (token, logprob) = r.p.sampler.sample(&logits);
@@ -1033,11 +1059,12 @@ impl Worker {
                 queue_us: r.p.queue_us,
                 ttft_us: micros(first - r.submitted),
                 elapsed_us: micros(now - r.submitted),
+                message: None,
             });
             if self.eos.contains(&token) || r.spec.stop_tokens.contains(&token) {
-                finished.push((*i, FinishReason::Stop));
+                finished.push((*i, FinishReason::Stop, None));
             } else if r.p.generated >= r.max_gen {
-                finished.push((*i, FinishReason::Length));
+                finished.push((*i, FinishReason::Length, None));
             }
         }
         self.shared.metrics.update(|m| {
@@ -1050,10 +1077,28 @@ impl Worker {
             }
         });
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
-        for (i, reason) in finished {
-            self.end_running(i, reason, None, true);
+        for (i, reason, error) in finished {
+            // A failed sequence's KV is not worth caching.
+            let cache = error.is_none();
+            self.end_running(i, reason, error, cache);
         }
+        true
     }
+}
+
+/// The error that ends a request whose sampled logits are not finite.
+fn nonfinite_logits(id: u64, position: usize, logits: &[f32]) -> Error {
+    let nan = logits.iter().filter(|v| v.is_nan()).count();
+    let inf = logits.iter().filter(|v| v.is_infinite()).count();
+    Error::new(
+        ErrorKind::ModelFormat,
+        format!(
+            "request {id}: the logits after position {position} are not finite ({nan} NaN, {inf} \
+             ±inf of {}): the model produced non-finite values (a NaN or inf in a weight or \
+             scale, or an out-of-range config value); check or re-convert the checkpoint",
+            logits.len()
+        ),
+    )
 }
 
 struct TerminalInfo {

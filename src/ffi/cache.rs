@@ -12,7 +12,8 @@ use crate::kv::cache::Tier;
 /// total units and bytes; hits and hit tokens by tier; load-backs and backups (count, tokens,
 /// bytes, seconds, bytes/s, in flight, skipped); evictions by tier and reason; the write policy.
 /// docs/hicache.md lists every field. `(buf, cap, needed)` convention; thread-safe; blocks
-/// until the engine thread answers (between forward steps).
+/// until the engine thread answers (between forward steps); from a callback (a dsv4 thread):
+/// `DSV4_ERR_INVALID_ARGUMENT`.
 ///
 /// # Safety
 /// `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
@@ -34,7 +35,8 @@ pub unsafe extern "C" fn dsv4_cache_stats(
 
 /// Drops every unlocked cached prefix from one tier: `"device"` (host copies are kept; with
 /// `write_back` the device copies are written to the host first), `"host"`, or `"all"`.
-/// Prefixes in use by running requests stay. Thread-safe; blocks until done.
+/// Prefixes in use by running requests stay. Thread-safe; blocks until done; from a callback
+/// (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
 ///
 /// # Safety
 /// `engine` is a live handle; `tier` is a NUL-terminated string.

@@ -56,7 +56,7 @@ pub(super) unsafe fn engine_text(
 /// allocated. Errors: `DSV4_ERR_CONFIG` (params), `DSV4_ERR_IO` (files missing or unreadable),
 /// `DSV4_ERR_MODEL_FORMAT` (checkpoint problems, each tensor named), `DSV4_ERR_CAPACITY`,
 /// `DSV4_ERR_UNSUPPORTED` (valid params this build does not implement yet: backend cuda,
-/// prefill/decode roles, tp/ep > 1, HiCache).
+/// prefill/decode roles, tp/ep > 1).
 ///
 /// # Safety
 /// `params_json` is a NUL-terminated string; `out` is valid for one pointer write.
@@ -87,8 +87,9 @@ pub unsafe extern "C" fn dsv4_engine_create(
 /// Destroys an engine and frees everything it holds. NULL is ignored. A live engine is first shut
 /// down with `DSV4_SHUTDOWN_ABORT`: every request in flight ends with FINISHED / ABORTED (an event
 /// callback still receives those terminal events; unpolled events are dropped), then the engine
-/// thread and the backend's threads are joined. The handle must not be used afterwards, no other
-/// call may be using it concurrently, and it must not be called from the engine's callback.
+/// thread and the backend's threads are joined (no dsv4 code of this engine runs after it
+/// returns). The handle must not be used afterwards and no other call may be using it
+/// concurrently. From a callback it stops the engine but cannot join its threads: don't.
 ///
 /// # Safety
 /// `engine` is NULL or a live handle from `dsv4_engine_create`, not yet destroyed.
@@ -107,7 +108,8 @@ pub unsafe extern "C" fn dsv4_engine_destroy(engine: *mut dsv4_engine) {
 /// every position, row-major `[n_tokens, vocab]` f32, to `logits_out`. `logits_len` counts
 /// floats: fewer than `n_tokens × vocab` returns `DSV4_ERR_BUFFER_TOO_SMALL` (the message
 /// states the number needed) and writes nothing. Blocks while the forward pass runs;
-/// thread-safe (calls on one engine share its KV pools and run one at a time).
+/// thread-safe (calls on one engine share its KV pools and run one at a time); from a
+/// callback (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
 ///
 /// Errors: `DSV4_ERR_INVALID_ARGUMENT` for NULL pointers, `n_tokens == 0`, more tokens than
 /// `kv.max_context_tokens`, or a token id outside the vocabulary (the message names its

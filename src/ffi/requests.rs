@@ -1,6 +1,6 @@
 //! Requests and events across the ABI: submit, poll, callbacks, abort and shutdown.
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -97,7 +97,7 @@ pub struct dsv4_event {
     pub prompt_tokens: u32,
     /// Prompt tokens reused from the device prefix cache (not recomputed).
     pub cached_tokens_device: u32,
-    /// Prompt tokens loaded back from the host tier (0 until HiCache lands).
+    /// Prompt tokens loaded back from the host tier (HiCache).
     pub cached_tokens_host: u32,
     pub generated_tokens: u32,
     /// Submit → running.
@@ -106,11 +106,17 @@ pub struct dsv4_event {
     pub ttft_us: u64,
     /// Submit → this event.
     pub elapsed_us: u64,
+    /// ERROR events: a NUL-terminated message naming the cause and the fix; NULL otherwise.
+    /// Owned by the library: valid until the next `dsv4_poll` on the same thread (polling) or
+    /// until the callback returns (push mode). Copy it to keep it. (Appended after version 1.)
+    pub message: *const c_char,
 }
 
 /// Receives one event in push mode. Called on the engine thread, one event at a time, never
 /// concurrently; `event` is valid during the call only. It must not block for long (the engine
-/// waits) and must not call `dsv4_engine_shutdown` or `dsv4_engine_destroy` on its engine.
+/// waits). It may call `dsv4_submit`, `dsv4_abort` and the metrics functions; calls that wait
+/// for the engine thread (`dsv4_score`, `dsv4_cache_stats`, `dsv4_cache_flush`,
+/// `dsv4_set_event_callback`, `dsv4_engine_shutdown`) return `DSV4_ERR_INVALID_ARGUMENT` there.
 #[allow(non_camel_case_types)]
 pub type dsv4_event_fn =
     Option<unsafe extern "C" fn(event: *const dsv4_event, user_data: *mut c_void)>;
@@ -120,11 +126,32 @@ pub type dsv4_event_fn =
 pub type dsv4_drop_fn = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
 
 const REQUEST_V1: usize = std::mem::size_of::<dsv4_request>();
-const EVENT_V1: usize = std::mem::size_of::<dsv4_event>();
+/// `sizeof(dsv4_event)` of version 1 (up to `elapsed_us`), frozen: callers built against that
+/// header keep working; they are written this many bytes per event.
+const EVENT_V1: usize = 88;
+const _: () = assert!(std::mem::offset_of!(dsv4_event, message) == EVENT_V1);
+const EVENT_SIZE: usize = std::mem::size_of::<dsv4_event>();
+/// The largest element size `dsv4_poll` accepts: far beyond any future dsv4_event, small
+/// enough that an uninitialised `struct_size` is caught instead of used as a stride.
+const EVENT_MAX_STRIDE: usize = 1024;
 
-fn to_c(e: &Event) -> dsv4_event {
+thread_local! {
+    /// The messages of the events the last `dsv4_poll` on this thread returned.
+    static POLLED_MESSAGES: std::cell::RefCell<Vec<CString>> = const {
+        std::cell::RefCell::new(Vec::new())
+    };
+}
+
+/// The C text of an event's message (interior NULs become spaces).
+fn c_message(e: &Event) -> Option<CString> {
+    e.message
+        .as_deref()
+        .map(|m| CString::new(m.replace('\0', " ")).unwrap_or_default())
+}
+
+fn to_c(e: &Event, message: *const c_char) -> dsv4_event {
     dsv4_event {
-        struct_size: EVENT_V1 as u32,
+        struct_size: EVENT_SIZE as u32,
         request_id: e.request_id,
         user_tag: e.user_tag,
         kind: match e.kind {
@@ -149,6 +176,7 @@ fn to_c(e: &Event) -> dsv4_event {
         queue_us: e.queue_us,
         ttft_us: e.ttft_us,
         elapsed_us: e.elapsed_us,
+        message,
     }
 }
 
@@ -332,11 +360,18 @@ pub unsafe extern "C" fn dsv4_submit(
 
 /// Takes up to `cap` queued events into `events`, `*n_out` of them. Set `events[0].struct_size
 /// = sizeof(dsv4_event)` before the call: it gives the array's element size (so callers built
-/// against an older header keep working). `timeout_ms`: −1 waits for an event (or for the
-/// engine to stop), 0 never blocks, > 0 waits at most that long; a timeout is `DSV4_OK` with
-/// `*n_out == 0`. While an event callback is set: `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL
-/// pointers: `DSV4_ERR_INVALID_ARGUMENT`. Thread-safe: concurrent pollers each get different
-/// events.
+/// against an older header keep working: each element gets at most that many bytes, and its
+/// `struct_size` says how many were written); a size below version 1 or above 1024 is
+/// `DSV4_ERR_INVALID_ARGUMENT`. `timeout_ms`: −1 waits for an event (or until the engine has
+/// stopped and every event is taken, or a callback is set), 0 never blocks, > 0 waits at most
+/// that long; a timeout is `DSV4_OK` with `*n_out == 0`. While an event callback is set:
+/// `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL pointers: `DSV4_ERR_INVALID_ARGUMENT`.
+/// Thread-safe: concurrent pollers each get different events. Events' `message` strings stay
+/// valid until the next `dsv4_poll` on the same thread.
+///
+/// Unpolled events are bounded by `admission.max_unpolled_events`: at that many the engine
+/// pauses every request whose events wait (no token is lost, deadlines still apply) and
+/// resumes them as the host polls.
 ///
 /// # Safety
 /// `engine` is a live handle; `events` is valid for `cap` elements of `events[0].struct_size`
@@ -367,19 +402,45 @@ pub unsafe extern "C" fn dsv4_poll(
         // SAFETY: non-NULL; the first element's struct_size is readable per the contract.
         let stride = unsafe { (*events).struct_size } as usize;
         check_size("dsv4_event", stride, EVENT_V1)?;
+        if stride > EVENT_MAX_STRIDE {
+            return Err(Error::invalid_argument(format!(
+                "events[0].struct_size = {stride} is not the size of a dsv4_event (at most \
+                 {EVENT_MAX_STRIDE}): set it to sizeof(dsv4_event) before each call"
+            )));
+        }
         let timeout = match timeout_ms {
             t if t < 0 => None,
             t => Some(Duration::from_millis(t as u64)),
         };
         let got = engine.poll(cap, timeout)?;
-        for (i, e) in got.iter().enumerate() {
-            // SAFETY: `i < cap` elements of `stride` bytes each are writable per the contract;
-            // the element may be unaligned for a larger stride, hence write_unaligned.
-            unsafe {
-                let at = events.cast::<u8>().add(i * stride).cast::<dsv4_event>();
-                at.write_unaligned(to_c(e));
+        // The caller's elements may be older (shorter) than ours: write its part only.
+        let written = stride.min(EVENT_SIZE);
+        POLLED_MESSAGES.with(|kept| {
+            let mut kept = kept.borrow_mut();
+            kept.clear();
+            for (i, e) in got.iter().enumerate() {
+                let message = match c_message(e) {
+                    Some(m) => {
+                        kept.push(m);
+                        kept.last().map_or(std::ptr::null(), |m| m.as_ptr())
+                    }
+                    None => std::ptr::null(),
+                };
+                let mut c = to_c(e, message);
+                c.struct_size = written as u32;
+                // SAFETY: `i < cap` elements of `stride` bytes each are writable per the
+                // contract and `written <= stride`; the source is a live local of
+                // `EVENT_SIZE >= written` bytes; byte copies need no alignment.
+                unsafe {
+                    let at = events.cast::<u8>().add(i * stride);
+                    std::ptr::copy_nonoverlapping(
+                        (&c as *const dsv4_event).cast::<u8>(),
+                        at,
+                        written,
+                    );
+                }
             }
-        }
+        });
         // SAFETY: as above.
         unsafe { n_out.write(got.len()) };
         Ok(())
@@ -400,7 +461,11 @@ unsafe impl Sync for CCallback {}
 
 impl EventCallback for CCallback {
     fn deliver(&self, event: &Event) {
-        let e = to_c(event);
+        let message = c_message(event);
+        let e = to_c(
+            event,
+            message.as_ref().map_or(std::ptr::null(), |m| m.as_ptr()),
+        );
         // SAFETY: the host's function, called as registered; `e` lives for the call.
         unsafe { (self.f)(&e, self.user_data) };
     }
@@ -420,7 +485,8 @@ impl Drop for CCallback {
 /// returns to polling. While a callback is set, `dsv4_poll` returns `DSV4_ERR_UNSUPPORTED`.
 /// When the callback is replaced, cleared or the engine destroyed, `on_drop(user_data)` (if not
 /// NULL) is called once the library no longer uses it. Blocks until the engine thread has
-/// switched; must not be called from the callback itself.
+/// switched; a `dsv4_poll` waiting meanwhile returns `DSV4_ERR_UNSUPPORTED`. From a callback
+/// (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
 ///
 /// # Safety
 /// `engine` is a live handle; `callback` and `on_drop` are NULL or valid functions that may be
@@ -453,7 +519,8 @@ pub unsafe extern "C" fn dsv4_set_event_callback(
     })
 }
 
-/// Ends a request: it gets FINISHED / ABORTED (its pages go back to the pools). Does not block.
+/// Ends a request: it gets FINISHED / ABORTED (its pages go back to the pools). Never blocks,
+/// also from a callback and however many aborts are pending.
 /// `DSV4_ERR_NOT_FOUND` for an unknown id or one that already had its terminal event.
 ///
 /// # Safety
@@ -472,7 +539,7 @@ pub unsafe extern "C" fn dsv4_abort(engine: *const dsv4_engine, request_id: u64)
 /// them now with FINISHED / ABORTED. Their terminal events stay pollable until destroy. Waits
 /// for the engine thread to finish: `timeout_ms` −1 as long as it takes, ≥ 0 at most that long
 /// (`DSV4_ERR_TIMEOUT` if still draining; the shutdown continues). Calling it again is allowed
-/// (an abort overrides a drain). Must not be called from an event callback.
+/// (an abort overrides a drain). From a callback (a dsv4 thread): `DSV4_ERR_INVALID_ARGUMENT`.
 ///
 /// # Safety
 /// `engine` is a live handle.

@@ -46,6 +46,7 @@ impl Copier {
             let handle = std::thread::Builder::new()
                 .name("dsv4-copy".into())
                 .spawn(move || {
+                    crate::threads::mark_internal();
                     for job in rx {
                         run(job, &throttle);
                     }

@@ -10,9 +10,11 @@ mod moe;
 mod ops;
 mod pool;
 
+use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use half::bf16;
 
@@ -52,7 +54,10 @@ pub struct CpuRope(Vec<f32>);
 
 /// The CPU backend and its thread pool.
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    /// Dropped by hand in `Drop` (before waiting for its threads to exit).
+    pool: ManuallyDrop<rayon::ThreadPool>,
+    /// The pool's threads that have started and not yet exited.
+    alive: Arc<(Mutex<usize>, Condvar)>,
     /// Bytes held by live pool buffers.
     allocated: Arc<AtomicU64>,
     copier: copier::Copier,
@@ -66,13 +71,24 @@ impl CpuBackend {
         } else {
             threads
         };
+        let alive: Arc<(Mutex<usize>, Condvar)> = Arc::default();
+        let (started, exited) = (Arc::clone(&alive), Arc::clone(&alive));
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("dsv4-cpu-{i}"))
+            .start_handler(move |_| {
+                crate::threads::mark_internal();
+                *started.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+            })
+            .exit_handler(move |_| {
+                *exited.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+                exited.1.notify_all();
+            })
             .build()
             .map_err(|e| Error::internal(format!("cannot start {threads} CPU threads: {e}")))?;
         Ok(Self {
-            pool,
+            pool: ManuallyDrop::new(pool),
+            alive,
             allocated: Arc::default(),
             copier: copier::Copier::default(),
         })
@@ -93,6 +109,26 @@ impl CpuBackend {
         self.allocated.load(Ordering::Relaxed)
     }
 
+    /// Waits (bounded) until every pool thread has exited: rayon's pool only signals its
+    /// threads to stop when dropped, and a host that unloads the library after
+    /// `dsv4_engine_destroy` must not have dsv4 code still running.
+    fn join_threads(&self) {
+        let (count, exited) = &*self.alive;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+        while *n > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                log::error!("{} CPU backend threads did not exit within 10 s", *n);
+                return;
+            }
+            n = exited
+                .wait_timeout(n, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     fn wrap(&self, v: Vec<f32>) -> CpuTensor {
         CpuTensor(v)
     }
@@ -103,6 +139,18 @@ impl CpuBackend {
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+}
+
+impl Drop for CpuBackend {
+    fn drop(&mut self) {
+        // A pool thread cannot wait for itself (the last reference dropped inside `install`).
+        let on_pool_thread = self.pool.current_thread_index().is_some();
+        // SAFETY: `pool` is dropped exactly once, here, and never used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.pool) };
+        if !on_pool_thread {
+            self.join_threads();
+        }
     }
 }
 

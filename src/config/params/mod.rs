@@ -181,6 +181,7 @@ pub struct HiCacheParams {
 pub struct AdmissionParams {
     pub max_queued_requests: u32,
     pub max_queued_tokens: u64,
+    pub max_unpolled_events: u32,
     pub queue_timeout_ms: u32,
 }
 

@@ -199,6 +199,9 @@ pub const KEYS: &[KeySpec] = &[
     key("admission.max_queued_tokens", int(1, U53), "262144")
         .unit("tokens")
         .hint("dsv4 never queues without a bound"),
+    key("admission.max_unpolled_events", int(1, U32), "65536")
+        .unit("events")
+        .hint("past it the engine pauses the requests whose events wait; poll more often or raise it"),
     key("admission.queue_timeout_ms", int(0, U32), "60000")
         .unit("ms")
         .hint("0 disables the timeout"),
