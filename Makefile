@@ -10,7 +10,8 @@ CARGO   ?= cargo
 PREFIX  ?= /usr/local
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 MAJOR   := $(firstword $(subst ., ,$(VERSION)))
-REL     := target/release
+# cargo's output directory: CARGO_TARGET_DIR when set (a build directory per worktree), else target.
+REL     := $(or $(CARGO_TARGET_DIR),target)/release
 STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
