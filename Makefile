@@ -3,7 +3,7 @@
 #                backend (HiCache on, small device pool): latencies, cache tiers, Prometheus;
 #                first the memory plans of a V4-Flash prefill node, HiCache by ratio and by size
 #   make test    everything: fmt, clippy, Rust tests, header freshness, install + CMake/ctest,
-#                pkg-config build, pytest
+#                the C tests under valgrind, pkg-config build, pytest
 # Other targets: lib, header, install PREFIX=..., clean.
 
 CARGO   ?= cargo
@@ -16,7 +16,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix bench-hicache bench-prefix bench-overload
+.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload
 
 all: lib
 
@@ -57,7 +57,7 @@ demo: lib
 	@$(CARGO) build --quiet --release --example demo
 	@$(REL)/examples/demo
 
-test: deps test-rust test-c test-pkgconfig test-python
+test: deps test-rust test-c test-valgrind test-pkgconfig test-python
 	@echo "make test: all passed"
 
 test-rust: deps
@@ -71,6 +71,16 @@ test-c: lib
 	cmake -S tests/c -B build/ctest -DCMAKE_PREFIX_PATH=$(STAGE) -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build/ctest -j2
 	ctest --test-dir build/ctest --output-on-failure --no-tests=error
+
+# The C tests again under valgrind memcheck, in a build directory of their own (tests/c with
+# DSV4_VALGRIND=ON says which run and why): any memcheck error or definite leak fails. About
+# 3 minutes on 2 cores; the tests run one at a time, as their waits are wall-clock bounded.
+test-valgrind: test-c
+	rm -rf build/valgrind
+	cmake -S tests/c -B build/valgrind -DCMAKE_PREFIX_PATH=$(STAGE) -DCMAKE_BUILD_TYPE=Debug \
+	      -DDSV4_VALGRIND=ON
+	cmake --build build/valgrind -j2
+	ctest --test-dir build/valgrind --output-on-failure --no-tests=error
 
 # Builds the C example through pkg-config alone and runs it.
 test-pkgconfig: test-c
