@@ -4,7 +4,8 @@
 #                first the memory plans of a V4-Flash prefill node, HiCache by ratio and by size
 #   make test    everything: fmt, clippy, Rust tests, header freshness, install + CMake/ctest,
 #                the C tests under valgrind, pkg-config build, pytest
-# Other targets: lib, header, install PREFIX=..., clean.
+# Other targets: lib, header, install PREFIX=..., stress (a minute of concurrent load, then the
+# books), clean.
 
 CARGO   ?= cargo
 PREFIX  ?= /usr/local
@@ -94,6 +95,14 @@ test-pkgconfig: test-c
 
 test-python: venv test-c
 	DSV4_LIBRARY=$(STAGE)/lib/libdsv4.so.$(MAJOR) $(VENV)/bin/python -m pytest -q tests/python
+
+# A minute of concurrent submit / poll / abort / score / cache_stats / flush on one engine while
+# others are created, loaded and shut down under load; then the books of every engine, the pools,
+# and the process's threads and open fds after the last destroy (tests/engine_books.rs). Not in
+# `make test`. DSV4_STRESS_SECONDS=N runs it for N seconds.
+DSV4_STRESS_SECONDS ?= 60
+stress: deps
+	DSV4_STRESS_SECONDS=$(DSV4_STRESS_SECONDS) $(CARGO) test --test engine_books -- --ignored --nocapture
 
 # Forward-pass speed against transformers on the same weights (needs torch + transformers 5.23.0
 # in $(PYTHON) for the comparison; without them dsv4's numbers alone).
