@@ -4,10 +4,10 @@
 #
 # Every release build goes through this one command line, so cargo's fingerprint stays stable
 # and nothing is rebuilt twice. rustc prints the list only when it compiles the crate; the last
-# list is kept in target/release/native-static-libs.txt.
+# list is kept in <target dir>/release/native-static-libs.txt (CARGO_TARGET_DIR or target).
 set -eu
 cargo=${CARGO:-cargo}
-out=target/release
+out=${CARGO_TARGET_DIR:-target}/release
 major=$(sed -n 's/^version = "\([0-9]*\)\..*/\1/p' Cargo.toml | head -n1)
 
 build() {

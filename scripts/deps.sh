@@ -1,13 +1,15 @@
 #!/bin/sh
 # Installs what `make` needs on a fresh Debian/Ubuntu machine that has only Rust, gcc, make and
 # python3: the C libraries hwlocality links (hwloc, udev), cmake and pkg-config for the
-# packaging tests, and g++ for the C++ example. Does nothing when everything is present.
+# packaging tests, g++ for the C++ example and valgrind for `make test-valgrind`. Does nothing
+# when everything is present.
 set -eu
 
 missing=""
 command -v cmake >/dev/null 2>&1 || missing="$missing cmake"
 command -v pkg-config >/dev/null 2>&1 || missing="$missing pkg-config"
 command -v g++ >/dev/null 2>&1 || missing="$missing g++"
+command -v valgrind >/dev/null 2>&1 || missing="$missing valgrind"
 pkg-config --exists hwloc 2>/dev/null || missing="$missing libhwloc-dev"
 pkg-config --exists libudev 2>/dev/null || missing="$missing libudev-dev"
 

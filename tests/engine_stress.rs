@@ -7,30 +7,15 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::books::{drain, random_spec, threads_now, Books};
 use dsv4::config::params::Params;
-use dsv4::engine::{
-    Engine, EventKind, MetricsSnapshot, Outcome, Rejection, RequestSpec, SamplingParams,
-    ShutdownMode,
-};
+use dsv4::engine::{Engine, EventKind, MetricsSnapshot, Rejection, ShutdownMode};
 use dsv4::error::ErrorKind;
 use serde_json::json;
-
-fn threads_now() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
-}
-
-#[derive(Default)]
-struct Books {
-    accepted: Vec<u64>,
-    terminals: HashMap<u64, usize>,
-    tokens: HashMap<u64, usize>,
-    refused: usize,
-}
 
 #[test]
 fn eight_threads_submit_poll_and_abort() {
@@ -74,38 +59,14 @@ fn stress(doc: serde_json::Value, tight: bool) -> MetricsSnapshot {
                 while !stop.load(Ordering::Relaxed) {
                     match rng.u32(0..10) {
                         0..=3 => {
-                            let start = if tight {
-                                rng.usize(0..3) * 7
-                            } else {
-                                rng.usize(0..100)
-                            };
-                            let len = rng.usize(1..200);
-                            let spec = RequestSpec {
-                                prompt: ids[start..start + len].to_vec(),
-                                max_new_tokens: rng.u32(1..40),
-                                sampling: SamplingParams {
-                                    temperature: if rng.bool() { 0.0 } else { 0.8 },
-                                    top_k: rng.u32(0..20),
-                                    ..SamplingParams::default()
-                                },
-                                cache_salt: rng.bool().then(|| "t".to_string()),
-                                priority: rng.i32(-1..2),
-                                deadline_ms: if rng.u32(0..5) == 0 { 300 } else { 0 },
-                                ..RequestSpec::default()
-                            };
-                            match engine.submit(spec) {
-                                Ok(id) => {
-                                    mine.push(id);
-                                    books.lock().unwrap().accepted.push(id);
-                                }
-                                Err(e) => {
-                                    assert!(
-                                        matches!(e.kind(), ErrorKind::QueueFull),
-                                        "unexpected refusal: {e}"
-                                    );
-                                    books.lock().unwrap().refused += 1;
-                                }
+                            let result = engine.submit(random_spec(&mut rng, &ids, tight));
+                            if let Err(e) = &result {
+                                assert!(
+                                    matches!(e.kind(), ErrorKind::QueueFull),
+                                    "unexpected refusal: {e}"
+                                );
                             }
+                            mine.extend(books.lock().unwrap().submitted(&result));
                         }
                         9 if tight && rng.u32(0..8) == 0 => {
                             engine.flush_cache(dsv4::kv::cache::Tier::Device).unwrap();
@@ -120,13 +81,9 @@ fn stress(doc: serde_json::Value, tight: bool) -> MetricsSnapshot {
                         _ => {
                             let events = engine.poll(32, Some(Duration::from_millis(20))).unwrap();
                             let mut b = books.lock().unwrap();
-                            for e in events {
-                                if e.is_terminal() {
-                                    *b.terminals.entry(e.request_id).or_default() += 1;
-                                } else {
-                                    assert_eq!(e.kind, EventKind::Token);
-                                    *b.tokens.entry(e.request_id).or_default() += 1;
-                                }
+                            for e in &events {
+                                assert!(e.is_terminal() || e.kind == EventKind::Token);
+                                b.event(e);
                             }
                         }
                     }
@@ -140,32 +97,11 @@ fn stress(doc: serde_json::Value, tight: bool) -> MetricsSnapshot {
         w.join().unwrap();
     }
     // Let every accepted request end (they are short), collecting their events.
-    let started = Instant::now();
-    loop {
-        let pending = {
-            let b = books.lock().unwrap();
-            b.accepted
-                .iter()
-                .filter(|id| !b.terminals.contains_key(id))
-                .count()
-        };
-        if pending == 0 {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "{pending} requests never ended"
-        );
-        let events = engine.poll(256, Some(Duration::from_millis(100))).unwrap();
-        let mut b = books.lock().unwrap();
-        for e in events {
-            if e.is_terminal() {
-                *b.terminals.entry(e.request_id).or_default() += 1;
-            } else {
-                *b.tokens.entry(e.request_id).or_default() += 1;
-            }
-        }
-    }
+    assert!(
+        drain(&engine, &books, Duration::from_secs(120)),
+        "{} requests never ended",
+        books.lock().unwrap().pending()
+    );
     // Nothing is left in use once the cache lets go of its prefixes.
     let usage = engine.flush_cache(dsv4::kv::cache::Tier::All).unwrap();
     assert_eq!(
@@ -186,34 +122,19 @@ fn stress(doc: serde_json::Value, tight: bool) -> MetricsSnapshot {
         "only {} requests accepted",
         b.accepted.len()
     );
-    for id in &b.accepted {
-        assert_eq!(
-            b.terminals.get(id),
-            Some(&1),
-            "request {id}: terminal events"
-        );
-    }
-    assert_eq!(
-        b.terminals.len(),
-        b.accepted.len(),
-        "terminal events for unknown ids"
-    );
     eprintln!(
         "{} accepted, {} refused (queue full), {} tokens streamed",
         b.accepted.len(),
-        b.refused,
-        b.tokens.values().sum::<usize>()
+        b.refused[Rejection::QueueFull as usize],
+        b.tokens_total()
     );
-    // The engine's books agree with the client's and the admission counters are back to 0.
+    // One terminal event per accepted id, the engine's books agree with the client's and the
+    // admission counters are back to 0.
     let m = engine.metrics();
-    let ended: u64 = Outcome::ALL.iter().map(|&o| m.finished(o)).sum();
-    assert_eq!(m.requests, b.accepted.len() as u64);
-    assert_eq!(ended, b.accepted.len() as u64);
-    assert_eq!(m.rejected(Rejection::QueueFull), b.refused as u64);
-    assert_eq!(m.generation_tokens, b.tokens.values().sum::<usize>() as u64);
-    assert_eq!(
-        (m.queued, m.queued_tokens, m.running, m.loading),
-        (0, 0, 0, 0)
+    let problems = b.problems(&m);
+    assert!(
+        problems.is_empty(),
+        "the books do not balance: {problems:#?}"
     );
     eprintln!(
         "retractions {}, load-backs {}",

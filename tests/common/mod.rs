@@ -1,6 +1,7 @@
 //! Shared helpers of the integration tests: fixtures, models and KV pools sized by the planner.
 #![allow(dead_code)]
 
+pub mod books;
 pub mod requests;
 
 use std::path::{Path, PathBuf};

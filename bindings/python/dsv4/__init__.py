@@ -16,7 +16,10 @@
         rid = engine.submit([0, 1234], user_tag=5)   # raises dsv4.QueueFull when refused
         engine.poll(timeout_s=1.0)               # events of submit()-ed requests
 
-Failures raise a subclass of dsv4.Error carrying `.status` and `.message`.
+Failures raise a subclass of dsv4.Error carrying `.status` and `.message`. A value that its C
+type cannot hold (a token id beyond int32_t, a negative count, a NUL inside a string, ...) is
+refused before the call with dsv4.InvalidArgument (also a ValueError), a value of the wrong kind
+(a float or bool where an integer is expected) with TypeError; nothing is truncated.
 
 The library is found through DSV4_LIBRARY, next to this package, or in a source checkout's
 target/release.
@@ -26,7 +29,7 @@ import ctypes
 import json
 import queue
 
-from . import _native
+from . import _cvalues, _native
 from .requests import Event, EventKind, FinishReason, Router, ShutdownMode, build_request
 from .errors import (  # noqa: F401  (re-exported)
     Aborted,
@@ -99,11 +102,11 @@ def _read_text(call):
 
 
 def _params_bytes(params):
-    if isinstance(params, (bytes, bytearray)):
-        return bytes(params)
-    if isinstance(params, str):
-        return params.encode("utf-8")
-    return json.dumps(params).encode("utf-8")
+    """The params as the NUL-terminated JSON text the C API takes (a dict is serialised; JSON text
+    with a NUL in it is refused rather than cut short)."""
+    if not isinstance(params, (str, bytes, bytearray)):
+        params = json.dumps(params)
+    return _cvalues.value("params", params, ctypes.c_char_p)
 
 
 def version():
@@ -113,7 +116,7 @@ def version():
 
 def status_name(status):
     """The name of a status code, e.g. "DSV4_ERR_CONFIG"."""
-    return _lib.dsv4_status_name(status).decode("ascii")
+    return _lib.dsv4_status_name(_cvalues.value("status", status, ctypes.c_int32)).decode("ascii")
 
 
 def default_params():
@@ -189,11 +192,11 @@ class Engine:
         import numpy as np
 
         handle = self._live()
-        ids = np.ascontiguousarray(tokens, dtype=np.int32)
+        ids = _cvalues.array("tokens", tokens, ctypes.c_int32)
         out = np.empty((len(ids), self._vocab), dtype=np.float32)
         _check(_lib.dsv4_score(
             handle,
-            ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            ids,
             len(ids),
             out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
             out.size,
@@ -232,7 +235,8 @@ class Engine:
 
     def abort(self, request_id):
         """Ends a request (FINISHED / ABORTED); NotFound if it is unknown or already ended."""
-        _check(_lib.dsv4_abort(self._live(), request_id))
+        rid = _cvalues.value("request_id", request_id, ctypes.c_uint64)
+        _check(_lib.dsv4_abort(self._live(), rid))
 
     def stream(self, prompt, **fields):
         """Submits and yields the request's events: TOKEN events, then the terminal one.
@@ -302,12 +306,14 @@ class Engine:
     def cache_flush(self, tier="all"):
         """Drops every unlocked cached prefix from "device" (host copies stay), "host" or
         "all"."""
-        _check(_lib.dsv4_cache_flush(self._live(), tier.encode("utf-8")))
+        _check(_lib.dsv4_cache_flush(self._live(), _cvalues.value("tier", tier, ctypes.c_char_p)))
 
     def shutdown(self, mode=ShutdownMode.DRAIN, timeout_s=None):
         """Stops intake; DRAIN lets accepted requests finish, ABORT ends them. Waits up to
-        timeout_s (None: as long as it takes); raises Timeout if still draining."""
-        ms = -1 if timeout_s is None else int(timeout_s * 1000)
-        _check(_lib.dsv4_engine_shutdown(self._live(), int(mode), ms))
+        timeout_s (None: as long as it takes, else 0 to 2147483.647); raises Timeout if still
+        draining."""
+        mode = _cvalues.value("mode", mode, ctypes.c_int32)
+        ms = _cvalues.timeout_ms("timeout_s", timeout_s)
+        _check(_lib.dsv4_engine_shutdown(self._live(), mode, ms))
 
 

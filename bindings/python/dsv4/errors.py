@@ -16,7 +16,10 @@ class Error(Exception):
         return self.message
 
 
-class InvalidArgument(Error):
+class InvalidArgument(Error, ValueError):
+    """DSV4_ERR_INVALID_ARGUMENT: from the library, or raised by the binding before a call for a
+    value its C type cannot hold. Also a ValueError, as Python code expects of a bad value."""
+
     status = -1
 
 

@@ -6,7 +6,7 @@ import enum
 import queue
 import threading
 
-from . import _native
+from . import _cvalues, _native
 from .errors import from_status
 
 _lib = _native.lib
@@ -68,11 +68,14 @@ _SCALARS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", 
             "deadline_ms", "user_tag"}
 _FIELDS = _SCALARS | {"stop_tokens", "logit_bias_tokens", "logit_bias_values", "cache_salt",
                       "logprobs"}
+# The C type of each field, from the struct's own declaration.
+_CTYPE = dict(_native.Request._fields_)
 
 
 def build_request(prompt, fields):
     """A dsv4_request for `prompt` and keyword fields; returns it with the buffers it points to
-    (they must stay alive until dsv4_submit returns)."""
+    (they must stay alive until dsv4_submit returns). Every value is checked against its C type
+    first (see _cvalues): InvalidArgument or TypeError name the field."""
     unknown = set(fields) - _FIELDS
     if unknown:
         raise TypeError("unknown request field(s): {} (valid: {})".format(
@@ -83,30 +86,32 @@ def build_request(prompt, fields):
         raise from_status(status, _lib.dsv4_last_error().decode("utf-8", "replace"))
     keep = []
 
-    def ints(values):
-        arr = (ctypes.c_int32 * len(values))(*[int(v) for v in values])
+    def ids(name, values):
+        arr = _cvalues.array(name, values, ctypes.c_int32)
         keep.append(arr)
-        return arr, len(values)
+        return arr, len(arr)
 
-    req.prompt, req.prompt_len = ints(list(prompt))
-    for name in _SCALARS & set(fields):
-        setattr(req, name, fields[name])
+    req.prompt, req.prompt_len = ids("prompt", prompt)
+    for name in sorted(_SCALARS & set(fields)):
+        setattr(req, name, _cvalues.value(name, fields[name], _CTYPE[name]))
     if "stop_tokens" in fields:
-        req.stop_tokens, req.stop_tokens_len = ints(fields["stop_tokens"])
+        req.stop_tokens, req.stop_tokens_len = ids("stop_tokens", fields["stop_tokens"])
     if "logit_bias_tokens" in fields or "logit_bias_values" in fields:
-        tokens = list(fields.get("logit_bias_tokens", []))
-        values = list(fields.get("logit_bias_values", []))
-        if len(tokens) != len(values):
+        req.logit_bias_tokens, n = ids("logit_bias_tokens", fields.get("logit_bias_tokens", []))
+        vals = _cvalues.array("logit_bias_values", fields.get("logit_bias_values", []),
+                              ctypes.c_float)
+        if n != len(vals):
             raise ValueError("logit_bias_tokens and logit_bias_values differ in length")
-        req.logit_bias_tokens, req.logit_bias_len = ints(tokens)
-        vals = (ctypes.c_float * len(values))(*values)
         keep.append(vals)
-        req.logit_bias_values = vals
+        req.logit_bias_values, req.logit_bias_len = vals, n
     if fields.get("cache_salt") is not None:
-        salt = fields["cache_salt"].encode("utf-8")
+        salt = _cvalues.value("cache_salt", fields["cache_salt"], ctypes.c_char_p)
         keep.append(salt)
         req.cache_salt = salt
-    req.logprobs = 1 if fields.get("logprobs") else 0
+    # A flag: a bool, or an integer that fits the uint8_t (non-zero: on).
+    logprobs = fields.get("logprobs", False)
+    req.logprobs = int(logprobs) if isinstance(logprobs, bool) else _cvalues.value(
+        "logprobs", logprobs, _CTYPE["logprobs"])
     return req, keep
 
 
