@@ -1,19 +1,24 @@
-//! Hostile model directories (issue 12): files that are not regular files and Hugging Face
-//! snapshots made of symbolic links.
+//! Hostile model directories and corrupt weights (issue 12): files that are not regular files,
+//! Hugging Face snapshots made of symbolic links, NaN or infinite values in the small tensors
+//! scanned at load, and NaN in a large matrix found by the diagnostic re-run.
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use dsv4::config::Params;
+use dsv4::config::params::WeightDtype;
+use dsv4::config::{AttentionKind, Params};
 use dsv4::engine::Engine;
 use dsv4::ErrorKind;
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
 use serde_json::json;
 
-use common::fixture;
+use common::{fixture, load_model, pools};
 
 fn params(model_path: &Path) -> Params {
     Params::from_value(&json!({
@@ -79,6 +84,36 @@ impl Scratch {
             .status()
             .unwrap();
         assert!(status.success(), "mkfifo failed");
+    }
+
+    /// Rewrites `file` after `edit` changes its (name → (dtype, shape, bytes)) map.
+    fn edit(
+        &self,
+        file: &str,
+        edit: impl FnOnce(&mut HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+    ) {
+        let path = self.path(file);
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut tensors: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
+            .collect();
+        edit(&mut tensors);
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+    }
+
+    /// Sets byte(s) of one stored tensor.
+    fn poke(&self, file: &str, tensor: &str, offset: usize, bytes: &[u8]) {
+        self.edit(file, |t| {
+            let data = &mut t.get_mut(tensor).unwrap_or_else(|| panic!("no {tensor}")).2;
+            data[offset..offset + bytes.len()].copy_from_slice(bytes);
+        });
     }
 }
 
@@ -201,4 +236,206 @@ fn a_snapshot_of_symbolic_links_loads_and_a_dangling_link_is_named() {
             && e.message().contains("download"),
         "{e}"
     );
+}
+
+// --- NaN and infinity in the tensors scanned at load -----------------------------------------
+
+const BF16_NAN: [u8; 2] = [0xc0, 0x7f];
+
+#[test]
+fn a_nan_in_a_norm_weight_is_refused_naming_tensor_and_index() {
+    let s = Scratch::copy("nan-norm", "flash-like/official-fp8");
+    // layers.3.ffn_norm.weight is BF16 [160]: element 17.
+    s.poke(
+        "model.safetensors",
+        "layers.3.ffn_norm.weight",
+        34,
+        &BF16_NAN,
+    );
+    let e = refused(create_within(&s.0));
+    assert_eq!(e.kind(), ErrorKind::ModelFormat, "{e}");
+    assert!(
+        e.message()
+            .contains("`layers.3.ffn_norm.weight`: element [17] is NaN"),
+        "{e}"
+    );
+    assert!(e.message().contains("download it again"), "{e}");
+}
+
+#[test]
+fn non_finite_scales_and_small_tensors_are_refused() {
+    // An FP8 block scale (e8m0 0xff is NaN).
+    let s = Scratch::copy("nan-fp8-scale", "flash-like/official-fp8");
+    s.poke("model.safetensors", "layers.2.attn.wq_a.scale", 1, &[0xff]);
+    let e = refused(create_within(&s.0));
+    assert_eq!(e.kind(), ErrorKind::ModelFormat, "{e}");
+    assert!(
+        e.message().contains(
+            "scale `layers.2.attn.wq_a.scale` of `layers.2.attn.wq_a.weight`: block [0, 1] is \
+             NaN"
+        ),
+        "{e}"
+    );
+
+    // An FP4 expert scale [160, 1]: row 7.
+    let s = Scratch::copy("nan-fp4-scale", "flash-like/official-fp8");
+    s.poke(
+        "model.safetensors",
+        "layers.4.ffn.experts.3.w2.scale",
+        7,
+        &[0xff],
+    );
+    let e = refused(create_within(&s.0));
+    assert!(
+        e.message()
+            .contains("scale `layers.4.ffn.experts.3.w2.scale` of `layers.4.ffn.experts.3.w2.weight`: block [7, 0] is NaN"),
+        "{e}"
+    );
+
+    // An infinite hyper-connection scale (F32 [3]) and attention sink (F32 [4]).
+    let s = Scratch::copy("inf-hc", "flash-like/official-fp8");
+    s.poke(
+        "model.safetensors",
+        "layers.0.hc_attn_scale",
+        4,
+        &f32::INFINITY.to_le_bytes(),
+    );
+    s.poke(
+        "model.safetensors",
+        "layers.5.attn.attn_sink",
+        8,
+        &f32::NEG_INFINITY.to_le_bytes(),
+    );
+    let e = refused(create_within(&s.0));
+    let m = e.message();
+    assert!(
+        m.contains("`layers.0.hc_attn_scale`: element [1] is inf"),
+        "{e}"
+    );
+    assert!(
+        m.contains("`layers.5.attn.attn_sink`: element [2] is -inf"),
+        "{e}"
+    );
+
+    // A stacked Hugging Face scale holds every expert's scales: reported once, under the
+    // expert weight that reads the bad one, with its index in the stored tensor.
+    let s = Scratch::copy("nan-hf-stacked", "flash-like/hf-fp8");
+    s.poke(
+        "model-00001-of-00002.safetensors",
+        "model.layers.1.mlp.experts.down_proj_scale_inv",
+        160 + 3,
+        &[0xff],
+    );
+    let e = refused(create_within(&s.0));
+    let m = e.message();
+    assert_eq!(m.matches("down_proj_scale_inv").count(), 1, "{e}");
+    assert!(
+        m.contains(
+            "scale `model.layers.1.mlp.experts.down_proj_scale_inv` of \
+             `layers.1.ffn.experts.1.w2.weight`: block [1, 3, 0] is NaN"
+        ),
+        "{e}"
+    );
+}
+
+// --- NaN in a large matrix: the diagnostic re-run ---------------------------------------------
+
+/// The fixture's first `n` tokens.
+fn tokens(n: usize) -> Vec<u32> {
+    common::ids("flash-like")[..n].to_vec()
+}
+
+fn free_units(kv: &dsv4::kv::KvPools<dsv4::backend::cpu::CpuBackend>) -> (usize, usize) {
+    (
+        kv.page_allocator().free_count(),
+        kv.slot_allocator().free_count(),
+    )
+}
+
+#[test]
+fn a_nan_in_a_large_matrix_loads_and_the_diagnostic_names_its_layer() {
+    let s = Scratch::copy("nan-wo-b", "flash-like/official-fp8");
+    // layers.1.attn.wo_b.weight is FP8 e4m3 [160, 64]; 0x7f is e4m3fn's NaN. Row 9.
+    s.poke(
+        "model.safetensors",
+        "layers.1.attn.wo_b.weight",
+        9 * 64 + 5,
+        &[0x7f],
+    );
+    // Large matrices are not scanned at load.
+    let model = load_model(&s.0, WeightDtype::F32, 2);
+    let mut kv = pools(&model);
+    let ids = tokens(40);
+    let logits = common::full(&model, &mut kv, &ids);
+    assert!(
+        logits.iter().any(|v| !v.is_finite()),
+        "the NaN reaches the logits"
+    );
+
+    let before = free_units(&kv);
+    let found = model
+        .diagnose_nonfinite(&mut kv, &ids, 0)
+        .unwrap()
+        .expect("a non-finite value is found");
+    assert_eq!(free_units(&kv), before, "the scratch sequence is closed");
+    assert_eq!(found.layer, Some(1));
+    assert_eq!(found.kind, Some(AttentionKind::Csa));
+    assert_eq!(found.step, "attention output");
+    assert_eq!(found.weights, vec!["layers.1.attn.wo_b.weight".to_string()]);
+    assert!(found.value.is_nan());
+    assert_eq!(found.position, 0);
+    assert_eq!(
+        found.to_string(),
+        "layer 1 (CSA) attention output: NaN at position 0 (weights: layers.1.attn.wo_b.weight)"
+    );
+    assert!(found.message().contains("download the checkpoint again"));
+
+    // Chunked the same way as a prefill: the first chunk already shows it.
+    let chunked = model.diagnose_nonfinite(&mut kv, &ids, 7).unwrap().unwrap();
+    // (NaN != NaN, so compare what is reported.)
+    assert_eq!(chunked.to_string(), found.to_string());
+    assert_eq!(free_units(&kv), before);
+}
+
+#[test]
+fn the_diagnostic_names_a_later_layer_and_position_and_is_quiet_on_good_weights() {
+    let s = Scratch::copy("nan-shared-w1", "flash-like/official-fp8");
+    // layers.4.ffn.shared_experts.w1.weight is FP8 [32, 160]: an infinity would saturate; a
+    // NaN in row 3 taints every token's gate.
+    s.poke(
+        "model.safetensors",
+        "layers.4.ffn.shared_experts.w1.weight",
+        3 * 160 + 100,
+        &[0xff],
+    );
+    let model = load_model(&s.0, WeightDtype::Bf16, 2);
+    let mut kv = pools(&model);
+    let found = model
+        .diagnose_nonfinite(&mut kv, &tokens(20), 0)
+        .unwrap()
+        .expect("found");
+    assert_eq!(
+        (found.layer, found.kind, found.step),
+        (
+            Some(4),
+            Some(AttentionKind::Hca),
+            "shared expert gate/up projection"
+        ),
+        "{found}"
+    );
+    assert!(found
+        .weights
+        .contains(&"layers.4.ffn.shared_experts.w1.weight".to_string()));
+
+    // The unmodified checkpoint: nothing to report, pools unchanged.
+    let model = load_model(&fixture("flash-like/official-fp8"), WeightDtype::F32, 2);
+    let mut kv = pools(&model);
+    let before = free_units(&kv);
+    assert_eq!(
+        model.diagnose_nonfinite(&mut kv, &tokens(30), 8).unwrap(),
+        None
+    );
+    assert_eq!(free_units(&kv), before);
+    let e = model.diagnose_nonfinite(&mut kv, &[], 0).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
 }
