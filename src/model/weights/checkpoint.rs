@@ -185,8 +185,9 @@ fn present(path: &Path) -> Result<bool> {
                 Ok(false)
             }
         }
+        // Permissions, a symbolic link loop, an I/O error: the OS's words say which.
         Err(e) => Err(Error::io(format!(
-            "cannot inspect {}: {e}: check the directory's permissions",
+            "cannot inspect {}: {e}: make it a readable file (or a link to one)",
             path.display()
         ))),
     }
