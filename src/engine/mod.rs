@@ -50,6 +50,9 @@ pub struct Engine {
     /// Prompt + generated tokens one request may reach: the smaller of kv.max_context_tokens
     /// and what the device pages hold.
     context_limit: usize,
+    /// The host memory this engine's plan requires, counted by every later engine's fit check
+    /// (its pools map lazily, so free memory alone does not show them) until it is dropped.
+    _reservation: plan::Reservation,
 }
 
 impl Engine {
@@ -61,6 +64,9 @@ impl Engine {
         if !plan.numa.fits {
             return Err(Error::new(ErrorKind::Capacity, plan.numa.reason.clone()));
         }
+        // Taken before anything is loaded, so an engine created meanwhile already counts it;
+        // re-checks the fit against the engines that reserved since the plan was made.
+        let reservation = plan::Reservation::acquire(&plan)?;
         let path = params
             .model_path
             .as_deref()
@@ -114,6 +120,7 @@ impl Engine {
             shared,
             thread: std::sync::Mutex::new(Some(thread)),
             context_limit,
+            _reservation: reservation,
         })
     }
 

@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use super::diagnose::{Site, Watch};
 use super::{Attention, Block, Hc, Model, Moe, Router};
 use crate::backend::{
     AttentionArgs, Backend, CompressArgs, HcParams, IndexerArgs, RouteArgs, RouteKind,
@@ -46,10 +47,19 @@ impl<B: Backend> Model<B> {
     /// Each chunk's sequence advances by its tokens; its pages must already be reserved
     /// ([`KvPools::reserve`]).
     pub fn forward(&self, kv: &mut KvPools<B>, chunks: &mut [Chunk<'_>]) -> Result<Vec<Vec<f32>>> {
-        self.backend().scope(|| self.step(kv, chunks))
+        self.backend()
+            .scope(|| self.step(kv, chunks, &mut Watch::off()))
     }
 
-    fn step(&self, kv: &mut KvPools<B>, chunks: &mut [Chunk<'_>]) -> Result<Vec<Vec<f32>>> {
+    /// One step; `watch` checks every sub-step's output for non-finite values when it is on
+    /// (the diagnostic run, [`Model::diagnose_nonfinite`]) and costs a branch per check when
+    /// off.
+    pub(super) fn step(
+        &self,
+        kv: &mut KvPools<B>,
+        chunks: &mut [Chunk<'_>],
+        watch: &mut Watch,
+    ) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let b = self.backend();
         let mut ids = Vec::new();
@@ -89,13 +99,24 @@ impl<B: Backend> Model<B> {
         }
         let n = ids.len();
         let d = c.hidden_size;
+        watch.set_positions(&positions);
         let x = b.embed(&self.embed, &ids);
+        watch.rows(b, &x, |_| Site::outside("embedding", &["embed.weight"]));
         let mut streams = b.hc_expand(&x, n, c.hc_mult, d);
         for (l, block) in self.blocks.iter().enumerate() {
-            streams = self.block(l, block, &streams, &ids, &positions, &segments, kv, chunks)?;
+            streams = self.block(
+                l, block, &streams, &ids, &positions, &segments, kv, chunks, watch,
+            )?;
         }
         let h = b.hc_head(&streams, n, &self.hc(&self.hc_head));
+        watch.rows(b, &h, |_| {
+            Site::outside(
+                "final hyper-connection head",
+                &["hc_head_fn", "hc_head_base", "hc_head_scale"],
+            )
+        });
         let h = b.rms_norm(&h, n, d, Some(&self.norm), c.rms_norm_eps as f32);
+        watch.rows(b, &h, |_| Site::outside("final norm", &["norm.weight"]));
         let mut wanted = Vec::new();
         for (chunk, seg) in chunks.iter().zip(&segments) {
             match chunk.logits {
@@ -108,7 +129,14 @@ impl<B: Backend> Model<B> {
             Vec::new()
         } else {
             let h = b.take_rows(&h, d, &wanted);
-            b.read(&b.matmul(&h, wanted.len(), &self.head))
+            let logits = b.read(&b.matmul(&h, wanted.len(), &self.head));
+            if watch.active() {
+                let at: Vec<u32> = wanted.iter().map(|&r| positions[r]).collect();
+                watch.values(&logits, &at, |_| {
+                    Site::outside("logits (output head)", &["head.weight"])
+                });
+            }
+            logits
         };
         let vocab = c.vocab_size;
         let mut out = Vec::with_capacity(chunks.len());
@@ -151,13 +179,22 @@ impl<B: Backend> Model<B> {
         segments: &[Segment],
         kv: &mut KvPools<B>,
         chunks: &mut [Chunk<'_>],
+        watch: &mut Watch,
     ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
         let (n, d, hc) = (ids.len(), c.hidden_size, c.hc_mult);
         let eps = c.rms_norm_eps as f32;
+        let kind = block.kind;
+        let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
+        const HC_ATTN: [&str; 3] = ["hc_attn_fn", "hc_attn_base", "hc_attn_scale"];
+        const HC_FFN: [&str; 3] = ["hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"];
         let mix = b.hc_pre(streams, n, &self.hc(&block.attn_hc));
+        watch.rows(b, &mix.collapsed, |_| {
+            site("attention hyper-connection mix", &HC_ATTN)
+        });
         let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.attn_norm), eps);
+        watch.rows(b, &x, |_| site("attention norm", &["attn_norm.weight"]));
         let a = self.attention(
             l,
             block.kind,
@@ -167,12 +204,24 @@ impl<B: Backend> Model<B> {
             segments,
             kv,
             chunks,
+            watch,
         );
         let streams = b.hc_post(&a, streams, &mix, n, hc, d);
+        watch.rows(b, &streams, |_| {
+            site("attention residual (hyper-connection post)", &HC_ATTN)
+        });
         let mix = b.hc_pre(&streams, n, &self.hc(&block.ffn_hc));
+        watch.rows(b, &mix.collapsed, |_| {
+            site("FFN hyper-connection mix", &HC_FFN)
+        });
         let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.ffn_norm), eps);
-        let m = self.moe(&block.ffn, &x, ids)?;
-        Ok(b.hc_post(&m, &streams, &mix, n, hc, d))
+        watch.rows(b, &x, |_| site("FFN norm", &["ffn_norm.weight"]));
+        let m = self.moe(l, kind, &block.ffn, &x, ids, watch)?;
+        let out = b.hc_post(&m, &streams, &mix, n, hc, d);
+        watch.rows(b, &out, |_| {
+            site("FFN residual (hyper-connection post)", &HC_FFN)
+        });
+        Ok(out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -186,9 +235,11 @@ impl<B: Backend> Model<B> {
         segments: &[Segment],
         kv_pools: &mut KvPools<B>,
         chunks: &mut [Chunk<'_>],
+        watch: &mut Watch,
     ) -> B::Tensor {
         let c = &self.config;
         let b = self.backend();
+        let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
         let n = positions.len();
         let (heads, hd) = (c.num_heads, c.head_dim);
         let eps = c.rms_norm_eps as f32;
@@ -213,11 +264,34 @@ impl<B: Backend> Model<B> {
         let mut x_parts = b
             .split(&b.matmul(x, n, &w.x_proj), n, &x_widths)
             .into_iter();
-        let mut take = || x_parts.next().expect("one part per width");
-        let qr = b.rms_norm(&take(), n, c.q_lora_rank, Some(&w.q_norm), eps);
-        let mut kv = b.rms_norm(&take(), n, hd, Some(&w.kv_norm), eps);
+        // Each part is checked against the weight that produced it (the parts come in this
+        // order; a layer without a compressor or indexer stops early).
+        const X_NAMES: [&str; 7] = [
+            "attn.wq_a.weight",
+            "attn.wkv.weight",
+            "attn.compressor.wkv.weight",
+            "attn.compressor.wgate.weight",
+            "attn.indexer.compressor.wkv.weight",
+            "attn.indexer.compressor.wgate.weight",
+            "attn.indexer.weights_proj.weight",
+        ];
+        let mut x_names = X_NAMES.iter();
+        let mut take = || {
+            let part = x_parts.next().expect("one part per width");
+            let name = x_names.next().copied().unwrap_or("attn");
+            watch.rows(b, &part, |_| site("input projection", &[name]));
+            part
+        };
+        let qr_raw = take();
+        let kv_raw = take();
         let comp_proj = w.compressor.as_ref().map(|_| (take(), take()));
         let index_x = w.indexer.as_ref().map(|_| ((take(), take()), take()));
+        let qr = b.rms_norm(&qr_raw, n, c.q_lora_rank, Some(&w.q_norm), eps);
+        watch.rows(b, &qr, |_| {
+            site("query latent norm", &["attn.q_norm.weight"])
+        });
+        let mut kv = b.rms_norm(&kv_raw, n, hd, Some(&w.kv_norm), eps);
+        watch.rows(b, &kv, |_| site("kv norm", &["attn.kv_norm.weight"]));
         let mut qr_widths = vec![heads * hd];
         if w.indexer.is_some() {
             qr_widths.push(ih * id);
@@ -225,7 +299,11 @@ impl<B: Backend> Model<B> {
         let mut qr_parts = b
             .split(&b.matmul(&qr, n, &w.qr_proj), n, &qr_widths)
             .into_iter();
-        let mut q = b.rms_norm(&qr_parts.next().expect("queries"), n * heads, hd, None, eps);
+        let q_raw = qr_parts.next().expect("queries");
+        watch.rows(b, &q_raw, |_| {
+            site("query up-projection", &["attn.wq_b.weight"])
+        });
+        let mut q = b.rms_norm(&q_raw, n * heads, hd, None, eps);
         b.rope_apply(&mut q, heads, hd, rope, positions, false);
         b.rope_apply(&mut kv, 1, hd, rope, positions, false);
         let official = self.numerics == NumericsMode::Official;
@@ -241,6 +319,9 @@ impl<B: Backend> Model<B> {
         }
         let index_proj = index_x.map(|(kv_gate, weights)| {
             let mut qi = qr_parts.next().expect("indexer queries");
+            watch.rows(b, &qi, |_| {
+                site("indexer query projection", &["attn.indexer.wq_b.weight"])
+            });
             b.rope_apply(&mut qi, ih, id, &self.rope_compress, positions, false);
             if official {
                 b.hadamard_fp4_round_trip(&mut qi, id, FP4_BLOCK);
@@ -253,18 +334,29 @@ impl<B: Backend> Model<B> {
         for (seg, chunk) in segments.iter().zip(chunks.iter()) {
             let seq = &*chunk.seq;
             if let (Some(comp), Some((kv_c, gate_c))) = (&w.compressor, &comp_proj) {
-                self.advance_compressor(comp, kv_pools, seq, l, Stream::Main, kv_c, gate_c, seg);
+                self.advance_compressor(
+                    comp,
+                    kv_pools,
+                    seq,
+                    (l, kind),
+                    Stream::Main,
+                    kv_c,
+                    gate_c,
+                    seg,
+                    watch,
+                );
             }
             if let (Some(ix), Some(((kv_i, gate_i), _, _))) = (&w.indexer, &index_proj) {
                 self.advance_compressor(
                     &ix.compressor,
                     kv_pools,
                     seq,
-                    l,
+                    (l, kind),
                     Stream::Indexer,
                     kv_i,
                     gate_i,
                     seg,
+                    watch,
                 );
             }
         }
@@ -326,13 +418,24 @@ impl<B: Backend> Model<B> {
             .collect();
         b.attention(&args, &mut o);
         drop(args);
+        watch.rows(b, &o, |_| {
+            site(
+                "attention core (scores over cached keys)",
+                &["attn.attn_sink"],
+            )
+        });
         for (seg, chunk) in segments.iter().zip(chunks.iter()) {
             kv_pools.write_window(chunk.seq, l, &kv, seg.rows.clone(), seg.start_pos);
         }
         // Undo the values' rotation so each contributes relative to the query position.
         b.rope_apply(&mut o, heads, hd, rope, positions, true);
         let grouped = b.matmul_grouped(&o, n, &w.wo_a, c.o_groups);
-        b.matmul(&grouped, n, &w.wo_b)
+        watch.rows(b, &grouped, |_| {
+            site("grouped output projection", &["attn.wo_a.weight"])
+        });
+        let out = b.matmul(&grouped, n, &w.wo_b);
+        watch.rows(b, &out, |_| site("attention output", &["attn.wo_b.weight"]));
+        out
     }
 
     /// Feeds a sequence's new rows to a compressor; rows of windows they close are normed,
@@ -343,11 +446,12 @@ impl<B: Backend> Model<B> {
         comp: &super::Compressor<B>,
         kv_pools: &mut KvPools<B>,
         seq: &SeqKv,
-        l: usize,
+        (l, kind): (usize, AttentionKind),
         stream: Stream,
         kv: &B::Tensor,
         gate: &B::Tensor,
         seg: &Segment,
+        watch: &mut Watch,
     ) {
         let b = self.backend();
         let args = CompressArgs {
@@ -365,10 +469,43 @@ impl<B: Backend> Model<B> {
             return;
         }
         let eps = self.config.rms_norm_eps as f32;
-        let mut rows = b.rms_norm(&rows, count, comp.width, Some(&comp.norm), eps);
         let starts: Vec<u32> = (first..first + count)
             .map(|w| (w * comp.ratio) as u32)
             .collect();
+        let prefix = match stream {
+            Stream::Main => "attn.compressor.",
+            Stream::Indexer => "attn.indexer.compressor.",
+        };
+        let names = |parts: &[&str]| -> Vec<String> {
+            parts
+                .iter()
+                .map(|p| format!("layers.{l}.{prefix}{p}"))
+                .collect()
+        };
+        let site = |step, weights: Vec<String>| Site {
+            layer: Some((l, kind)),
+            step,
+            weights,
+        };
+        watch.rows_at(b, &rows, &starts, |_| {
+            site(
+                match stream {
+                    Stream::Main => "compressor pooling",
+                    Stream::Indexer => "indexer compressor pooling",
+                },
+                names(&["wkv.weight", "wgate.weight", "ape"]),
+            )
+        });
+        let mut rows = b.rms_norm(&rows, count, comp.width, Some(&comp.norm), eps);
+        watch.rows_at(b, &rows, &starts, |_| {
+            site(
+                match stream {
+                    Stream::Main => "compressor norm",
+                    Stream::Indexer => "indexer compressor norm",
+                },
+                names(&["norm.weight"]),
+            )
+        });
         b.rope_apply(
             &mut rows,
             1,
@@ -387,10 +524,19 @@ impl<B: Backend> Model<B> {
         kv_pools.write_rows(seq, l, stream, first, &rows, count);
     }
 
-    fn moe(&self, w: &Moe<B>, x: &B::Tensor, ids: &[u32]) -> Result<B::Tensor> {
+    fn moe(
+        &self,
+        l: usize,
+        kind: AttentionKind,
+        w: &Moe<B>,
+        x: &B::Tensor,
+        ids: &[u32],
+        watch: &mut Watch,
+    ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
         let n = ids.len();
+        let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
         let inter_shared = c.moe_intermediate_size * c.n_shared_experts;
         let mut widths = vec![c.n_routed_experts];
         if w.shared_w2.is_some() {
@@ -398,7 +544,8 @@ impl<B: Backend> Model<B> {
         }
         let mut parts = b.split(&b.matmul(x, n, &w.x_proj), n, &widths).into_iter();
         let logits = parts.next().expect("router logits");
-        let kind = match &w.router {
+        watch.rows(b, &logits, |_| site("router logits", &["ffn.gate.weight"]));
+        let route_kind = match &w.router {
             Router::Hash(table) => RouteKind::Hash {
                 table,
                 token_ids: ids,
@@ -415,13 +562,50 @@ impl<B: Backend> Model<B> {
             scoring: super::scoring(c),
             normalize: c.norm_topk_prob,
             scale: c.routed_scaling_factor as f32,
-            kind,
+            kind: route_kind,
         })?;
         let limit = c.swiglu_limit as f32;
+        watch.rows(b, &routing.weights, |_| {
+            site("router weights", &["ffn.gate.weight", "ffn.gate.bias"])
+        });
         let mut y = b.moe(x, n, &routing, &w.experts, c.moe_intermediate_size, limit);
+        watch.rows(b, &y, |row| {
+            // Name the experts this token was routed to.
+            let chosen = b.read_index(&routing.experts);
+            let k = routing.top_k.max(1);
+            let names: Vec<String> = chosen
+                .iter()
+                .skip(row * k)
+                .take(k)
+                .flat_map(|e| {
+                    ["w1", "w3", "w2"].map(|m| format!("layers.{l}.ffn.experts.{e}.{m}.weight"))
+                })
+                .collect();
+            Site {
+                layer: Some((l, kind)),
+                step: "routed experts",
+                weights: names,
+            }
+        });
         if let (Some(w2), Some(gate_up)) = (&w.shared_w2, parts.next()) {
+            watch.rows(b, &gate_up, |_| {
+                site(
+                    "shared expert gate/up projection",
+                    &[
+                        "ffn.shared_experts.w1.weight",
+                        "ffn.shared_experts.w3.weight",
+                    ],
+                )
+            });
             let h = b.swiglu(&gate_up, n, inter_shared, limit);
-            b.add_assign(&mut y, &b.matmul(&h, n, w2));
+            let shared = b.matmul(&h, n, w2);
+            watch.rows(b, &shared, |_| {
+                site(
+                    "shared expert down projection",
+                    &["ffn.shared_experts.w2.weight"],
+                )
+            });
+            b.add_assign(&mut y, &shared);
         }
         Ok(y)
     }

@@ -4,6 +4,7 @@
 //! block scales, FP4 experts) and [`Model::forward`] runs one step over a batch of sequences,
 //! each with its own new tokens and its place in the KV pools ([`crate::kv`]). Exact mode follows transformers 5.23.0.
 
+mod diagnose;
 mod forward;
 pub mod rope;
 pub mod tiny;
@@ -21,6 +22,7 @@ use crate::config::params::{NumericsMode, WeightDtype};
 use crate::config::tensors::{checkpoint_tensors, TensorSpec};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::error::{Error, Result};
+pub use diagnose::NonFinite;
 pub use forward::{Chunk, Logits};
 use weights::{Checkpoint, Loader};
 
@@ -257,11 +259,21 @@ impl<B: Backend> Builder<'_, B> {
     }
 
     fn floats(&mut self, name: &str) -> Option<(Vec<f32>, Vec<usize>)> {
+        self.read(name, false)
+    }
+
+    /// Reads a tensor; `scan` also refuses NaN and infinite values (small tensors only).
+    fn read(&mut self, name: &str, scan: bool) -> Option<(Vec<f32>, Vec<usize>)> {
         let Some(spec) = self.spec(name).cloned() else {
             self.failed = true;
             return None;
         };
-        match self.loader.floats(&spec) {
+        let values = if scan {
+            self.loader.finite_floats(&spec)
+        } else {
+            self.loader.floats(&spec)
+        };
+        match values {
             Some(v) if !self.failed => {
                 self.parameters += spec.elements();
                 Some((v, spec.shape))
@@ -274,7 +286,11 @@ impl<B: Backend> Builder<'_, B> {
     }
 
     fn matrix_at(&mut self, name: &str, precision: Precision) -> Option<B::Matrix> {
-        let (values, shape) = self.floats(name)?;
+        self.matrix_read(name, precision, false)
+    }
+
+    fn matrix_read(&mut self, name: &str, precision: Precision, scan: bool) -> Option<B::Matrix> {
+        let (values, shape) = self.read(name, scan)?;
         let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
         let m = self.backend.matrix(rows, cols, values, precision).ok()?;
         *self
@@ -317,15 +333,18 @@ impl<B: Backend> Builder<'_, B> {
         Some(m)
     }
 
+    /// A small per-channel tensor (norm weight, bias, sink, position bias, hyper-connection
+    /// base or scale), scanned for NaN and infinities at load.
     fn vector(&mut self, name: &str) -> Option<B::Tensor> {
-        let (values, _) = self.floats(name)?;
+        let (values, _) = self.read(name, true)?;
         *self.bytes.entry("f32").or_insert(0) += 4 * values.len() as u64;
         Some(self.backend.tensor(&values))
     }
 
     fn hc(&mut self, fn_: &str, base: &str, scale: &str) -> Option<Hc<B>> {
-        // Hyper-connection mixes stay f32 (transformers keeps them in fp32).
-        let fn_ = self.matrix_at(fn_, Precision::F32);
+        // Hyper-connection mixes stay f32 (transformers keeps them in fp32). They are small
+        // ([(2 + hc)·hc, hc·hidden]) and mix every stream, so they are scanned too.
+        let fn_ = self.matrix_read(fn_, Precision::F32, true);
         let base = self.vector(base);
         let scale = self.vector(scale);
         Some(Hc {

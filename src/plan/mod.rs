@@ -5,6 +5,7 @@
 
 mod geometry;
 pub mod numa;
+pub mod reserve;
 mod text;
 mod weights;
 
@@ -22,6 +23,7 @@ pub use geometry::{
     indexer_codec, indexer_row_bytes, kv_codec, kv_row_bytes, Geometry, PoolShape, Unit,
 };
 use numa::{MemoryProbe, NodeMemory, SystemProbe};
+pub use reserve::{Held, Registry, Reservation};
 
 /// HiCache ratio used when neither `hicache.ratio` nor `hicache.size_bytes` is set.
 pub const DEFAULT_HICACHE_RATIO: f64 = 2.0;
@@ -61,8 +63,14 @@ pub struct NumaFit {
     pub cgroup_limit_bytes: Option<u64>,
     /// Free bytes on the node, capped by what the cgroup still allows.
     pub free_bytes: u64,
+    /// Whether the cgroup's room, not the node, set `free_bytes`.
+    pub capped_by_cgroup: bool,
+    /// What other live engines of this process reserved on the node; the part they have not
+    /// touched yet (`outstanding_bytes`) is not in `free_bytes` but is spoken for.
+    pub others: Held,
     /// Host memory this plan needs.
     pub required_bytes: u64,
+    /// `required_bytes <= free_bytes - others.outstanding_bytes`.
     pub fits: bool,
     pub reason: String,
 }
@@ -119,8 +127,19 @@ pub fn plan(params: &Params) -> Result<Plan> {
     Ok(plan)
 }
 
-/// Plans with an explicit model and memory probe (tests describe any machine this way).
+/// Plans with an explicit model and memory probe (tests describe any machine this way),
+/// counting the reservations of this process's live engines.
 pub fn plan_with(params: &Params, model: ModelConfig, probe: &dyn MemoryProbe) -> Result<Plan> {
+    plan_in(params, model, probe, &Registry::process())
+}
+
+/// [`plan_with`] against an explicit set of engine reservations.
+pub fn plan_in(
+    params: &Params,
+    model: ModelConfig,
+    probe: &dyn MemoryProbe,
+    registry: &Registry,
+) -> Result<Plan> {
     let mut problems = Vec::new();
     let mut notes = Vec::new();
     check_against_model(params, &model, &mut problems);
@@ -178,7 +197,14 @@ pub fn plan_with(params: &Params, model: ModelConfig, probe: &dyn MemoryProbe) -
 
     let host_bytes: u64 = pools.iter().map(PoolPlan::host_bytes).sum();
     let device_bytes: u64 = pools.iter().map(PoolPlan::device_bytes).sum();
-    let numa = numa_fit(params, probe, host_bytes, device_bytes, weight_bytes);
+    let numa = numa_fit(
+        params,
+        probe,
+        registry,
+        host_bytes,
+        device_bytes,
+        weight_bytes,
+    );
 
     let pages_per_context = max_context_tokens.div_ceil(page_size);
     if geometry.page_bytes() > 0 && pages_per_context > page_units {
@@ -426,17 +452,15 @@ fn host_units(
 fn numa_fit(
     params: &Params,
     probe: &dyn MemoryProbe,
+    registry: &Registry,
     host_bytes: u64,
     device_bytes: u64,
     weight_bytes: u64,
 ) -> NumaFit {
     // On the CPU backend "device" pools and weights are host RAM too.
-    let (required, what) = match params.backend {
-        Backend::Cpu => (
-            host_bytes + device_bytes + weight_bytes,
-            "weights + KV pools + host tier (CPU backend: all in host RAM)",
-        ),
-        Backend::Cuda => (host_bytes, "the HiCache host tier"),
+    let required = match params.backend {
+        Backend::Cpu => host_bytes + device_bytes + weight_bytes,
+        Backend::Cuda => host_bytes,
     };
     let gpu_visible = false; // The CUDA backend will report its GPU's node here.
     let cgroup = probe.cgroup();
@@ -448,6 +472,8 @@ fn numa_fit(
                 source: "hicache.numa_node",
                 cgroup_limit_bytes: cgroup.map(|(l, _)| l),
                 free_bytes: 0,
+                capped_by_cgroup: false,
+                others: Held::default(),
                 required_bytes: required,
                 fits: required == 0,
                 reason,
@@ -456,54 +482,95 @@ fn numa_fit(
     };
     let cgroup_room = cgroup.map(|(limit, usage)| limit.saturating_sub(usage));
     let free = cgroup_room.map_or(node.free_bytes, |room| room.min(node.free_bytes));
-    let limited_by = if cgroup_room.is_some_and(|room| room < node.free_bytes) {
-        " (capped by the cgroup memory limit)"
-    } else {
-        ""
-    };
-    let fits = required <= free;
-    let reason = if required == 0 {
-        "no host memory is needed (HiCache off)".to_string()
-    } else if fits {
-        format!(
-            "{what} needs {} and NUMA node {} has {} free{limited_by}",
-            bytes_both(required),
-            node.index,
-            bytes_both(free)
-        )
-    } else {
-        let fix = match (params.backend, params.hicache.size_bytes.is_some()) {
-            (Backend::Cpu, true) if params.hicache.enabled => {
-                "lower hicache.size_bytes or kv.device_memory_bytes, or use bf16 weights"
-            }
-            (Backend::Cpu, false) if params.hicache.enabled => {
-                "lower hicache.ratio or kv.device_memory_bytes, or use bf16 weights"
-            }
-            (Backend::Cpu, _) => "lower kv.device_memory_bytes, or use bf16 weights",
-            (Backend::Cuda, true) => {
-                "lower hicache.size_bytes or set hicache.numa_node to a node with more free memory"
-            }
-            (Backend::Cuda, false) => {
-                "lower hicache.ratio (or set hicache.size_bytes) or set hicache.numa_node to a \
-                 node with more free memory"
-            }
-        };
-        format!(
-            "{what} needs {} but NUMA node {} has only {} free{limited_by}: {fix}",
-            bytes_both(required),
-            node.index,
-            bytes_both(free)
-        )
-    };
+    let capped = cgroup_room.is_some_and(|room| room < node.free_bytes);
+    let others = registry.held(node.index);
+    let (fits, reason) = fit_reason(params, required, node.index, free, capped, &others);
     NumaFit {
         node: Some(node),
         source,
         cgroup_limit_bytes: cgroup.map(|(l, _)| l),
         free_bytes: free,
+        capped_by_cgroup: capped,
+        others,
         required_bytes: required,
         fits,
         reason,
     }
+}
+
+/// Whether `required` bytes fit in `free` less what other engines reserved and have not
+/// touched yet (`held`), and the reason in words, with the fix when they do not.
+fn fit_reason(
+    params: &Params,
+    required: u64,
+    node: u32,
+    free: u64,
+    capped: bool,
+    held: &Held,
+) -> (bool, String) {
+    let what = match params.backend {
+        Backend::Cpu => "weights + KV pools + host tier (CPU backend: all in host RAM)",
+        Backend::Cuda => "the HiCache host tier",
+    };
+    if required == 0 {
+        return (true, "no host memory is needed (HiCache off)".to_string());
+    }
+    let limited_by = if capped {
+        " (capped by the cgroup memory limit)"
+    } else {
+        ""
+    };
+    let available = free.saturating_sub(held.outstanding_bytes);
+    let fits = required <= available;
+    let room = if held.engines == 0 {
+        format!("{} free{limited_by}", bytes_both(free))
+    } else {
+        format!(
+            "{} available: {} free{limited_by} less {} that other engines will still touch \
+             ({})",
+            bytes_both(available),
+            human_bytes(free),
+            human_bytes(held.outstanding_bytes),
+            held.describe()
+        )
+    };
+    if fits {
+        return (
+            true,
+            format!(
+                "{what} needs {} and NUMA node {node} has {room}",
+                bytes_both(required)
+            ),
+        );
+    }
+    let fix = match (params.backend, params.hicache.size_bytes.is_some()) {
+        (Backend::Cpu, true) if params.hicache.enabled => {
+            "lower hicache.size_bytes or kv.device_memory_bytes, or use bf16 weights"
+        }
+        (Backend::Cpu, false) if params.hicache.enabled => {
+            "lower hicache.ratio or kv.device_memory_bytes, or use bf16 weights"
+        }
+        (Backend::Cpu, _) => "lower kv.device_memory_bytes, or use bf16 weights",
+        (Backend::Cuda, true) => {
+            "lower hicache.size_bytes or set hicache.numa_node to a node with more free memory"
+        }
+        (Backend::Cuda, false) => {
+            "lower hicache.ratio (or set hicache.size_bytes) or set hicache.numa_node to a \
+             node with more free memory"
+        }
+    };
+    let also = if held.engines == 0 {
+        ""
+    } else {
+        ", or destroy one of those engines first"
+    };
+    (
+        false,
+        format!(
+            "{what} needs {} but NUMA node {node} has only {room}: {fix}{also}",
+            bytes_both(required)
+        ),
+    )
 }
 
 /// "150,000,000,000 B (139.70 GiB)".
@@ -689,6 +756,12 @@ impl Plan {
                 "total_bytes": n.node.as_ref().map_or(0, |node| node.total_bytes),
                 "free_bytes": n.free_bytes,
                 "cgroup_limit_bytes": n.cgroup_limit_bytes,
+                "other_engines": {
+                    "engines": n.others.engines,
+                    "reserved_bytes": n.others.reserved_bytes,
+                    "resident_bytes": n.others.resident_bytes,
+                    "outstanding_bytes": n.others.outstanding_bytes,
+                },
                 "required_bytes": n.required_bytes,
                 "fits": n.fits,
                 "reason": n.reason,

@@ -2,8 +2,11 @@
 //! `model.safetensors.index.json`, memory-mapped and indexed by tensor name.
 
 use std::collections::BTreeMap;
-use std::fs::File;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+
+use std::io::Read;
 
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, TensorInfo};
@@ -40,8 +43,7 @@ impl Checkpoint {
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors = BTreeMap::new();
         for (i, path) in files.iter().enumerate() {
-            let file = File::open(path)
-                .map_err(|e| Error::io(format!("cannot open {}: {e}", path.display())))?;
+            let file = open_regular(path)?;
             // SAFETY: the file is opened read-only and mapped read-only; dsv4 never writes it.
             // A process that truncates the file while it is mapped would fault, as with any
             // reader of a memory-mapped checkpoint; the docs ask not to modify checkpoints in
@@ -107,8 +109,10 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         dir
     };
     let index = dir.join("model.safetensors.index.json");
-    if index.is_file() {
-        let text = std::fs::read_to_string(&index)
+    if present(&index)? {
+        let mut text = String::new();
+        open_regular(&index)?
+            .read_to_string(&mut text)
             .map_err(|e| Error::io(format!("cannot read {}: {e}", index.display())))?;
         let value: Value = serde_json::from_str(&text).map_err(|e| {
             Error::model_format(format!("{} is not valid JSON: {e}", index.display()))
@@ -126,17 +130,19 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         files.sort();
         files.dedup();
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
-        if let Some(missing) = paths.iter().find(|p| !p.is_file()) {
-            return Err(Error::io(format!(
-                "{} lists {} but it is missing: the download is incomplete",
-                index.display(),
-                missing.display()
-            )));
+        for path in &paths {
+            if !present(path)? {
+                return Err(Error::io(format!(
+                    "{} lists {} but it is missing: the download is incomplete",
+                    index.display(),
+                    path.display()
+                )));
+            }
         }
         return Ok(paths);
     }
     let single = dir.join("model.safetensors");
-    if single.is_file() {
+    if present(&single)? {
         return Ok(vec![single]);
     }
     let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -145,6 +151,11 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
         .collect();
     all.sort();
+    for path in &all {
+        // Refused here rather than skipped: a stray FIFO or directory named like a shard means
+        // the directory is not what the operator thinks it is.
+        present(path)?;
+    }
     if all.is_empty() {
         return Err(Error::io(format!(
             "{} has no weights (no model.safetensors, no model.safetensors.index.json, no \
@@ -153,4 +164,70 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         )));
     }
     Ok(all)
+}
+
+/// Whether `path` exists as a regular file once symlinks are followed (Hugging Face snapshots
+/// link every file into a blob store). `Ok(false)` when nothing is there; an error when
+/// something else is (a FIFO would block the open forever, a device or directory is not a
+/// checkpoint).
+fn present(path: &Path) -> Result<bool> {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_file() => Ok(true),
+        Ok(meta) => Err(not_regular(path, meta.file_type())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if std::fs::symlink_metadata(path).is_ok() {
+                Err(Error::io(format!(
+                    "{} is a symbolic link to a file that does not exist: the download is \
+                     incomplete; download the checkpoint again",
+                    path.display()
+                )))
+            } else {
+                Ok(false)
+            }
+        }
+        // Permissions, a symbolic link loop, an I/O error: the OS's words say which.
+        Err(e) => Err(Error::io(format!(
+            "cannot inspect {}: {e}: make it a readable file (or a link to one)",
+            path.display()
+        ))),
+    }
+}
+
+/// Opens a checkpoint file read-only, refusing anything but a regular file. The open does not
+/// block (`O_NONBLOCK`) and the type is checked on the open descriptor, so a file replaced by
+/// a FIFO between a check and the open is still refused rather than waited on forever.
+fn open_regular(path: &Path) -> Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Error::io(format!("cannot open {}: {e}", path.display())))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| Error::io(format!("cannot inspect {}: {e}", path.display())))?;
+    if meta.is_file() {
+        Ok(file)
+    } else {
+        Err(not_regular(path, meta.file_type()))
+    }
+}
+
+fn not_regular(path: &Path, kind: std::fs::FileType) -> Error {
+    let what = if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    };
+    Error::model_format(format!(
+        "{} is {what}, not a regular file: dsv4 reads checkpoint files only from regular files \
+         (or symbolic links to them); remove it from the checkpoint directory or point \
+         model_path at a directory holding only the checkpoint's files",
+        path.display()
+    ))
 }

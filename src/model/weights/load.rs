@@ -46,6 +46,30 @@ impl<'a> Loader<'a> {
         }
     }
 
+    /// [`Self::floats`] for a small tensor that every token reads (norm weights, biases,
+    /// sinks, hyper-connection parameters): also refused when any value is NaN or infinite,
+    /// since one such value turns every logit into NaN. The scan costs one pass over values
+    /// already decoded; the large matrices are not scanned at load (the engine's diagnostic
+    /// re-run names them when their output turns non-finite).
+    pub fn finite_floats(&mut self, spec: &TensorSpec) -> Option<Vec<f32>> {
+        let values = self.floats(spec)?;
+        match first_nonfinite(&values) {
+            None => Some(values),
+            Some((i, v)) => {
+                let stored = self
+                    .location(spec)
+                    .map_or_else(|_| spec.name.clone(), |loc| loc.name);
+                self.problems.push(format!(
+                    "{}: element {} is {}: {CORRUPT}",
+                    self.shown(spec, &stored),
+                    index_in(&spec.shape, i),
+                    describe(v)
+                ));
+                None
+            }
+        }
+    }
+
     /// An integer table (the hash router's `tid2eid`), values checked to be in `0..limit`.
     pub fn indices(&mut self, spec: &TensorSpec, limit: usize) -> Option<Vec<i32>> {
         let result = (|| {
@@ -124,6 +148,10 @@ impl<'a> Loader<'a> {
             })
             .collect();
         self.problems.extend(unexpected);
+        // A stacked expert tensor is read once per expert, so a problem with it (a NaN in its
+        // shared scale) is found once per expert: report it once.
+        let mut seen = BTreeSet::new();
+        self.problems.retain(|p| seen.insert(p.clone()));
         if self.problems.is_empty() {
             return Ok(());
         }
@@ -263,16 +291,28 @@ impl<'a> Loader<'a> {
                     cols.div_ceil(block[1]),
                 ]);
                 let scales = self.scales(spec, &loc.scale, &scale_shape)?;
-                let (values, scales) = match expert {
+                let (values, scales, offset) = match expert {
                     Some(e) => {
                         let (nv, ns) = (per_expert(raw.bytes.len()), per_expert(scales.len()));
                         (
                             &raw.bytes[e * nv..(e + 1) * nv],
                             scales[e * ns..(e + 1) * ns].to_vec(),
+                            e * ns,
                         )
                     }
-                    None => (raw.bytes, scales),
+                    None => (raw.bytes, scales, 0),
                 };
+                let block_rows =
+                    row_range.start / block[0]..(row_range.end.max(1) - 1) / block[0] + 1;
+                self.check_scales(
+                    spec,
+                    &loc.scale,
+                    &scale_shape,
+                    &scales,
+                    offset,
+                    block_rows,
+                    cols.div_ceil(block[1]),
+                )?;
                 dequant::fp8_block(values, &scales, matrix_rows, cols, block)
             }
             StDtype::I8 | StDtype::U8 if spec.storage == Storage::Expert => {
@@ -288,18 +328,29 @@ impl<'a> Loader<'a> {
                     ));
                 }
                 self.expect_shape(spec, &raw, &stack(vec![matrix_rows, cols / 2]))?;
-                let scales =
-                    self.scales(spec, &loc.scale, &stack(vec![matrix_rows, cols / block]))?;
-                let (values, scales) = match expert {
+                let scale_shape = stack(vec![matrix_rows, cols / block]);
+                let scales = self.scales(spec, &loc.scale, &scale_shape)?;
+                let (values, scales, offset) = match expert {
                     Some(e) => {
                         let (nv, ns) = (per_expert(raw.bytes.len()), per_expert(scales.len()));
                         (
                             &raw.bytes[e * nv..(e + 1) * nv],
                             scales[e * ns..(e + 1) * ns].to_vec(),
+                            e * ns,
                         )
                     }
-                    None => (raw.bytes, scales),
+                    None => (raw.bytes, scales, 0),
                 };
+                // One scale row per weight row.
+                self.check_scales(
+                    spec,
+                    &loc.scale,
+                    &scale_shape,
+                    &scales,
+                    offset,
+                    row_range.clone(),
+                    cols / block,
+                )?;
                 dequant::fp4_packed(values, &scales, matrix_rows, cols, block)
             }
             other => {
@@ -341,17 +392,85 @@ impl<'a> Loader<'a> {
                 raw.shape
             ));
         }
-        match raw.dtype {
-            StDtype::F8_E8M0 => Ok(raw
+        let scales = match raw.dtype {
+            StDtype::F8_E8M0 => raw
                 .bytes
                 .iter()
                 .map(|&b| crate::formats::e8m0_decode(b))
-                .collect()),
-            StDtype::F32 | StDtype::BF16 | StDtype::F16 => Ok(floats(&raw)),
-            other => Err(format!(
-                "scale `{stored}`: expected dtype F8_E8M0 (or F32), found {other:?}"
+                .collect(),
+            StDtype::F32 | StDtype::BF16 | StDtype::F16 => floats(&raw),
+            other => {
+                return Err(format!(
+                    "scale `{stored}`: expected dtype F8_E8M0 (or F32), found {other:?}"
+                ))
+            }
+        };
+        Ok(scales)
+    }
+
+    /// Refuses a NaN or infinite scale (e8m0 byte 0xff is NaN) among the scale rows `rows` of
+    /// `scales` (`cols` per row), which start at flat index `offset` of the stored tensor of
+    /// `shape`. Each scale multiplies a whole block of weights, so one bad scale poisons a
+    /// block of outputs; scales are small, so they are always scanned. Only the rows this
+    /// weight uses are looked at, so a stacked tensor shared by several weights reports each
+    /// bad scale once, under the weight that reads it.
+    #[allow(clippy::too_many_arguments)]
+    fn check_scales(
+        &self,
+        spec: &TensorSpec,
+        stored: &str,
+        shape: &[usize],
+        scales: &[f32],
+        offset: usize,
+        rows: std::ops::Range<usize>,
+        cols: usize,
+    ) -> Result<(), String> {
+        let used =
+            &scales[(rows.start * cols).min(scales.len())..(rows.end * cols).min(scales.len())];
+        match first_nonfinite(used) {
+            None => Ok(()),
+            Some((i, v)) => Err(format!(
+                "scale `{stored}` of `{}`: block {} is {}: {CORRUPT}",
+                spec.name,
+                index_in(shape, offset + rows.start * cols + i),
+                describe(v)
             )),
         }
+    }
+}
+
+/// What to do about a non-finite value in a checkpoint.
+const CORRUPT: &str = "the checkpoint is corrupt (one such value makes every logit NaN); \
+                       download it again, or convert it again from the original release";
+
+/// The first NaN or infinite value and its flat index.
+fn first_nonfinite(values: &[f32]) -> Option<(usize, f32)> {
+    values
+        .iter()
+        .position(|v| !v.is_finite())
+        .map(|i| (i, values[i]))
+}
+
+/// A flat index as a multi-dimensional one: 17 in [4, 8] → "[2, 1]".
+fn index_in(shape: &[usize], flat: usize) -> String {
+    let mut rest = flat;
+    let mut parts = vec![0; shape.len().max(1)];
+    for (d, &extent) in shape.iter().enumerate().rev() {
+        parts[d] = rest % extent.max(1);
+        rest /= extent.max(1);
+    }
+    if shape.is_empty() {
+        parts[0] = flat;
+    }
+    let parts: Vec<String> = parts.iter().map(usize::to_string).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+fn describe(v: f32) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else {
+        format!("{v}")
     }
 }
 
@@ -397,6 +516,19 @@ mod tests {
             shape: &[],
             bytes,
         }
+    }
+
+    #[test]
+    fn flat_indices_are_named_by_dimension() {
+        assert_eq!(index_in(&[4, 8], 17), "[2, 1]");
+        assert_eq!(index_in(&[160], 5), "[5]");
+        assert_eq!(index_in(&[6, 160, 1], 161), "[1, 1, 0]");
+        assert_eq!(index_in(&[], 0), "[0]");
+        assert_eq!(describe(f32::NEG_INFINITY), "-inf");
+        assert_eq!(
+            first_nonfinite(&[1.0, f32::NAN, f32::INFINITY]).unwrap().0,
+            1
+        );
     }
 
     #[test]
