@@ -439,3 +439,55 @@ fn the_diagnostic_names_a_later_layer_and_position_and_is_quiet_on_good_weights(
     let e = model.diagnose_nonfinite(&mut kv, &[], 0).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
 }
+
+/// Silent NaN, engine side: before the fix the request FINISHED normally with token 0 (greedy)
+/// and logprob NaN. Now it ends with an ERROR event, MODEL_FORMAT, whose message names the
+/// layer and weights the diagnostic re-run found; the engine keeps serving, nothing leaks.
+#[test]
+fn a_request_on_nan_weights_ends_with_model_format_naming_the_layer() {
+    use dsv4::engine::{EventKind, RequestSpec, SamplingParams, ShutdownMode};
+    let s = Scratch::copy("nan-engine", "flash-like/official-fp8");
+    s.poke(
+        "model.safetensors",
+        "layers.1.attn.wo_b.weight",
+        9 * 64 + 5,
+        &[0x7f],
+    );
+    let engine = create_within(&s.0).expect("large matrices are not scanned at load");
+    let spec = RequestSpec {
+        prompt: tokens(40),
+        max_new_tokens: 4,
+        logprobs: true,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ..RequestSpec::default()
+    };
+    let id = engine.submit(spec).unwrap();
+    let mut events = Vec::new();
+    let start = Instant::now();
+    while !events.iter().any(|e: &dsv4::engine::Event| e.is_terminal()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no terminal event"
+        );
+        events.extend(engine.poll(16, Some(Duration::from_millis(100))).unwrap());
+    }
+    assert!(
+        events.iter().all(|e| e.kind != EventKind::Token),
+        "no token sampled from NaN logits: {events:?}"
+    );
+    let end = events.last().unwrap();
+    assert_eq!((end.request_id, end.kind), (id, EventKind::Error));
+    assert_eq!(end.error, Some(ErrorKind::ModelFormat));
+    let message = end.message.as_deref().unwrap();
+    assert!(
+        message.contains("layer 1 (CSA) attention output")
+            && message.contains("layers.1.attn.wo_b.weight"),
+        "{message}"
+    );
+    let m = engine.metrics();
+    assert_eq!(m.pools.device_slots.used, 0, "the slot came back");
+    engine.shutdown(ShutdownMode::Drain, None).unwrap();
+}

@@ -615,6 +615,18 @@ impl Worker {
 
     /// Ends running request `i`; `cache` inserts its sequence into the prefix cache.
     fn end_running(&mut self, i: usize, reason: FinishReason, error: Option<Error>, cache: bool) {
+        let info = self.release_running(i, cache);
+        let kind = if error.is_some() {
+            EventKind::Error
+        } else {
+            EventKind::Finished
+        };
+        self.terminal(info, kind, reason, error);
+    }
+
+    /// Takes running request `i` out: its sequence goes into the prefix cache (`cache`) or
+    /// back to the pools, the gauges are published; returns what its terminal event needs.
+    fn release_running(&mut self, i: usize, cache: bool) -> TerminalInfo {
         let r = self.running.swap_remove(i);
         self.shared.admission().queued_tokens -= r.queued_tokens as u64;
         let info = TerminalInfo {
@@ -637,12 +649,45 @@ impl Worker {
         self.blocked = false;
         // Gauges first: a host that reads metrics on the terminal event sees it gone.
         self.publish();
-        let kind = if error.is_some() {
-            EventKind::Error
-        } else {
-            EventKind::Finished
+        info
+    }
+
+    /// Ends running request `i`, whose sampled logits were not finite, with MODEL_FORMAT and a
+    /// message naming the first layer and weights that produced a non-finite value: its
+    /// sequence is freed, then re-run once with a finite check after every layer sub-step.
+    fn end_nonfinite(&mut self, i: usize, found: Error) {
+        let r = &self.running[i];
+        let tokens = r.p.tokens[..r.req.position()].to_vec();
+        let info = self.release_running(i, false);
+        let chunk = self.limits.chunk_tokens;
+        let mut diagnosis = self
+            .model
+            .diagnose_nonfinite(self.cache.pools_mut(), &tokens, chunk);
+        if matches!(&diagnosis, Err(e) if e.kind() == ErrorKind::Capacity) {
+            // Cached prefixes give way to the diagnosis, as they do to scoring.
+            self.cache
+                .evict(self.cache.pools().pages_for(tokens.len()), 0);
+            diagnosis = self
+                .model
+                .diagnose_nonfinite(self.cache.pools_mut(), &tokens, chunk);
+        }
+        let message = match diagnosis {
+            Ok(Some(f)) => format!("request {}: {}", info.id, f.message()),
+            Ok(None) => format!(
+                "{}; a diagnostic re-run of its {} tokens found every layer finite, so the \
+                 values came from outside the weights (a logit bias, or a fault during that step)",
+                found.message(),
+                tokens.len()
+            ),
+            Err(e) => format!(
+                "{}; the diagnostic re-run could not run: {}",
+                found.message(),
+                e.message()
+            ),
         };
-        self.terminal(info, kind, reason, error);
+        log::error!("{message}");
+        let e = Error::new(ErrorKind::ModelFormat, message);
+        self.terminal(info, EventKind::Error, FinishReason::None, Some(e));
     }
 
     /// Moves running request `i` back to the front of the queue: what it computed goes into
@@ -1028,9 +1073,11 @@ impl Worker {
             // One pass over the sampled rows only (not per layer): a NaN or inf here would be
             // sampled as some token and the request would "finish" normally with garbage.
             if logits.iter().any(|v| !v.is_finite()) {
-                let e = nonfinite_logits(r.id, pos, &logits);
-                log::error!("{}", e.message());
-                finished.push((*i, FinishReason::None, Some(e)));
+                finished.push((
+                    *i,
+                    FinishReason::None,
+                    Some(nonfinite_logits(r.id, pos, &logits)),
+                ));
                 continue;
             }
             let (token, logprob) = r.p.sampler.sample(&logits);
@@ -1078,9 +1125,10 @@ impl Worker {
         });
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason, error) in finished {
-            // A failed sequence's KV is not worth caching.
-            let cache = error.is_none();
-            self.end_running(i, reason, error, cache);
+            match error {
+                Some(e) => self.end_nonfinite(i, e),
+                None => self.end_running(i, reason, None, true),
+            }
         }
         true
     }

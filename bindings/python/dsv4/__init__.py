@@ -271,7 +271,7 @@ class Engine:
                 tokens.append(event.token)
             elif event.kind == EventKind.ERROR:
                 raise from_status(event.status, "request {} failed: {}".format(
-                    event.request_id, status_name(event.status)))
+                    event.request_id, event.message or status_name(event.status)))
         return tokens
 
     def cache_stats(self):

@@ -91,7 +91,7 @@ class Request(ctypes.Structure):
 
 
 class Event(ctypes.Structure):
-    """struct dsv4_event, version 1."""
+    """struct dsv4_event (version 1 plus the appended `message`)."""
 
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -109,6 +109,7 @@ class Event(ctypes.Structure):
         ("queue_us", ctypes.c_uint64),
         ("ttft_us", ctypes.c_uint64),
         ("elapsed_us", ctypes.c_uint64),
+        ("message", ctypes.c_char_p),
     ]
 
 

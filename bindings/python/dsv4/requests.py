@@ -5,9 +5,13 @@ import dataclasses
 import enum
 import queue
 import threading
+from typing import Optional
 
 from . import _cvalues, _native
 from .errors import from_status
+
+# Bytes of struct dsv4_event before `message`: events this short carry none.
+_MESSAGE_OFFSET = _native.Event.message.offset
 
 _lib = _native.lib
 
@@ -49,6 +53,8 @@ class Event:
     queue_us: int
     ttft_us: int
     elapsed_us: int
+    #: ERROR events: what went wrong and the fix (None otherwise).
+    message: Optional[str] = None
 
     @property
     def terminal(self):
@@ -61,7 +67,10 @@ class Event:
             logprob=e.logprob, finish_reason=FinishReason(e.finish_reason), status=e.status,
             prompt_tokens=e.prompt_tokens, cached_tokens_device=e.cached_tokens_device,
             cached_tokens_host=e.cached_tokens_host, generated_tokens=e.generated_tokens,
-            queue_us=e.queue_us, ttft_us=e.ttft_us, elapsed_us=e.elapsed_us)
+            queue_us=e.queue_us, ttft_us=e.ttft_us, elapsed_us=e.elapsed_us,
+            # Owned by the library until the next poll on this thread: copied here.
+            message=e.message.decode("utf-8", "replace")
+            if e.struct_size > _MESSAGE_OFFSET and e.message else None)
 
 
 _SCALARS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "priority",
