@@ -30,14 +30,23 @@ pub trait MemoryProbe {
 
 /// Reads this machine: hwloc for the topology, /sys and /proc for free memory.
 pub struct SystemProbe {
-    topology: Option<Topology>,
+    topology: &'static Option<Topology>,
 }
+
+/// The machine's topology, discovered once per process: discovery walks /sys (tens of
+/// milliseconds, seconds under valgrind) and the answer does not change while we run. Free
+/// memory is still read fresh on every probe.
+static TOPOLOGY: std::sync::OnceLock<Option<Topology>> = std::sync::OnceLock::new();
 
 impl SystemProbe {
     pub fn new() -> Self {
-        let topology = Topology::new()
-            .map_err(|e| log::warn!("hwloc could not read the topology ({e}); assuming one node"))
-            .ok();
+        let topology = TOPOLOGY.get_or_init(|| {
+            Topology::new()
+                .map_err(|e| {
+                    log::warn!("hwloc could not read the topology ({e}); assuming one node")
+                })
+                .ok()
+        });
         Self { topology }
     }
 }

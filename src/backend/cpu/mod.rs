@@ -13,8 +13,8 @@ mod pool;
 use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use half::bf16;
 
@@ -56,8 +56,8 @@ pub struct CpuRope(Vec<f32>);
 pub struct CpuBackend {
     /// Dropped by hand in `Drop` (before waiting for its threads to exit).
     pool: ManuallyDrop<rayon::ThreadPool>,
-    /// The pool's threads that have started and not yet exited.
-    alive: Arc<(Mutex<usize>, Condvar)>,
+    /// The pool's threads, joined on drop.
+    handles: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// Bytes held by live pool buffers.
     allocated: Arc<AtomicU64>,
     copier: copier::Copier,
@@ -71,24 +71,30 @@ impl CpuBackend {
         } else {
             threads
         };
-        let alive: Arc<(Mutex<usize>, Condvar)> = Arc::default();
-        let (started, exited) = (Arc::clone(&alive), Arc::clone(&alive));
+        // Rayon drops its pool without joining the threads; spawning them ourselves keeps their
+        // handles so `Drop` can join them.
+        let handles: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let spawned = Arc::clone(&handles);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
-            .thread_name(|i| format!("dsv4-cpu-{i}"))
-            .start_handler(move |_| {
-                crate::threads::mark_internal();
-                *started.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-            })
-            .exit_handler(move |_| {
-                *exited.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-                exited.1.notify_all();
+            .spawn_handler(move |thread| {
+                let handle = std::thread::Builder::new()
+                    .name(format!("dsv4-cpu-{}", thread.index()))
+                    .spawn(move || {
+                        crate::threads::mark_internal();
+                        thread.run();
+                    })?;
+                spawned
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(handle);
+                Ok(())
             })
             .build()
             .map_err(|e| Error::internal(format!("cannot start {threads} CPU threads: {e}")))?;
         Ok(Self {
             pool: ManuallyDrop::new(pool),
-            alive,
+            handles,
             allocated: Arc::default(),
             copier: copier::Copier::default(),
         })
@@ -109,23 +115,15 @@ impl CpuBackend {
         self.allocated.load(Ordering::Relaxed)
     }
 
-    /// Waits (bounded) until every pool thread has exited: rayon's pool only signals its
-    /// threads to stop when dropped, and a host that unloads the library after
-    /// `dsv4_engine_destroy` must not have dsv4 code still running.
+    /// Joins every pool thread: rayon's pool only signals its threads to stop when dropped, and
+    /// a host that unloads the library after `dsv4_engine_destroy` must not have dsv4 code
+    /// still running.
     fn join_threads(&self) {
-        let (count, exited) = &*self.alive;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
-        while *n > 0 {
-            let now = Instant::now();
-            if now >= deadline {
-                log::error!("{} CPU backend threads did not exit within 10 s", *n);
-                return;
+        let handles = std::mem::take(&mut *self.handles.lock().unwrap_or_else(|e| e.into_inner()));
+        for h in handles {
+            if h.join().is_err() {
+                log::error!("a CPU backend thread panicked while stopping");
             }
-            n = exited
-                .wait_timeout(n, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
         }
     }
 
