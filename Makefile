@@ -15,7 +15,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix bench-hicache bench-prefix bench-overload
+.PHONY: all deps venv lib header install demo test test-rust test-c test-pkgconfig test-python clean bench-forward bench-radix bench-hicache bench-prefix bench-overload fuzz
 
 all: lib
 
@@ -107,6 +107,13 @@ bench-prefix: deps
 # latency, queue length and RSS over time.
 bench-overload: deps
 	$(CARGO) run --release --example bench_overload
+
+# Fuzzes the params JSON, config.json and safetensors header parsers with AFL++ (cargo-afl, on
+# stable Rust; installed on first use) for FUZZ_SECONDS each, from fuzz/corpus/. Not part of
+# `make test`. Fails when a target crashes; findings stay in fuzz/out/.
+FUZZ_SECONDS ?= 300
+fuzz: deps
+	FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz/run.sh
 
 clean:
 	$(CARGO) clean
