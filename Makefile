@@ -5,7 +5,7 @@
 #   make test    everything: fmt, clippy, Rust tests, header freshness, install + CMake/ctest,
 #                the C tests under valgrind, pkg-config build, pytest
 # Other targets: lib, header, install PREFIX=..., stress (a minute of concurrent load, then the
-# books), clean.
+# books), fuzz (AFL++ on the params, config.json and safetensors-header parsers), clean.
 
 CARGO   ?= cargo
 PREFIX  ?= /usr/local
@@ -17,7 +17,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload
+.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload fuzz
 
 all: lib
 
@@ -127,6 +127,13 @@ bench-prefix: deps
 # latency, queue length and RSS over time.
 bench-overload: deps
 	$(CARGO) run --release --example bench_overload
+
+# Fuzzes the params JSON, config.json and safetensors header parsers with AFL++ (cargo-afl, on
+# stable Rust; installed on first use) for FUZZ_SECONDS each, from fuzz/corpus/. Not part of
+# `make test`. Fails when a target crashes; findings stay in fuzz/out/.
+FUZZ_SECONDS ?= 300
+fuzz: deps
+	FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz/run.sh
 
 clean:
 	$(CARGO) clean

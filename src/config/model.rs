@@ -10,13 +10,64 @@
 //! `compress_ratios`, transformers silently builds `[HCA, HCA, HCA, CSA, …]`, which is not the
 //! official layer order (docs/model-dsv4.md §1.2).
 
+use std::io::Read;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use super::json::parse_strict;
+use super::problems_error;
 use super::size::describe;
 use crate::error::{Error, ErrorKind, Result};
+
+/// The largest config.json accepted, in bytes (a DeepSeek V4 one is about 3 KB).
+pub const MAX_CONFIG_BYTES: usize = 1 << 20;
+
+/// The largest value accepted for each config.json integer that sizes a loop or an allocation,
+/// by its first (Hugging Face) name; docs/params.md lists them. Each is at least 8× the largest
+/// published DeepSeek V4 value (in parentheses), so a real checkpoint never meets one, while a
+/// corrupt or hostile file cannot make dsv4 loop for minutes (`hc_sinkhorn_iters` = 10⁹) or
+/// allocate by a number of its choosing (`num_hidden_layers` = 10¹²).
+pub const INT_LIMITS: &[(&str, u64)] = &[
+    ("vocab_size", 1 << 24),              // 129,280
+    ("hidden_size", 65_536),              // 7,168
+    ("num_hidden_layers", 1024),          // 61
+    ("num_attention_heads", 1024),        // 128
+    ("head_dim", 4096),                   // 512
+    ("qk_rope_head_dim", 4096),           // 64
+    ("q_lora_rank", 65_536),              // 1,536
+    ("o_groups", 1024),                   // 16
+    ("o_lora_rank", 65_536),              // 1,024
+    ("sliding_window", 65_536),           // 128
+    ("num_nextn_predict_layers", 16),     // 1
+    ("index_n_heads", 1024),              // 64
+    ("index_head_dim", 4096),             // 128
+    ("index_topk", 65_536),               // 1,024
+    ("n_routed_experts", 8192),           // 384
+    ("num_experts_per_tok", 8192),        // 6
+    ("n_shared_experts", 64),             // 1
+    ("moe_intermediate_size", 65_536),    // 3,072
+    ("hc_mult", 64),                      // 4
+    ("hc_sinkhorn_iters", 1000),          // 20
+    ("max_position_embeddings", 1 << 32), // 1,048,576
+    ("original_seq_len", 1 << 32),        // 65,536
+    ("weight_block_size", 65_536),        // 128
+];
+
+/// The most end-of-sequence ids (every decode step compares the sampled token with each).
+pub const MAX_EOS_IDS: usize = 64;
+
+/// Ranges of the config.json floats whose bad values give NaN or nonsense silently.
+pub const EPS_RANGE: RangeInclusive<f64> = 1e-12..=0.1;
+
+fn int_limit(key: &str) -> u64 {
+    INT_LIMITS
+        .iter()
+        .find(|(name, _)| *name == key)
+        .map_or(u64::MAX, |&(_, max)| max)
+}
 
 /// Attention variant of one layer (docs/model-dsv4.md §2.10).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -162,12 +213,17 @@ impl ModelConfig {
     /// Reads `config.json` from a checkpoint directory (or the file itself).
     pub fn load(model_path: &Path) -> Result<Self> {
         let file = config_file(model_path)?;
-        let bytes = std::fs::read(&file).map_err(|e| {
-            Error::io(format!(
-                "cannot read {}: {e}: check the file's permissions",
-                file.display()
-            ))
-        })?;
+        // Read at most one byte past the cap: a huge (or endless) file costs no more than that,
+        // and from_json_str reports the size.
+        let mut bytes = Vec::new();
+        std::fs::File::open(&file)
+            .and_then(|f| f.take(MAX_CONFIG_BYTES as u64 + 1).read_to_end(&mut bytes))
+            .map_err(|e| {
+                Error::io(format!(
+                    "cannot read {}: {e}: check the file's permissions",
+                    file.display()
+                ))
+            })?;
         let text = std::str::from_utf8(&bytes).map_err(|e| {
             Error::model_format(format!(
                 "{} is not valid UTF-8 (invalid byte at offset {}): it is not a config.json",
@@ -186,13 +242,16 @@ impl ModelConfig {
 
     /// Parses the text of a `config.json`; `fallback_name` names the model when the file does not.
     pub fn from_json_str(text: &str, fallback_name: &str) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|e| {
-            Error::model_format(format!(
-                "invalid JSON at line {} column {}: {e}",
-                e.line(),
-                e.column()
-            ))
-        })?;
+        if text.len() > MAX_CONFIG_BYTES {
+            return Err(Error::model_format(format!(
+                "config.json is {} bytes; the limit is {MAX_CONFIG_BYTES} bytes (1 MiB) and a \
+                 DeepSeek V4 config.json is about 3 KB: this is not a config.json",
+                text.len()
+            )));
+        }
+        // Duplicate keys are refused (not last-wins) and invalid JSON says where; both name the
+        // file's problem as a model-format error, like every other config.json problem.
+        let value = parse_strict(text).map_err(|e| Error::model_format(e.to_string()))?;
         let Value::Object(obj) = value else {
             return Err(Error::model_format(format!(
                 "expected a JSON object, got {}",
@@ -207,7 +266,7 @@ impl ModelConfig {
         if reader.problems.is_empty() {
             Ok(config)
         } else {
-            Err(Error::from_problems(
+            Err(problems_error(
                 ErrorKind::ModelFormat,
                 "DeepSeek V4 config.json",
                 &reader.problems,
@@ -307,12 +366,68 @@ impl<'a> Reader<'a> {
 
     /// Like [`Self::uint`], and the value must be at least 1.
     fn positive(&mut self, keys: &[&'static str], default: Option<u64>) -> usize {
+        self.bounded(keys, default, 1)
+    }
+
+    /// Like [`Self::uint`], at least `min` and at most the key's [`INT_LIMITS`] entry. A value
+    /// out of range is reported and read as 0, so nothing later sizes a loop or an allocation by
+    /// it (the config is refused anyway).
+    fn bounded(&mut self, keys: &[&'static str], default: Option<u64>, min: u64) -> usize {
+        let before = self.problems.len();
         let n = self.uint(keys, default);
-        if n == 0 && self.has(keys) {
-            let key = self.find(keys).map(|(k, _)| k).unwrap_or(keys[0]);
-            self.problem(format!("`{key}` must be at least 1, got 0"));
+        let Some((key, _)) = self.find(keys).filter(|_| self.problems.len() == before) else {
+            return n as usize;
+        };
+        let max = int_limit(keys[0]);
+        if n < min {
+            self.problem(format!("`{key}` must be at least {min}, got {n}"));
+            0
+        } else if n > max {
+            self.problem(format!(
+                "`{key}` = {n} is above the maximum {max} that dsv4 accepts (the published \
+                 DeepSeek V4 models stay far below it): the file is corrupt or not a DeepSeek V4 \
+                 config.json"
+            ));
+            0
+        } else {
+            n as usize
         }
-        n as usize
+    }
+
+    /// Like [`Self::float`], within `range`.
+    fn float_in(
+        &mut self,
+        keys: &[&'static str],
+        default: Option<f64>,
+        range: RangeInclusive<f64>,
+        why: &str,
+    ) -> f64 {
+        let before = self.problems.len();
+        let x = self.float(keys, default);
+        match self.find(keys) {
+            Some((key, _)) if self.problems.len() == before && !range.contains(&x) => {
+                self.problem(format!(
+                    "`{key}` = {x:?} is out of range: it must be between {:?} and {:?} ({why})",
+                    range.start(),
+                    range.end()
+                ));
+                *range.start()
+            }
+            _ => x,
+        }
+    }
+
+    /// Like [`Self::float`], and finite and greater than zero.
+    fn positive_float(&mut self, keys: &[&'static str], default: Option<f64>, why: &str) -> f64 {
+        let before = self.problems.len();
+        let x = self.float(keys, default);
+        match self.find(keys) {
+            Some((key, _)) if self.problems.len() == before && x <= 0.0 => {
+                self.problem(format!("`{key}` = {x:?} must be greater than 0 ({why})"));
+                1.0
+            }
+            _ => x,
+        }
     }
 
     fn float(&mut self, keys: &[&'static str], default: Option<f64>) -> f64 {
@@ -390,7 +505,12 @@ fn parse(r: &mut Reader<'_>, fallback_name: &str) -> ModelConfig {
     let rope_head_dim = if r.has(&["qk_rope_head_dim", "rope_head_dim"]) {
         r.positive(&["qk_rope_head_dim", "rope_head_dim"], None)
     } else if r.has(&["partial_rotary_factor"]) {
-        let factor = r.float(&["partial_rotary_factor"], None);
+        let factor = r.float_in(
+            &["partial_rotary_factor"],
+            None,
+            1e-3..=1.0,
+            "the share of each head's channels that RoPE rotates",
+        );
         (head_dim as f64 * factor).round() as usize
     } else {
         64
@@ -399,13 +519,13 @@ fn parse(r: &mut Reader<'_>, fallback_name: &str) -> ModelConfig {
     let o_groups = r.positive(&["o_groups"], None);
     let o_lora_rank = r.positive(&["o_lora_rank"], None);
     let sliding_window = r.positive(&["sliding_window", "window_size"], Some(128));
-    let num_mtp_layers = r.uint(&["num_nextn_predict_layers", "n_mtp_layers"], Some(1)) as usize;
+    let num_mtp_layers = r.bounded(&["num_nextn_predict_layers", "n_mtp_layers"], Some(1), 0);
     let index_n_heads = r.positive(&["index_n_heads"], None);
     let index_head_dim = r.positive(&["index_head_dim"], None);
     let index_topk = r.positive(&["index_topk"], None);
     let n_routed_experts = r.positive(&["n_routed_experts", "num_local_experts"], None);
     let n_activated_experts = r.positive(&["num_experts_per_tok", "n_activated_experts"], None);
-    let n_shared_experts = r.uint(&["n_shared_experts"], Some(1)) as usize;
+    let n_shared_experts = r.bounded(&["n_shared_experts"], Some(1), 0);
     let moe_intermediate_size = r.positive(&["moe_intermediate_size", "moe_inter_dim"], None);
     let scoring_func = match r
         .string(&["scoring_func", "score_func"])
@@ -423,12 +543,29 @@ fn parse(r: &mut Reader<'_>, fallback_name: &str) -> ModelConfig {
         }
     };
     let norm_topk_prob = r.boolean(&["norm_topk_prob"], true);
-    let routed_scaling_factor = r.float(&["routed_scaling_factor", "route_scale"], Some(1.0));
+    let routed_scaling_factor = r.positive_float(
+        &["routed_scaling_factor", "route_scale"],
+        Some(1.0),
+        "it scales the routed experts' output; DeepSeek V4 uses 1.5 or 2.5",
+    );
     let swiglu_limit = r.float(&["swiglu_limit"], Some(0.0));
+    if swiglu_limit < 0.0 {
+        r.problem(format!(
+            "`swiglu_limit` = {swiglu_limit:?} is negative: use 0 (no clamp) or a positive clamp \
+             such as DeepSeek V4's 10.0"
+        ));
+    }
     let hc_mult = r.positive(&["hc_mult"], Some(4));
     let hc_sinkhorn_iters = r.positive(&["hc_sinkhorn_iters"], Some(20));
-    let hc_eps = r.float(&["hc_eps"], Some(1e-6));
-    let rms_norm_eps = r.float(&["rms_norm_eps", "norm_eps"], Some(1e-6));
+    // A zero, negative or tiny epsilon divides by zero (or by a negative) on an all-zero row
+    // and turns the logits into NaN without any error; DeepSeek V4 uses 1e-6.
+    let hc_eps = r.float_in(&["hc_eps"], Some(1e-6), EPS_RANGE, "DeepSeek V4 uses 1e-6");
+    let rms_norm_eps = r.float_in(
+        &["rms_norm_eps", "norm_eps"],
+        Some(1e-6),
+        EPS_RANGE,
+        "DeepSeek V4 uses 1e-6",
+    );
     let (csa_ratio, hca_ratio) = compress_rates(r);
     let attention = attention_kinds(r, num_layers, num_mtp_layers, csa_ratio, hca_ratio);
     let mlp = mlp_kinds(r, form, num_layers);
@@ -711,13 +848,18 @@ fn mlp_kinds(r: &mut Reader, form: ConfigForm, num_layers: usize) -> Vec<MlpKind
 /// `main` (SWA layers, MTP; θ = `rope_theta`) and `compress` (layers with a compressor;
 /// θ = `compress_rope_theta`, YaRN when configured).
 fn ropes(r: &mut Reader, form: ConfigForm) -> (Rope, Rope) {
-    let main_theta = r.float(&["rope_theta"], Some(10_000.0));
-    let compress_theta = r.float(&["compress_rope_theta"], Some(160_000.0));
+    let why = "the RoPE base; DeepSeek V4 uses 10000 and 160000";
+    let main_theta = r.positive_float(&["rope_theta"], Some(10_000.0), why);
+    let compress_theta = r.positive_float(&["compress_rope_theta"], Some(160_000.0), why);
     if form == ConfigForm::Official {
         let yarn = if r.uint(&["original_seq_len"], Some(0)) > 0 {
             Some(Yarn {
-                factor: r.float(&["rope_factor"], Some(40.0)),
-                original_max_position_embeddings: r.uint(&["original_seq_len"], None),
+                factor: r.positive_float(
+                    &["rope_factor"],
+                    Some(40.0),
+                    "the YaRN context extension; DeepSeek V4 uses 16",
+                ),
+                original_max_position_embeddings: r.bounded(&["original_seq_len"], None, 1) as u64,
                 beta_fast: r.float(&["beta_fast"], Some(32.0)),
                 beta_slow: r.float(&["beta_slow"], Some(1.0)),
             })
@@ -811,7 +953,15 @@ fn rope_dict(r: &mut Reader, name: &str, value: &Value, default_theta: f64) -> R
             let original = dict
                 .get("original_max_position_embeddings")
                 .and_then(Value::as_u64);
+            let max = int_limit("max_position_embeddings");
             match (factor, original) {
+                (Some(_), Some(original)) if original > max => {
+                    r.problem(format!(
+                        "`{name}.original_max_position_embeddings` = {original} is above the \
+                         maximum {max}: DeepSeek V4 uses 65536"
+                    ));
+                    None
+                }
                 (Some(factor), Some(original)) if factor > 0.0 && original > 0 => Some(Yarn {
                     factor,
                     original_max_position_embeddings: original,
@@ -838,8 +988,16 @@ fn rope_dict(r: &mut Reader, name: &str, value: &Value, default_theta: f64) -> R
 }
 
 fn max_positions(r: &mut Reader, compress_rope: &Rope) -> u64 {
+    let max = int_limit("max_position_embeddings");
     if let Some((key, value)) = r.find(&["max_position_embeddings", "max_seq_len"]) {
         return match value.as_u64().filter(|&n| n > 0) {
+            Some(n) if n > max => {
+                r.problem(format!(
+                    "`{key}` = {n} is above the maximum {max} tokens that dsv4 accepts: \
+                     DeepSeek V4 uses 1048576"
+                ));
+                0
+            }
             Some(n) => n,
             None => {
                 r.problem(format!(
@@ -851,7 +1009,19 @@ fn max_positions(r: &mut Reader, compress_rope: &Rope) -> u64 {
         };
     }
     match compress_rope.yarn {
-        Some(yarn) => (yarn.original_max_position_embeddings as f64 * yarn.factor) as u64,
+        Some(yarn) => {
+            let n = yarn.original_max_position_embeddings as f64 * yarn.factor;
+            if n > max as f64 {
+                r.problem(format!(
+                    "the YaRN context ({} × factor {}) is above the maximum {max} tokens that \
+                     dsv4 accepts: add `max_position_embeddings` to config.json",
+                    yarn.original_max_position_embeddings, yarn.factor
+                ));
+                0
+            } else {
+                n as u64
+            }
+        }
         None => {
             r.problem(
                 "the maximum context is not stated: add `max_position_embeddings` to config.json",
@@ -873,6 +1043,14 @@ fn token_ids(r: &mut Reader, key: &'static str) -> Vec<u32> {
         Value::Array(items) => items.iter().collect(),
         single => vec![single],
     };
+    if items.len() > MAX_EOS_IDS {
+        r.problem(format!(
+            "`{key}` lists {} token ids; at most {MAX_EOS_IDS} are accepted: list the \
+             model's end-of-sequence tokens only",
+            items.len()
+        ));
+        return Vec::new();
+    }
     let mut ids = Vec::new();
     for item in items {
         match item.as_u64().and_then(|n| u32::try_from(n).ok()) {
@@ -920,10 +1098,12 @@ fn weight_formats(r: &mut Reader, form: ConfigForm) -> (DenseFormat, ExpertForma
                     .and_then(Value::as_array)
                     .map(|b| b.iter().filter_map(Value::as_u64).collect::<Vec<_>>())
                     .unwrap_or_else(|| vec![128, 128]);
-                if block.len() != 2 || block.contains(&0) {
-                    r.problem(
-                        "`quantization_config.weight_block_size` must be two positive integers",
-                    );
+                let max = int_limit("weight_block_size");
+                if block.len() != 2 || block.contains(&0) || block.iter().any(|&b| b > max) {
+                    r.problem(format!(
+                        "`quantization_config.weight_block_size` must be two integers from 1 to \
+                         {max}: DeepSeek V4 uses [128, 128]"
+                    ));
                 }
                 dense = DenseFormat::Fp8Block {
                     block: [
@@ -957,6 +1137,24 @@ fn weight_formats(r: &mut Reader, form: ConfigForm) -> (DenseFormat, ExpertForma
 }
 
 fn check_consistency(r: &mut Reader, c: &ModelConfig) {
+    // Token ids index the embedding and the logits: one past the vocabulary reads out of bounds
+    // (or never matches, so generation never stops).
+    if c.vocab_size > 0 {
+        let named = [("bos_token_id", c.bos_token_id)]
+            .into_iter()
+            .filter_map(|(k, id)| id.map(|id| (k, id)))
+            .chain(c.eos_token_ids.iter().map(|&id| ("eos_token_id", id)));
+        for (key, id) in named {
+            if id as usize >= c.vocab_size {
+                r.problem(format!(
+                    "`{key}` {id} is not below `vocab_size` {}: token ids run from 0 to {}; \
+                     fix the id or the vocabulary size",
+                    c.vocab_size,
+                    c.vocab_size - 1
+                ));
+            }
+        }
+    }
     if !c.rope_head_dim.is_multiple_of(2) || c.rope_head_dim >= c.head_dim {
         r.problem(format!(
             "rope head dim {} must be even and smaller than head_dim {}",
@@ -1005,6 +1203,19 @@ mod tests {
             "/configs/deepseek-v4-flash"
         )))
         .unwrap()
+    }
+
+    /// docs/params.md ("Limits") names every bounded config.json integer.
+    #[test]
+    fn docs_params_md_lists_every_config_json_limit() {
+        let doc = include_str!("../../docs/params.md");
+        let limits = &doc[doc.find("## Limits").expect("a Limits section")..];
+        for (key, _) in INT_LIMITS {
+            assert!(
+                limits.contains(&format!("{key}`")),
+                "docs/params.md does not list the limit of `{key}`"
+            );
+        }
     }
 
     #[test]

@@ -62,13 +62,15 @@ fn positive(bytes: u64, shown: &str) -> Result<u64, String> {
 }
 
 fn parse_size_str(text: &str) -> Result<u64, String> {
+    // Messages quote the caller's text shortened: it may be megabytes long.
+    let shown = shorten(text);
     let s = text.trim();
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+'))
         .unwrap_or(s.len());
     let (number, unit) = (s[..split].trim(), s[split..].trim());
     if number.is_empty() {
-        return Err(format!("\"{text}\" has no number: {HOW_TO_WRITE}"));
+        return Err(format!("\"{shown}\" has no number: {HOW_TO_WRITE}"));
     }
     let multiplier = if unit.is_empty() {
         1
@@ -80,18 +82,19 @@ fn parse_size_str(text: &str) -> Result<u64, String> {
             Some((_, m)) => *m,
             None => {
                 return Err(format!(
-                    "unknown unit `{unit}` in \"{text}\": use B, KB, MB, GB, TB (powers of 10) \
-                     or KiB, MiB, GiB, TiB (powers of 2)"
+                    "unknown unit `{}` in \"{shown}\": use B, KB, MB, GB, TB (powers of 10) \
+                     or KiB, MiB, GiB, TiB (powers of 2)",
+                    shorten(unit)
                 ))
             }
         }
     };
     let value: f64 = number
         .parse()
-        .map_err(|_| format!("\"{text}\" is not a number followed by a unit: {HOW_TO_WRITE}"))?;
+        .map_err(|_| format!("\"{shown}\" is not a number followed by a unit: {HOW_TO_WRITE}"))?;
     if !value.is_finite() || value <= 0.0 {
         return Err(format!(
-            "\"{text}\" is not positive: sizes must be > 0 bytes"
+            "\"{shown}\" is not positive: sizes must be > 0 bytes"
         ));
     }
     // Integers are computed exactly; fractions ("1.5GiB") round down to whole bytes.
@@ -103,8 +106,8 @@ fn parse_size_str(text: &str) -> Result<u64, String> {
         }
     };
     match bytes {
-        None => Err(format!("\"{text}\" does not fit in 64 bits of bytes")),
-        Some(0) => Err(format!("\"{text}\" is less than one byte")),
+        None => Err(format!("\"{shown}\" does not fit in 64 bits of bytes")),
+        Some(0) => Err(format!("\"{shown}\" is less than one byte")),
         Some(b) => Ok(b),
     }
 }
@@ -115,10 +118,26 @@ pub fn describe(value: &Value) -> String {
         Value::Null => "null".to_string(),
         Value::Bool(b) => format!("boolean {b}"),
         Value::Number(n) => format!("number {n}"),
-        Value::String(s) => format!("string \"{s}\""),
+        Value::String(s) => format!("string \"{}\"", shorten(s)),
         Value::Array(_) => "an array".to_string(),
         Value::Object(_) => "an object".to_string(),
     }
+}
+
+/// Text from the caller as messages quote it: whole when short, else its first 40 bytes and its
+/// length. A hostile document can hold a 100 MB key or value; echoing it would make the error
+/// message itself the problem (and hide the sentence that says what to do).
+pub fn shorten(text: &str) -> std::borrow::Cow<'_, str> {
+    const WHOLE: usize = 64;
+    const SHOWN: usize = 40;
+    if text.len() <= WHOLE {
+        return text.into();
+    }
+    let mut cut = SHOWN;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}… ({} bytes)", &text[..cut], text.len()).into()
 }
 
 /// `150000000000` → `"139.70 GiB"`: binary units, two decimals, for human-readable columns. The
@@ -191,6 +210,17 @@ mod tests {
             let err = parse_size(&value).unwrap_err();
             assert!(err.contains(needle), "{value}: {err}");
         }
+    }
+
+    #[test]
+    fn long_text_is_quoted_by_its_start_and_length() {
+        assert_eq!(shorten("write_policy"), "write_policy");
+        let long = "é".repeat(1000);
+        let shown = shorten(&long);
+        assert!(shown.starts_with(&"é".repeat(20)), "{shown}");
+        assert!(shown.ends_with("… (2000 bytes)"), "{shown}");
+        let described = describe(&json!("x".repeat(10_000_000)));
+        assert!(described.len() < 100, "{described}");
     }
 
     #[test]

@@ -12,12 +12,17 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
+use crate::config::json::{parse_strict, JsonError};
+use crate::config::problems_error;
 use crate::config::size::{describe, parse_size};
 use crate::error::{Error, ErrorKind, Result};
 use schema::KEYS;
 use validate::Problems;
 
-pub use validate::closest;
+pub use validate::{
+    closest, MAX_DEVICES, MAX_DOCUMENT_BYTES, MAX_LABELS, MAX_LABEL_VALUE_BYTES, MAX_PATH_BYTES,
+    MAX_SUGGEST_CHARS,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -232,18 +237,23 @@ impl Default for Params {
 impl Params {
     /// Parses a params document (a partial one is merged over the defaults).
     pub fn from_json(text: &str) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|e| {
-            Error::config(format!(
-                "params are not valid JSON (line {}, column {}): {e}",
-                e.line(),
-                e.column()
-            ))
+        check_document_size(text.len())?;
+        let value = parse_strict(text).map_err(|e| match e {
+            JsonError::Syntax {
+                line,
+                column,
+                message,
+            } => Error::config(format!(
+                "params are not valid JSON (line {line}, column {column}): {message}"
+            )),
+            JsonError::DuplicateKey { .. } => Error::config(format!("params: {e}")),
         })?;
         Self::from_value(&value)
     }
 
     /// Like [`Self::from_json`], for raw bytes from a C caller: invalid UTF-8 is a config error.
     pub fn from_json_bytes(bytes: &[u8]) -> Result<Self> {
+        check_document_size(bytes.len())?;
         let text = std::str::from_utf8(bytes).map_err(|e| {
             Error::config(format!(
                 "params are not valid UTF-8: invalid byte at offset {}; pass UTF-8 JSON text",
@@ -268,11 +278,7 @@ impl Params {
         // one pass reports both kinds of problems.
         check_cross_keys(&merged, &mut problems);
         if !problems.0.is_empty() {
-            return Err(Error::from_problems(
-                ErrorKind::Config,
-                "params",
-                &problems.0,
-            ));
+            return Err(problems_error(ErrorKind::Config, "params", &problems.0));
         }
         serde_json::from_value(Value::Object(merged))
             .map_err(|e| Error::internal(format!("validated params failed to deserialize: {e}")))
@@ -300,6 +306,18 @@ impl Params {
             (other, _) => other,
         }
     }
+}
+
+/// Refuses a document over [`MAX_DOCUMENT_BYTES`] before parsing it: a real one is a few KiB,
+/// and the cap bounds the time and memory of everything after it.
+fn check_document_size(len: usize) -> Result<()> {
+    if len > MAX_DOCUMENT_BYTES {
+        return Err(Error::config(format!(
+            "params are {len} bytes; the limit is {MAX_DOCUMENT_BYTES} bytes (1 MiB): a params \
+             document holds a few dozen keys — check that the right file or buffer was passed"
+        )));
+    }
+    Ok(())
 }
 
 /// Checks between keys, on the merged document. A value that failed its own check is skipped.

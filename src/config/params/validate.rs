@@ -1,10 +1,29 @@
 //! Checks a params document against the schema and collects every problem, each naming the key,
 //! the value and the fix.
 
+use std::collections::HashSet;
+
 use serde_json::{Map, Value};
 
 use super::schema::{self, KeySpec, Kind, ALIASES, KEYS, SECTIONS};
-use crate::config::size::{describe, parse_size};
+use crate::config::size::{describe, parse_size, shorten};
+
+// Input size caps (docs/params.md, "Limits"). Each is far above any real document, and together
+// they keep validation linear in the input: nothing here is quadratic in a caller's size.
+
+/// The largest params document accepted, in bytes. Real ones are under 4 KiB.
+pub const MAX_DOCUMENT_BYTES: usize = 1 << 20;
+/// Longer keys and enum values get no "did you mean": every known name is under 32 characters,
+/// so nothing longer is a typo of one.
+pub const MAX_SUGGEST_CHARS: usize = 64;
+/// The most entries `devices` may list (a node has at most a few dozen GPUs).
+pub const MAX_DEVICES: usize = 1024;
+/// The longest `model_path`, in bytes: Linux's PATH_MAX.
+pub const MAX_PATH_BYTES: usize = 4096;
+/// The most `metrics.labels`: every exported series repeats all of them.
+pub const MAX_LABELS: usize = 64;
+/// The longest label value, in bytes (for the same reason).
+pub const MAX_LABEL_VALUE_BYTES: usize = 1024;
 
 /// Problems found so far; each is one self-contained sentence.
 #[derive(Default)]
@@ -76,7 +95,8 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
                     .map(|c| format!(" — did you mean \"{c}\"?"))
                     .unwrap_or_default();
                 Err(format!(
-                    "`{path}` = \"{s}\" is not one of {}{suggestion}",
+                    "`{path}` = \"{}\" is not one of {}{suggestion}",
+                    shorten(s),
                     choices.join(", ")
                 ))
             }
@@ -86,6 +106,11 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
             )),
         },
         Kind::Text { nullable } => match value {
+            Value::String(s) if s.len() > MAX_PATH_BYTES => Err(format!(
+                "`{path}` = \"{}\" is longer than {MAX_PATH_BYTES} bytes, the longest path \
+                 the operating system accepts: give the checkpoint's directory",
+                shorten(s)
+            )),
             Value::String(s) if !s.is_empty() => Ok(()),
             Value::Null if nullable => Ok(()),
             Value::String(_) => Err(format!("`{path}` must not be empty")),
@@ -173,13 +198,20 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
                     "`{path}` must be a list of GPU indices such as [0, 1], got {shown}"
                 ));
             };
-            let mut seen = Vec::new();
+            if items.len() > MAX_DEVICES {
+                return Err(format!(
+                    "`{path}` lists {} entries; at most {MAX_DEVICES} are accepted: list the GPUs \
+                     this engine uses, each once",
+                    items.len()
+                ));
+            }
+            let mut seen = HashSet::with_capacity(items.len());
             for (i, item) in items.iter().enumerate() {
                 match item.as_u64() {
-                    Some(n) if seen.contains(&n) => {
+                    Some(n) if !seen.insert(n) => {
                         return Err(format!("`{path}` lists GPU {n} twice: list each GPU once"))
                     }
-                    Some(n) => seen.push(n),
+                    Some(_) => {}
                     None => {
                         return Err(format!(
                             "`{path}[{i}]` must be a GPU index (a non-negative integer), got {}",
@@ -197,18 +229,39 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
                      {{\"cluster\": \"eu-1\"}}, got {shown}"
                 ));
             };
+            if labels.len() > MAX_LABELS {
+                return Err(format!(
+                    "`{path}` has {} labels; at most {MAX_LABELS} are accepted (every exported \
+                     series repeats them all): keep the ones your dashboards select on",
+                    labels.len()
+                ));
+            }
             for (name, label_value) in labels {
                 if !valid_label_name(name) {
                     return Err(format!(
-                        "`{path}` label name \"{name}\" is not a valid Prometheus label name: use \
-                         letters, digits and _, not starting with a digit or __"
+                        "`{path}` label name \"{}\" is not a valid Prometheus label name: use \
+                         letters, digits and _, not starting with a digit or __",
+                        shorten(name)
                     ));
                 }
-                if !label_value.is_string() {
-                    return Err(format!(
-                        "`{path}.{name}` must be a string, got {}",
-                        describe(label_value)
-                    ));
+                match label_value {
+                    Value::String(v) if v.len() > MAX_LABEL_VALUE_BYTES => {
+                        return Err(format!(
+                            "`{path}.{}` is {} bytes long; label values are at most \
+                             {MAX_LABEL_VALUE_BYTES} bytes (every exported series repeats it): \
+                             shorten it",
+                            shorten(name),
+                            v.len()
+                        ))
+                    }
+                    Value::String(_) => {}
+                    other => {
+                        return Err(format!(
+                            "`{path}.{}` must be a string, got {}",
+                            shorten(name),
+                            describe(other)
+                        ))
+                    }
                 }
             }
             Ok(())
@@ -236,6 +289,8 @@ fn valid_label_name(name: &str) -> bool {
 /// "unknown key `hicache.write_polcy` — did you mean `hicache.write_policy`?"
 fn unknown_key(path: &str, section: &str) -> String {
     let leaf = path.rsplit('.').next().unwrap_or(path);
+    // The key may be megabytes long: quote its start and length only.
+    let path = shorten(path);
     if let Some((_, target)) = ALIASES
         .iter()
         .find(|(alias, _)| *alias == leaf || *alias == path)
@@ -288,59 +343,146 @@ fn unknown_key(path: &str, section: &str) -> String {
     }
 }
 
-/// The candidate within a small edit distance of `word`, if any.
+/// The candidate within a small edit distance of `word`, if any. Linear in `word`: words longer
+/// than [`MAX_SUGGEST_CHARS`] are nobody's typo and get no suggestion, and each distance stops
+/// as soon as it exceeds the limit.
 pub fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    // Bytes bound chars from above, so this check alone caps the work below.
+    if word.len() > 4 * MAX_SUGGEST_CHARS || word.chars().count() > MAX_SUGGEST_CHARS {
+        return None;
+    }
     let limit = match word.chars().count() {
         0..=3 => 1,
         4..=8 => 2,
         _ => 3,
     };
+    let word: Vec<char> = word.to_ascii_lowercase().chars().collect();
     candidates
-        .map(|c| {
-            (
-                edit_distance(&word.to_ascii_lowercase(), &c.to_ascii_lowercase()),
-                c,
-            )
+        .filter_map(|c| {
+            let candidate: Vec<char> = c.to_ascii_lowercase().chars().collect();
+            edit_distance_within(&word, &candidate, limit).map(|d| (d, c))
         })
-        .filter(|&(d, _)| d <= limit)
         .min_by_key(|&(d, _)| d)
         .map(|(_, c)| c)
 }
 
-/// Optimal string alignment distance: insertions, deletions, substitutions, adjacent swaps.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
-    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
-    for (i, row) in d.iter_mut().enumerate() {
-        row[0] = i;
+/// Optimal string alignment distance (insertions, deletions, substitutions, adjacent swaps) when
+/// it is at most `limit`, else `None`. Keeps three rows, not the full matrix, and gives up as
+/// soon as a whole row exceeds the limit (the distance never decreases from row to row).
+fn edit_distance_within(a: &[char], b: &[char], limit: usize) -> Option<usize> {
+    if a.len().abs_diff(b.len()) > limit {
+        return None;
     }
-    for (j, cell) in d[0].iter_mut().enumerate() {
-        *cell = j;
-    }
+    let mut before: Vec<usize> = vec![0; b.len() + 1];
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    let mut row: Vec<usize> = vec![0; b.len() + 1];
     for i in 1..=a.len() {
+        row[0] = i;
         for j in 1..=b.len() {
             let cost = usize::from(a[i - 1] != b[j - 1]);
-            d[i][j] = (d[i - 1][j] + 1)
-                .min(d[i][j - 1] + 1)
-                .min(d[i - 1][j - 1] + cost);
+            row[j] = (prev[j] + 1).min(row[j - 1] + 1).min(prev[j - 1] + cost);
             if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
-                d[i][j] = d[i][j].min(d[i - 2][j - 2] + 1);
+                row[j] = row[j].min(before[j - 2] + 1);
             }
         }
+        // A swap reaches back two rows, so a row over the limit can still be undercut by one
+        // more step only through `before`; cutting on two consecutive rows is exact.
+        if row.iter().min().is_some_and(|&m| m > limit)
+            && prev.iter().min().is_some_and(|&m| m > limit)
+        {
+            return None;
+        }
+        std::mem::swap(&mut before, &mut prev);
+        std::mem::swap(&mut prev, &mut row);
     }
-    d[a.len()][b.len()]
+    Some(prev[b.len()]).filter(|&d| d <= limit)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn distance(a: &str, b: &str, limit: usize) -> Option<usize> {
+        let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+        edit_distance_within(&a, &b, limit)
+    }
+
     #[test]
     fn edit_distance_counts_swaps_once() {
-        assert_eq!(edit_distance("write_polcy", "write_policy"), 1);
-        assert_eq!(edit_distance("ratoi", "ratio"), 1);
-        assert_eq!(edit_distance("abc", "abc"), 0);
-        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(distance("write_polcy", "write_policy", 3), Some(1));
+        assert_eq!(distance("ratoi", "ratio", 3), Some(1));
+        assert_eq!(distance("abc", "abc", 3), Some(0));
+        assert_eq!(distance("", "abc", 3), Some(3));
+        assert_eq!(distance("ca", "abc", 3), Some(3));
+    }
+
+    #[test]
+    fn edit_distance_gives_up_past_the_limit() {
+        assert_eq!(distance("", "abcd", 3), None);
+        assert_eq!(distance("abcdefgh", "zyxwvuts", 3), None);
+        assert_eq!(distance("kv_page_size", "page_size", 3), Some(3));
+        assert_eq!(distance("kv_page_size", "page_size", 2), None);
+    }
+
+    /// The cut-off must never change an answer: compare with the full matrix on every pair of
+    /// short strings over a small alphabet (where swaps and cut-offs interact most).
+    #[test]
+    fn edit_distance_cut_off_agrees_with_the_full_matrix() {
+        fn full(a: &[char], b: &[char]) -> usize {
+            let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+            for (i, row) in d.iter_mut().enumerate() {
+                row[0] = i;
+            }
+            for (j, cell) in d[0].iter_mut().enumerate() {
+                *cell = j;
+            }
+            for i in 1..=a.len() {
+                for j in 1..=b.len() {
+                    let cost = usize::from(a[i - 1] != b[j - 1]);
+                    d[i][j] = (d[i - 1][j] + 1)
+                        .min(d[i][j - 1] + 1)
+                        .min(d[i - 1][j - 1] + cost);
+                    if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                        d[i][j] = d[i][j].min(d[i - 2][j - 2] + 1);
+                    }
+                }
+            }
+            d[a.len()][b.len()]
+        }
+        let words: Vec<Vec<char>> = (0..3u32.pow(5))
+            .flat_map(|n| {
+                (0..=5).map(move |len| {
+                    (0..len)
+                        .map(|k| ['a', 'b', 'c'][(n / 3u32.pow(k)) as usize % 3])
+                        .collect()
+                })
+            })
+            .collect();
+        for a in words.iter().step_by(7) {
+            for b in words.iter().step_by(5) {
+                let exact = full(a, b);
+                for limit in 0..4 {
+                    let expected = (exact <= limit).then_some(exact);
+                    assert_eq!(edit_distance_within(a, b, limit), expected, "{a:?} {b:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn huge_words_get_no_suggestion() {
+        let key = "write_policy".repeat(1 << 20);
+        assert_eq!(closest(&key, ["write_policy"].into_iter()), None);
+        let message = unknown_key(&format!("hicache.{key}"), "hicache");
+        assert!(message.len() < 1000, "{} bytes", message.len());
+        assert!(
+            message.starts_with("unknown key `hicache.write_policy"),
+            "{message}"
+        );
+        assert!(
+            message.contains("the keys of `hicache` are enabled"),
+            "{message}"
+        );
     }
 
     #[test]
