@@ -34,6 +34,11 @@ cargo afl build --release --locked --quiet
 export AFL_NO_UI=1 AFL_NO_AFFINITY=1 AFL_SKIP_CPUFREQ=1 AFL_I_DONT_CARE_ABOUT_MISSING_CRASHES=1
 export AFL_NO_STARTUP_CALIBRATION=1
 
+# The safetensors target writes each input to a file here (in memory where /dev/shm exists).
+DSV4_FUZZ_SCRATCH=$(mktemp -d /dev/shm/dsv4-fuzz.XXXXXX 2>/dev/null || mktemp -d)
+export DSV4_FUZZ_SCRATCH
+trap 'rm -rf "$DSV4_FUZZ_SCRATCH"' EXIT
+
 failed=0
 mkdir -p out
 for target in $TARGETS; do

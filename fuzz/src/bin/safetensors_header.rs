@@ -7,13 +7,13 @@ use dsv4::model::weights::Checkpoint;
 use dsv4::ErrorKind;
 
 fn main() {
-    // One scratch directory per fuzzing process, in memory where the machine has /dev/shm.
-    let base = ["/dev/shm", "/tmp"]
-        .iter()
+    // run.sh passes a scratch directory (in memory where it can) and removes it afterwards:
+    // afl-fuzz ends its targets with SIGKILL, so they cannot clean up after themselves.
+    let dir = std::env::var_os("DSV4_FUZZ_SCRATCH")
         .map(PathBuf::from)
-        .find(|p| p.is_dir())
-        .unwrap_or_else(std::env::temp_dir);
-    let dir = base.join(format!("dsv4-fuzz-safetensors-{}", std::process::id()));
+        .unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("dsv4-fuzz-safetensors-{}", std::process::id()))
+        });
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     let file = dir.join("model.safetensors");
     afl::fuzz!(|data: &[u8]| {
