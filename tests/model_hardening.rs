@@ -491,3 +491,23 @@ fn a_request_on_nan_weights_ends_with_model_format_naming_the_layer() {
     assert_eq!(m.pools.device_slots.used, 0, "the slot came back");
     engine.shutdown(ShutdownMode::Drain, None).unwrap();
 }
+
+/// A shard index that lists one tensor twice is refused naming the key (it was last-wins).
+#[test]
+fn a_shard_index_listing_a_tensor_twice_is_refused() {
+    let s = Scratch::copy("dup-index", "flash-like/hf-fp8");
+    let path = s.path("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let at = text.find("\"weight_map\": {").expect("a weight_map") + "\"weight_map\": {".len();
+    let first_entry_end = at + text[at..].find(',').unwrap() + 1;
+    let duplicated = format!(
+        "{}{}{}",
+        &text[..first_entry_end],
+        &text[at..first_entry_end],
+        &text[first_entry_end..]
+    );
+    std::fs::write(&path, duplicated).unwrap();
+    let e = refused(create_within(&s.0));
+    assert_eq!(e.kind(), ErrorKind::ModelFormat, "{e}");
+    assert!(e.message().contains("appears twice"), "{e}");
+}

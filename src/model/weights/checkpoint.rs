@@ -114,8 +114,9 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         open_regular(&index)?
             .read_to_string(&mut text)
             .map_err(|e| Error::io(format!("cannot read {}: {e}", index.display())))?;
-        let value: Value = serde_json::from_str(&text).map_err(|e| {
-            Error::model_format(format!("{} is not valid JSON: {e}", index.display()))
+        // Strict: a tensor listed twice must not silently map to whichever shard came last.
+        let value: Value = crate::config::json::parse_strict(&text).map_err(|e| {
+            Error::model_format(format!("{}: {e}", index.display()))
         })?;
         let Some(map) = value.get("weight_map").and_then(Value::as_object) else {
             return Err(Error::model_format(format!(
