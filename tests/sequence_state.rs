@@ -6,12 +6,12 @@ mod common;
 
 use std::time::Instant;
 
-use common::{ids, model, pools_with, step};
+use common::{ids, model, pools_with, prefill, step};
 use dsv4::backend::cpu::CpuBackend;
 use dsv4::error::ErrorKind;
 use dsv4::kv::layout::PoolId;
 use dsv4::kv::state::{self, SequenceState};
-use dsv4::kv::{KvPools, SeqKv};
+use dsv4::kv::{KvPools, PrefixCache, Request, SeqKv};
 use dsv4::model::{Logits, Model};
 use serde_json::{json, Value};
 
@@ -371,6 +371,117 @@ fn no_free_slot_or_pages_is_capacity_and_nothing_leaks() {
         b.page_allocator().free_count(),
         b.page_allocator().capacity()
     );
+}
+
+fn cache_step(
+    m: &Model<CpuBackend>,
+    cache: &mut PrefixCache<CpuBackend>,
+    req: &mut Request,
+    tokens: &mut Vec<u32>,
+    t: u32,
+) -> Vec<f32> {
+    let end = req.position() + 1;
+    cache.reserve(req, end).unwrap();
+    let l = m
+        .forward(
+            cache.pools_mut(),
+            &mut [dsv4::model::Chunk {
+                tokens: &[t],
+                seq: req.kv_mut(),
+                logits: Logits::Last,
+            }],
+        )
+        .unwrap()
+        .remove(0);
+    tokens.push(t);
+    cache.after_step(req, tokens).unwrap();
+    l
+}
+
+/// Through the prefix cache: a request resumed from a cache hit (shared pages, restored
+/// snapshot) is exported mid-decode and imported into another cache whose free pages are all
+/// taken by cached prefixes (the import evicts them); both continue bit-equal across a page
+/// boundary, both caches' books balance, and a later prompt hits what `finish` cached from the
+/// imported request exactly as it hits the original's.
+#[test]
+fn a_prefix_hit_moves_between_caches() {
+    let m = model("flash-like");
+    let ids = prompt("flash-like", 700);
+    let mut a = PrefixCache::new(pools_with(&m, json!({})), 128).unwrap();
+    // Cache the first 256 tokens, then start a prompt sharing them.
+    let mut first = a.start(None, &ids[..300]).unwrap();
+    prefill(&m, &mut a, &mut first, &ids[..300]).unwrap();
+    a.finish(first, &ids[..300]);
+    let p = [&ids[..256], &ids[400..470]].concat();
+    let mut req = a.start(None, &p).unwrap();
+    assert_eq!(req.reused_tokens(), 256, "the second prompt should hit");
+    let mut logits = prefill(&m, &mut a, &mut req, &p).unwrap();
+    let mut tokens = p.clone();
+    for _ in 0..50 {
+        let t = argmax(&logits);
+        logits = cache_step(&m, &mut a, &mut req, &mut tokens, t);
+    }
+    let s = a.export(&req).unwrap();
+    assert_eq!(s.position, 376);
+    let bytes = state::read(a.pools(), &s).unwrap();
+
+    // B: a cached prefix of 3 pages and every other page taken.
+    let mut b = PrefixCache::new(pools_with(&m, json!({})), 128).unwrap();
+    let other = &ids[300..700];
+    let mut r = b.start(None, &other[..384]).unwrap();
+    prefill(&m, &mut b, &mut r, &other[..384]).unwrap();
+    b.finish(r, &other[..384]);
+    let free = b.pools().page_allocator().free_count();
+    let taken = b.pools_mut().alloc_pages(free).unwrap();
+    let mut imported = b.import(None, p.len(), &s, &bytes).unwrap();
+    assert!(b.stats().evicted_pages >= 3, "{:?}", b.stats());
+    for p in taken {
+        b.pools_mut().release_page(p);
+    }
+    let mut tokens_b = tokens.clone();
+    let mut logits_b = logits.clone();
+    for k in 0..AFTER {
+        let t = argmax(&logits);
+        assert_eq!(argmax(&logits_b), t, "token {k} after the move");
+        logits = cache_step(&m, &mut a, &mut req, &mut tokens, t);
+        logits_b = cache_step(&m, &mut b, &mut imported, &mut tokens_b, t);
+        assert!(
+            bits(&logits) == bits(&logits_b),
+            "logits {} steps after the move differ",
+            k + 1
+        );
+    }
+    b.check(&[&imported]).unwrap();
+    a.check(&[&req]).unwrap();
+    // Both passed 384 while decoding: `finish` caches that boundary in each tree, B's from
+    // pages and a snapshot that came out of the import. A later prompt hits it in both.
+    a.finish(req, &tokens);
+    b.finish(imported, &tokens_b);
+    a.check(&[]).unwrap();
+    b.check(&[]).unwrap();
+    let next = [&tokens[..384], &ids[600..610]].concat();
+    let mut ra = a.start(None, &next).unwrap();
+    let mut rb = b.start(None, &next).unwrap();
+    assert_eq!((ra.reused_tokens(), rb.reused_tokens()), (384, 384));
+    let la = prefill(&m, &mut a, &mut ra, &next).unwrap();
+    let lb = prefill(&m, &mut b, &mut rb, &next).unwrap();
+    assert!(
+        bits(&la) == bits(&lb),
+        "a hit on the imported request's pages differs"
+    );
+    a.abort(ra);
+    b.abort(rb);
+
+    // Nothing evictable and no page free: Capacity, nothing taken.
+    b.clear();
+    let free = b.pools().page_allocator().free_count();
+    let taken = b.pools_mut().alloc_pages(free).unwrap();
+    let e = b.import(None, p.len(), &s, &bytes).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Capacity, "{e}");
+    for p in taken {
+        b.pools_mut().release_page(p);
+    }
+    b.check(&[]).unwrap();
 }
 
 /// A state can only be read while its sequence holds its units.

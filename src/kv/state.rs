@@ -346,6 +346,30 @@ pub fn import<B: Backend>(
     state: &SequenceState,
     bytes: &[u8],
 ) -> Result<SeqKv> {
+    let pages = check_import(pools, state, bytes)?;
+    let seq = pools.open_at(state.position, pages).map_err(|e| {
+        Error::new(
+            ErrorKind::Capacity,
+            format!("importing a sequence: {}", e.message()),
+        )
+    })?;
+    let dest = regions(pools.layout(), seq.slot(), seq.pages(), seq.position());
+    let mut at = 0;
+    for r in &dest {
+        pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len]);
+        at += r.len;
+    }
+    debug_assert_eq!(at, bytes.len());
+    Ok(seq)
+}
+
+/// Everything [`import`] checks before it takes units: the layout, the state's consistency and
+/// the byte length. Returns the pages the import needs.
+pub fn check_import<B: Backend>(
+    pools: &KvPools<B>,
+    state: &SequenceState,
+    bytes: &[u8],
+) -> Result<usize> {
     let layout = pools.layout();
     check_layout(layout.fingerprint(), &state.layout, "importing a sequence")?;
     let pages = pools.pages_for(state.position);
@@ -383,18 +407,5 @@ pub fn import<B: Backend>(
             state.position
         )));
     }
-    let seq = pools.open_at(state.position, pages).map_err(|e| {
-        Error::new(
-            ErrorKind::Capacity,
-            format!("importing a sequence: {}", e.message()),
-        )
-    })?;
-    let dest = regions(pools.layout(), seq.slot(), seq.pages(), seq.position());
-    let mut at = 0;
-    for r in &dest {
-        pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len]);
-        at += r.len;
-    }
-    debug_assert_eq!(at, bytes.len());
-    Ok(seq)
+    Ok(pages)
 }
