@@ -484,14 +484,29 @@ fn a_prefix_hit_moves_between_caches() {
     b.check(&[]).unwrap();
 }
 
-/// A state can only be read while its sequence holds its units.
+/// A state can only be read while its sequence holds its units, and only as exported.
 #[test]
 fn reading_a_closed_sequence_is_refused() {
     let m = model("flash-like");
     let (mut a, seq, s, _) = exported(&m, json!({}), 200);
+    // An altered region list is not read (it could point anywhere).
+    let mut altered = s.clone();
+    altered.regions[0].offset += 1 << 40;
+    let e = state::read(&a, &altered).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.message().contains("altered"), "{e}");
     a.close(seq);
     let e = state::read(&a, &s).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.message().contains("no longer in use"), "{e}");
+    // A position no pools could hold is Capacity, before anything is allocated.
+    let mut huge = s.clone();
+    huge.position = 1 << 40;
+    huge.pages = a.pages_for(huge.position);
+    let baseline = free_counts(&a);
+    let e = state::import(&mut a, &huge, &[]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Capacity, "{e}");
+    assert_eq!(free_counts(&a), baseline);
 }
 
 /// Informational: export + read + import against a plain memcpy of the same bytes.

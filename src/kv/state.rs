@@ -185,7 +185,10 @@ pub struct SequenceState {
 impl SequenceState {
     /// Bytes of all regions together (the length [`read`] returns and [`import`] takes).
     pub fn byte_len(&self) -> usize {
-        self.regions.iter().map(|r| r.len).sum()
+        // Saturating: an altered state must not overflow (its length is then refused).
+        self.regions
+            .iter()
+            .fold(0usize, |n, r| n.saturating_add(r.len))
     }
 }
 
@@ -316,13 +319,31 @@ pub fn read_into<B: Backend>(
             state.source_slot, state.source_pages
         )));
     }
+    if state.regions.iter().any(|r| r.tier != RegionTier::Device) {
+        return Err(Error::invalid_argument(
+            "the sequence state has host-tier regions: read them from the host tier",
+        ));
+    }
+    // Only the regions `export` lists for these units are read (an altered list could point
+    // anywhere).
+    if state.source_pages.len() != pools.pages_for(state.position)
+        || regions(
+            pools.layout(),
+            state.source_slot,
+            &state.source_pages,
+            state.position,
+        ) != state.regions
+    {
+        return Err(Error::invalid_argument(format!(
+            "the sequence state's regions are not the ones its sequence (slot {}, {} pages, \
+             position {}) has in these pools: the state was altered; export it again",
+            state.source_slot,
+            state.source_pages.len(),
+            state.position
+        )));
+    }
     let mut at = 0;
     for r in &state.regions {
-        if r.tier != RegionTier::Device {
-            return Err(Error::invalid_argument(
-                "the sequence state has host-tier regions: read them from the host tier",
-            ));
-        }
         pools.read_bytes(r.pool, r.offset, &mut out[at..at + r.len]);
         at += r.len;
     }
@@ -373,6 +394,18 @@ pub fn check_import<B: Backend>(
     let layout = pools.layout();
     check_layout(layout.fingerprint(), &state.layout, "importing a sequence")?;
     let pages = pools.pages_for(state.position);
+    let capacity = pools.page_allocator().capacity();
+    if pages > capacity {
+        return Err(Error::new(
+            ErrorKind::Capacity,
+            format!(
+                "a sequence of {} tokens needs {pages} KV pages of {} tokens but these pools \
+                 have {capacity}: raise kv.device_memory_bytes",
+                state.position,
+                pools.page_size()
+            ),
+        ));
+    }
     if state.pages != pages || state.source_pages.len() != pages {
         return Err(Error::invalid_argument(format!(
             "the sequence state says {} pages ({} listed) but {} tokens need {pages}: the state \
