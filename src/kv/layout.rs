@@ -8,8 +8,11 @@ use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
 use crate::plan::{self, Plan};
 
+use super::state::LayoutFingerprint;
+
 /// The pools, in the plan's report order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PoolId {
     C4Kv,
     C4Indexer,
@@ -106,6 +109,8 @@ pub struct KvLayout {
     unit_bytes: [usize; 8],
     /// Units of each pool on the device.
     units: [usize; 8],
+    /// What a sequence's bytes mean here (compared on sequence-state import).
+    fingerprint: LayoutFingerprint,
 }
 
 impl KvLayout {
@@ -148,6 +153,33 @@ impl KvLayout {
             .collect();
         let kv_codec = plan::kv_codec(plan.kv_dtype, m);
         let index_codec = plan::indexer_codec(plan.indexer_dtype);
+        let kv_row = kv_codec.row_bytes(m.head_dim);
+        let index_row = index_codec.row_bytes(m.index_head_dim);
+        let fingerprint = LayoutFingerprint {
+            model: m.name.clone(),
+            layers: m
+                .attention
+                .iter()
+                .map(|k| match k {
+                    AttentionKind::Swa => 'S',
+                    AttentionKind::Csa => 'C',
+                    AttentionKind::Hca => 'H',
+                })
+                .collect(),
+            mtp_layers: m.num_mtp_layers,
+            head_dim: m.head_dim,
+            index_dim: m.index_head_dim,
+            window: m.sliding_window,
+            csa_ratio: m.csa_ratio,
+            hca_ratio: m.hca_ratio,
+            page_size,
+            kv_rows: format!("{kv_codec:?}, {kv_row} B"),
+            index_rows: format!("{index_codec:?}, {index_row} B"),
+            unit_bytes: PoolId::ALL
+                .iter()
+                .map(|id| (id.name().to_string(), unit_bytes[id.index()]))
+                .collect(),
+        };
         let layout = Self {
             page_size,
             window: m.sliding_window,
@@ -157,13 +189,14 @@ impl KvLayout {
             hca_ratio: m.hca_ratio,
             kv_codec,
             index_codec,
-            kv_row: kv_codec.row_bytes(m.head_dim),
-            index_row: index_codec.row_bytes(m.index_head_dim),
+            kv_row,
+            index_row,
             layers,
             swa_layers: m.num_layers + m.num_mtp_layers,
             n_csa: m.count(AttentionKind::Csa),
             unit_bytes,
             units,
+            fingerprint,
         };
         // The plan sized these units; the layout below must agree to the byte.
         for (id, computed) in [
@@ -190,6 +223,27 @@ impl KvLayout {
 
     pub fn units(&self, id: PoolId) -> usize {
         self.units[id.index()]
+    }
+
+    /// The model, geometry, page size, row formats and unit sizes this layout stores bytes
+    /// in; two pools can exchange a sequence's bytes exactly when these are equal.
+    pub fn fingerprint(&self) -> &LayoutFingerprint {
+        &self.fingerprint
+    }
+
+    /// Bytes of one window-ring or compressed kv row.
+    pub fn kv_row_bytes(&self) -> usize {
+        self.kv_row
+    }
+
+    /// Bytes of one indexer key row.
+    pub fn index_row_bytes(&self) -> usize {
+        self.index_row
+    }
+
+    /// Layers of attention kind `kind` (main layers only).
+    pub fn count(&self, kind: AttentionKind) -> usize {
+        self.layers.iter().filter(|s| s.kind == kind).count()
     }
 
     pub fn num_layers(&self) -> usize {

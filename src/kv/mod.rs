@@ -5,6 +5,7 @@
 //! - [`pools`]: the device pools, their allocators and the per-request handle [`SeqKv`].
 //! - [`radix`]: the prefix tree over token pages, with snapshots at page boundaries.
 //! - [`cache`]: pools + tree: starting, growing, snapshotting and ending requests.
+//! - [`state`]: one sequence's state as byte regions: export, read, import into other pools.
 //!
 //! `kv` stores bytes in a geometry `plan` defines; it never imports `model`.
 
@@ -13,10 +14,12 @@ pub mod hicache;
 pub mod layout;
 pub mod pools;
 pub mod radix;
+pub mod state;
 pub mod units;
 
 pub use cache::{CacheStats, PrefixCache, Request};
 pub use layout::{KvLayout, PoolId, Stream};
 pub use pools::{KvPools, SeqKv};
 pub use radix::RadixTree;
+pub use state::{LayoutFingerprint, Region, RegionTier, SequenceState};
 pub use units::UnitAllocator;

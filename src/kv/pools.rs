@@ -170,6 +170,30 @@ impl<B: Backend> KvPools<B> {
         })
     }
 
+    /// A request at `position` with a fresh slot and `pages` fresh pages (a sequence being
+    /// imported): all of them, or `DSV4_ERR_CAPACITY` naming what was short and nothing taken.
+    pub(super) fn open_at(&mut self, position: usize, pages: usize) -> Result<SeqKv> {
+        let mut seq = self.open()?;
+        match self.pages.alloc(pages) {
+            Some(p) => seq.pages = p,
+            None => {
+                let (free, capacity) = (self.pages.free_count(), self.pages.capacity());
+                self.close(seq);
+                return Err(Error::new(
+                    ErrorKind::Capacity,
+                    format!(
+                        "a sequence of {position} tokens needs {pages} KV pages of {} tokens \
+                         but {free} of {capacity} are free: free pages (finish or evict \
+                         requests) or raise kv.device_memory_bytes",
+                        self.layout.page_size
+                    ),
+                ));
+            }
+        }
+        seq.position = position;
+        Ok(seq)
+    }
+
     /// Pages needed to hold `tokens` tokens.
     pub fn pages_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.layout.page_size)
