@@ -15,6 +15,22 @@
  *   - Configuration crosses the ABI as JSON (UTF-8). A partial document is merged over the
  *     defaults (dsv4_params_default); docs/params.md documents every key.
  *
+ * VERSIONED STRUCTS (dsv4_request, dsv4_event, dsv4_metrics)
+ *   - Each begins with uint32_t struct_size. Fields are only ever appended after the previous
+ *     version's size; no field moves or changes type. Version 1's sizes are frozen (LP64):
+ *     dsv4_request 128, dsv4_event 88 (up to elapsed_us), dsv4_metrics 504 bytes.
+ *   - Pass sizeof of the struct as your header declares it: dsv4_request_init(&r, sizeof r),
+ *     events[0].struct_size before dsv4_poll, m.struct_size before dsv4_metrics_get. Below
+ *     version 1's size, or above 1024 (4096 for dsv4_metrics) — an uninitialised field — is
+ *     DSV4_ERR_INVALID_ARGUMENT. The library never reads or writes past your struct_size.
+ *   - Input (dsv4_request): a field your header lacks takes its documented default (not always
+ *     zero). Fields of a newer header than the library's are ignored, whatever they hold;
+ *     compare dsv4_version() if you depend on one.
+ *   - Output (dsv4_event, dsv4_metrics): the library writes the smaller of your struct_size and
+ *     its own sizeof and sets struct_size to that; the rest of your struct is untouched. Read a
+ *     field appended after version 1 only if offsetof(field) < struct_size (also for events
+ *     passed to a callback, which are the library's own size).
+ *
  * OWNERSHIP
  *   - Strings passed in are read during the call only; dsv4 keeps no pointer to them.
  *   - Strings returned (last error, status names, version) belong to dsv4: never free them.
@@ -175,14 +191,15 @@ typedef struct {
 } dsv4_units;
 
 /**
- * A metrics snapshot (version 1). Counters (`*_total`) count from engine creation; the rest
- * are gauges at the instant of the call (pool gauges as of the last forward step). Fields are
- * only appended in later versions. docs/metrics.md describes each one.
+ * A metrics snapshot (version 1: 504 bytes). Counters (`*_total`) count from engine
+ * creation; the rest are gauges at the instant of the call (pool gauges as of the last forward
+ * step). Fields are only appended in later versions. docs/metrics.md describes each one.
  */
 typedef struct {
     /**
      * Set to `sizeof(dsv4_metrics)` before the call; the library sets it to the bytes it
-     * filled (at most what you passed).
+     * filled (the smaller of yours and its own): read a field appended after version 1 only
+     * if its offset is below it.
      */
     uint32_t struct_size;
     /**
@@ -291,8 +308,9 @@ typedef struct {
 } dsv4_metrics;
 
 /**
- * A generation request (version 1). Initialise with `dsv4_request_init`, then set fields.
- * Fields are only appended in later versions; `struct_size` tells the library which you have.
+ * A generation request (version 1: 128 bytes). Initialise with `dsv4_request_init`, then set
+ * fields. Fields are only appended in later versions; `struct_size` tells the library which
+ * you have, and a field your version lacks takes its default (which is not always zero).
  * Every pointer is read during `dsv4_submit` only.
  */
 typedef struct {
@@ -363,7 +381,8 @@ typedef struct {
 } dsv4_request;
 
 /**
- * One event (version 1). Fields are only appended in later versions.
+ * One event (version 1: 88 bytes, up to `elapsed_us`). Fields are only appended in later
+ * versions: read one appended after version 1 only if its offset is below `struct_size`.
  */
 typedef struct {
     /**
@@ -630,8 +649,11 @@ dsv4_status dsv4_set_log_callback(int32_t max_level, dsv4_log_fn callback, void 
 
 /**
  * Fills `*out` with the engine's metrics. Set `out->struct_size = sizeof(dsv4_metrics)`
- * first: a caller built against an older header gets the fields it knows. Thread-safe and
- * cheap (one short lock; never waits for a forward step), so it suits a scrape loop.
+ * first (at least version 1's size and at most 4096, else `DSV4_ERR_INVALID_ARGUMENT`): a
+ * caller built against an older header gets the fields it knows, one built against a newer
+ * header the fields the library knows. Writes at most `out->struct_size` bytes and sets it to
+ * the number written; bytes past them are untouched. Thread-safe and cheap (one short lock;
+ * never waits for a forward step), so it suits a scrape loop.
  *
  * # Safety
  * `engine` is a live handle; `out` is valid for `out->struct_size` bytes of reads and writes.
@@ -713,7 +735,11 @@ dsv4_status dsv4_plan_text(const char *params_json, char *buf, size_t cap, size_
 
 /**
  * Fills `*request` with the defaults (max_new_tokens 128, temperature 1, top_p 1, everything
- * else off or empty) and sets `struct_size`. Bytes past version 1 are zeroed.
+ * else off or empty) and sets its `struct_size` field to the `struct_size` argument. Pass
+ * `sizeof(dsv4_request)`: at least version 1's size and at most 1024, else
+ * `DSV4_ERR_INVALID_ARGUMENT`. Writes exactly
+ * `struct_size` bytes: the fields this library knows, then zeros (fields of a newer header
+ * than the library's, which `dsv4_submit` ignores).
  *
  * # Safety
  * `request` is valid for `struct_size` bytes of writes.
@@ -728,10 +754,14 @@ dsv4_status dsv4_request_init(dsv4_request *request, size_t struct_size);
  * `admission.max_queued_tokens`; the message names the limit and the current queue),
  * `DSV4_ERR_SHUTDOWN`. Everything the request points to is copied before returning.
  * Every accepted request gets exactly one terminal event (FINISHED or ERROR).
+ * `request->struct_size` below version 1 or above 1024: `DSV4_ERR_INVALID_ARGUMENT`. Only
+ * `struct_size` bytes are read; fields past them take their defaults, and bytes past the
+ * fields this library knows (a newer header) are ignored.
  *
  * # Safety
- * `engine` is a live handle; `request` points to an initialised request whose pointers are
- * valid for their lengths; `request_id` is valid for one write.
+ * `engine` is a live handle; `request` points to an initialised request of
+ * `request->struct_size` bytes whose pointers are valid for their lengths; `request_id` is
+ * valid for one write.
  */
 dsv4_status dsv4_submit(const dsv4_engine *engine,
                         const dsv4_request *request,
@@ -741,11 +771,13 @@ dsv4_status dsv4_submit(const dsv4_engine *engine,
  * Takes up to `cap` queued events into `events`, `*n_out` of them. Set `events[0].struct_size
  * = sizeof(dsv4_event)` before the call: it gives the array's element size (so callers built
  * against an older header keep working: each element gets at most that many bytes, and its
- * `struct_size` says how many were written); a size below version 1 or above 1024 is
- * `DSV4_ERR_INVALID_ARGUMENT`. `timeout_ms`: −1 waits for an event (or until the engine has
- * stopped and every event is taken, or a callback is set), 0 never blocks, > 0 waits at most
- * that long; a timeout is `DSV4_OK` with `*n_out == 0`. While an event callback is set:
- * `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL pointers: `DSV4_ERR_INVALID_ARGUMENT`.
+ * `struct_size` says how many were written: the smaller of yours and the library's); a size
+ * below version 1 or above 1024 is `DSV4_ERR_INVALID_ARGUMENT`. Bytes of an element past what
+ * the library writes are left untouched. `timeout_ms`: −1 waits for an event (or until the
+ * engine has stopped and every event is taken, or a callback is set), 0 never blocks, > 0
+ * waits at most that long; a timeout is `DSV4_OK` with `*n_out == 0`. While an event
+ * callback is set: `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL pointers:
+ * `DSV4_ERR_INVALID_ARGUMENT`.
  * Thread-safe: concurrent pollers each get different events. Events' `message` strings stay
  * valid until the next `dsv4_poll` on the same thread.
  *

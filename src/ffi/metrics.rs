@@ -5,8 +5,8 @@ use std::ffi::c_char;
 
 use super::boundary::guard;
 use super::engine::{dsv4_engine, engine_ref, engine_text};
-use super::requests::check_size;
 use super::status::dsv4_status;
+use super::versioned::{assert_offsets, write_out, Layout, PlainData};
 use crate::engine::{MetricsSnapshot, Outcome, Rejection, Units};
 use crate::error::Error;
 
@@ -20,14 +20,15 @@ pub struct dsv4_units {
     pub total_bytes: u64,
 }
 
-/// A metrics snapshot (version 1). Counters (`*_total`) count from engine creation; the rest
-/// are gauges at the instant of the call (pool gauges as of the last forward step). Fields are
-/// only appended in later versions. docs/metrics.md describes each one.
+/// A metrics snapshot (version 1: 504 bytes). Counters (`*_total`) count from engine
+/// creation; the rest are gauges at the instant of the call (pool gauges as of the last forward
+/// step). Fields are only appended in later versions. docs/metrics.md describes each one.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct dsv4_metrics {
     /// Set to `sizeof(dsv4_metrics)` before the call; the library sets it to the bytes it
-    /// filled (at most what you passed).
+    /// filled (the smaller of yours and its own): read a field appended after version 1 only
+    /// if its offset is below it.
     pub struct_size: u32,
     /// Requests taking part in forward steps.
     pub num_running_reqs: u64,
@@ -98,7 +99,83 @@ pub struct dsv4_metrics {
     pub queue_count: u64,
 }
 
-const METRICS_V1: usize = std::mem::size_of::<dsv4_metrics>();
+// SAFETY: repr(C); integers and floats only.
+unsafe impl PlainData for dsv4_units {}
+// SAFETY: repr(C); integers, floats and dsv4_units only.
+unsafe impl PlainData for dsv4_metrics {}
+
+/// `sizeof(dsv4_units)`, frozen (it has no struct_size: it never changes; a new unit kind is a
+/// new field of dsv4_metrics).
+const _: () = assert!(std::mem::size_of::<dsv4_units>() == 32);
+assert_offsets!(dsv4_units {
+    used: 0,
+    total: 8,
+    used_bytes: 16,
+    total_bytes: 24
+});
+
+/// `sizeof(dsv4_metrics)` of version 1, frozen: callers built against that header pass it.
+const METRICS_V1: usize = 504;
+assert_offsets!(dsv4_metrics {
+    struct_size: 0,
+    num_running_reqs: 8,
+    num_loading_reqs: 16,
+    num_queue_reqs: 24,
+    num_queue_tokens: 32,
+    device_pages: 40,
+    device_slots: 72,
+    device_snapshots: 104,
+    host_pages: 136,
+    host_snapshots: 168,
+    requests_total: 200,
+    finished_stop_total: 208,
+    finished_length_total: 216,
+    aborted_total: 224,
+    timed_out_total: 232,
+    failed_total: 240,
+    rejected_queue_full_total: 248,
+    rejected_capacity_total: 256,
+    rejected_invalid_total: 264,
+    rejected_shutdown_total: 272,
+    retractions_total: 280,
+    prompt_tokens_total: 288,
+    generation_tokens_total: 296,
+    cached_tokens_device_total: 304,
+    cached_tokens_host_total: 312,
+    forward_steps_total: 320,
+    forward_tokens_total: 328,
+    loadback_tokens_total: 336,
+    loadback_bytes_total: 344,
+    loadback_seconds_total: 352,
+    backup_tokens_total: 360,
+    backup_bytes_total: 368,
+    backup_seconds_total: 376,
+    evictions_device_to_host_total: 384,
+    evictions_device_dropped_total: 392,
+    evictions_host_total: 400,
+    kv_transfer_requests_total: 408,
+    kv_transfer_bytes_total: 416,
+    kv_transfer_seconds_total: 424,
+    kv_transfer_failures_total: 432,
+    ttft_seconds_sum: 440,
+    ttft_count: 448,
+    itl_seconds_sum: 456,
+    itl_count: 464,
+    e2e_seconds_sum: 472,
+    e2e_count: 480,
+    queue_seconds_sum: 488,
+    queue_count: 496,
+});
+// A field appended to dsv4_metrics starts at or after METRICS_V1 (assert its offset here).
+const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == METRICS_V1);
+const METRICS_SIZE: usize = std::mem::size_of::<dsv4_metrics>();
+/// `struct_size` is at most 4096 bytes: room for hundreds more fields, and an uninitialised
+/// field is caught.
+const METRICS: Layout = Layout {
+    name: "dsv4_metrics",
+    v1: METRICS_V1,
+    max: 4096,
+};
 
 fn units(u: &Units) -> dsv4_units {
     dsv4_units {
@@ -112,7 +189,7 @@ fn units(u: &Units) -> dsv4_units {
 fn to_c(m: &MetricsSnapshot) -> dsv4_metrics {
     let c = &m.cache;
     dsv4_metrics {
-        struct_size: METRICS_V1 as u32,
+        struct_size: METRICS_SIZE as u32,
         num_running_reqs: m.running,
         num_loading_reqs: m.loading,
         num_queue_reqs: m.queued,
@@ -164,8 +241,11 @@ fn to_c(m: &MetricsSnapshot) -> dsv4_metrics {
 }
 
 /// Fills `*out` with the engine's metrics. Set `out->struct_size = sizeof(dsv4_metrics)`
-/// first: a caller built against an older header gets the fields it knows. Thread-safe and
-/// cheap (one short lock; never waits for a forward step), so it suits a scrape loop.
+/// first (at least version 1's size and at most 4096, else `DSV4_ERR_INVALID_ARGUMENT`): a
+/// caller built against an older header gets the fields it knows, one built against a newer
+/// header the fields the library knows. Writes at most `out->struct_size` bytes and sets it to
+/// the number written; bytes past them are untouched. Thread-safe and cheap (one short lock;
+/// never waits for a forward step), so it suits a scrape loop.
 ///
 /// # Safety
 /// `engine` is a live handle; `out` is valid for `out->struct_size` bytes of reads and writes.
@@ -182,21 +262,19 @@ pub unsafe extern "C" fn dsv4_metrics_get(
                 "out is NULL: pass a dsv4_metrics with struct_size set",
             ));
         }
-        // SAFETY: `out` is non-NULL and its first field is readable per the contract.
-        let size = unsafe { (*out).struct_size } as usize;
-        check_size("dsv4_metrics", size, METRICS_V1)?;
+        // SAFETY: `out` is non-NULL and its first field is readable per the contract (an
+        // unaligned read: the library assumes nothing of the caller's alignment).
+        let size = unsafe { std::ptr::addr_of!((*out).struct_size).read_unaligned() } as usize;
+        METRICS.check(
+            "out->struct_size",
+            size,
+            "set it to sizeof(dsv4_metrics) before the call",
+        )?;
         let mut filled = to_c(&engine.metrics());
-        let n = size.min(METRICS_V1);
-        filled.struct_size = n as u32;
-        // SAFETY: `out` is valid for `size >= n` bytes of writes; `filled` is a plain repr(C)
-        // value of METRICS_V1 >= n bytes; the regions do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                (&filled as *const dsv4_metrics).cast::<u8>(),
-                out.cast::<u8>(),
-                n,
-            )
-        };
+        filled.struct_size = size.min(METRICS_SIZE) as u32;
+        // SAFETY: `out` is valid for `size` bytes of writes per the contract and `write_out`
+        // writes at most that many; `filled` is a local, so they do not overlap.
+        unsafe { write_out(&filled, out, size) };
         Ok(())
     })
 }

@@ -12,6 +12,7 @@ mod planning;
 mod requests;
 mod status;
 mod version;
+mod versioned;
 
 pub use boundary::dsv4_last_error;
 pub use cache::{dsv4_cache_flush, dsv4_cache_stats};

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::boundary::guard;
 use super::engine::{dsv4_engine, engine_ref};
 use super::status::{dsv4_status, status_of, DSV4_OK};
+use super::versioned::{assert_offsets, read_in, write_out, Layout, PlainData};
 use crate::engine::SamplingParams;
 use crate::engine::{Event, EventCallback, EventKind, FinishReason, RequestSpec, ShutdownMode};
 use crate::error::{Error, Result};
@@ -34,10 +35,12 @@ pub const DSV4_SHUTDOWN_DRAIN: i32 = 0;
 /// Shutdown: every accepted request ends now with FINISHED / ABORTED.
 pub const DSV4_SHUTDOWN_ABORT: i32 = 1;
 
-/// A generation request (version 1). Initialise with `dsv4_request_init`, then set fields.
-/// Fields are only appended in later versions; `struct_size` tells the library which you have.
+/// A generation request (version 1: 128 bytes). Initialise with `dsv4_request_init`, then set
+/// fields. Fields are only appended in later versions; `struct_size` tells the library which
+/// you have, and a field your version lacks takes its default (which is not always zero).
 /// Every pointer is read during `dsv4_submit` only.
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct dsv4_request {
     /// `sizeof(dsv4_request)` as compiled by the caller.
     pub struct_size: u32,
@@ -75,7 +78,8 @@ pub struct dsv4_request {
     pub logprobs: u8,
 }
 
-/// One event (version 1). Fields are only appended in later versions.
+/// One event (version 1: 88 bytes, up to `elapsed_us`). Fields are only appended in later
+/// versions: read one appended after version 1 only if its offset is below `struct_size`.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct dsv4_event {
@@ -125,15 +129,74 @@ pub type dsv4_event_fn =
 #[allow(non_camel_case_types)]
 pub type dsv4_drop_fn = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
 
-const REQUEST_V1: usize = std::mem::size_of::<dsv4_request>();
+// SAFETY: repr(C); integers, floats and raw pointers only.
+unsafe impl PlainData for dsv4_request {}
+// SAFETY: repr(C); integers and a raw pointer only.
+unsafe impl PlainData for dsv4_event {}
+
+/// `sizeof(dsv4_request)` of version 1, frozen: callers built against that header pass it.
+const REQUEST_V1: usize = 128;
+assert_offsets!(dsv4_request {
+    struct_size: 0,
+    prompt: 8,
+    prompt_len: 16,
+    max_new_tokens: 24,
+    stop_tokens: 32,
+    stop_tokens_len: 40,
+    temperature: 48,
+    top_k: 52,
+    top_p: 56,
+    min_p: 60,
+    seed: 64,
+    logit_bias_tokens: 72,
+    logit_bias_values: 80,
+    logit_bias_len: 88,
+    priority: 96,
+    deadline_ms: 100,
+    cache_salt: 104,
+    user_tag: 112,
+    logprobs: 120,
+});
+// A field appended to dsv4_request starts at or after REQUEST_V1 (assert its offset here, the
+// way `message` is for dsv4_event), and `request_defaults` gives its default: callers of
+// version 1 do not have it.
+const _: () = assert!(std::mem::size_of::<dsv4_request>() == REQUEST_V1);
+const REQUEST: Layout = Layout {
+    name: "dsv4_request",
+    v1: REQUEST_V1,
+    max: 1024,
+};
+
 /// `sizeof(dsv4_event)` of version 1 (up to `elapsed_us`), frozen: callers built against that
 /// header keep working; they are written this many bytes per event.
 const EVENT_V1: usize = 88;
-const _: () = assert!(std::mem::offset_of!(dsv4_event, message) == EVENT_V1);
+assert_offsets!(dsv4_event {
+    struct_size: 0,
+    request_id: 8,
+    user_tag: 16,
+    kind: 24,
+    token: 28,
+    logprob: 32,
+    finish_reason: 36,
+    status: 40,
+    prompt_tokens: 44,
+    cached_tokens_device: 48,
+    cached_tokens_host: 52,
+    generated_tokens: 56,
+    queue_us: 64,
+    ttft_us: 72,
+    elapsed_us: 80,
+});
+// Appended after version 1: at or after its size, never in its tail.
+assert_offsets!(dsv4_event { message: EVENT_V1 });
 const EVENT_SIZE: usize = std::mem::size_of::<dsv4_event>();
-/// The largest element size `dsv4_poll` accepts: far beyond any future dsv4_event, small
+/// `dsv4_poll`'s element size is at most 1024 bytes: far beyond any future dsv4_event, small
 /// enough that an uninitialised `struct_size` is caught instead of used as a stride.
-const EVENT_MAX_STRIDE: usize = 1024;
+const EVENT: Layout = Layout {
+    name: "dsv4_event",
+    v1: EVENT_V1,
+    max: 1024,
+};
 
 thread_local! {
     /// The messages of the events the last `dsv4_poll` on this thread returned.
@@ -180,8 +243,38 @@ fn to_c(e: &Event, message: *const c_char) -> dsv4_event {
     }
 }
 
+/// The defaults of every field (`dsv4_request_init`'s; a field appended later gets its own
+/// here, which callers of older versions then receive on submit).
+fn request_defaults(struct_size: u32) -> dsv4_request {
+    dsv4_request {
+        struct_size,
+        prompt: std::ptr::null(),
+        prompt_len: 0,
+        max_new_tokens: 128,
+        stop_tokens: std::ptr::null(),
+        stop_tokens_len: 0,
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 0,
+        logit_bias_tokens: std::ptr::null(),
+        logit_bias_values: std::ptr::null(),
+        logit_bias_len: 0,
+        priority: 0,
+        deadline_ms: 0,
+        cache_salt: std::ptr::null(),
+        user_tag: 0,
+        logprobs: 0,
+    }
+}
+
 /// Fills `*request` with the defaults (max_new_tokens 128, temperature 1, top_p 1, everything
-/// else off or empty) and sets `struct_size`. Bytes past version 1 are zeroed.
+/// else off or empty) and sets its `struct_size` field to the `struct_size` argument. Pass
+/// `sizeof(dsv4_request)`: at least version 1's size and at most 1024, else
+/// `DSV4_ERR_INVALID_ARGUMENT`. Writes exactly
+/// `struct_size` bytes: the fields this library knows, then zeros (fields of a newer header
+/// than the library's, which `dsv4_submit` ignores).
 ///
 /// # Safety
 /// `request` is valid for `struct_size` bytes of writes.
@@ -196,44 +289,15 @@ pub unsafe extern "C" fn dsv4_request_init(
                 "request is NULL: pass a dsv4_request to fill",
             ));
         }
-        check_size("dsv4_request", struct_size, REQUEST_V1)?;
-        // SAFETY: `request` is valid for `struct_size >= REQUEST_V1` bytes per the contract.
+        REQUEST.check("struct_size", struct_size, "pass sizeof(dsv4_request)")?;
+        // SAFETY: `request` is valid for `struct_size` bytes of writes per the contract;
+        // `write_out` writes at most that many, the zeros cover the rest of them.
         unsafe {
-            std::ptr::write_bytes(request.cast::<u8>(), 0, struct_size);
-            request.write(dsv4_request {
-                struct_size: struct_size as u32,
-                prompt: std::ptr::null(),
-                prompt_len: 0,
-                max_new_tokens: 128,
-                stop_tokens: std::ptr::null(),
-                stop_tokens_len: 0,
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                seed: 0,
-                logit_bias_tokens: std::ptr::null(),
-                logit_bias_values: std::ptr::null(),
-                logit_bias_len: 0,
-                priority: 0,
-                deadline_ms: 0,
-                cache_salt: std::ptr::null(),
-                user_tag: 0,
-                logprobs: 0,
-            });
+            let known = write_out(&request_defaults(struct_size as u32), request, struct_size);
+            std::ptr::write_bytes(request.cast::<u8>().add(known), 0, struct_size - known);
         }
         Ok(())
     })
-}
-
-pub(super) fn check_size(what: &str, size: usize, v1: usize) -> Result<()> {
-    if size < v1 {
-        return Err(Error::invalid_argument(format!(
-            "{what}.struct_size = {size} is smaller than version 1 ({v1} bytes): set it to \
-             sizeof({what})"
-        )));
-    }
-    Ok(())
 }
 
 /// # Safety
@@ -263,7 +327,7 @@ fn non_negative(v: &[i32], what: &str) -> Result<Vec<u32>> {
 }
 
 /// # Safety
-/// `r` points to a request of at least version 1 whose pointers honour their lengths.
+/// `r`'s pointers honour their lengths.
 unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
     // SAFETY: forwarded.
     let prompt = unsafe { ids(r.prompt, r.prompt_len, "prompt") }?;
@@ -328,10 +392,14 @@ unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
 /// `admission.max_queued_tokens`; the message names the limit and the current queue),
 /// `DSV4_ERR_SHUTDOWN`. Everything the request points to is copied before returning.
 /// Every accepted request gets exactly one terminal event (FINISHED or ERROR).
+/// `request->struct_size` below version 1 or above 1024: `DSV4_ERR_INVALID_ARGUMENT`. Only
+/// `struct_size` bytes are read; fields past them take their defaults, and bytes past the
+/// fields this library knows (a newer header) are ignored.
 ///
 /// # Safety
-/// `engine` is a live handle; `request` points to an initialised request whose pointers are
-/// valid for their lengths; `request_id` is valid for one write.
+/// `engine` is a live handle; `request` points to an initialised request of
+/// `request->struct_size` bytes whose pointers are valid for their lengths; `request_id` is
+/// valid for one write.
 #[no_mangle]
 pub unsafe extern "C" fn dsv4_submit(
     engine: *const dsv4_engine,
@@ -346,11 +414,18 @@ pub unsafe extern "C" fn dsv4_submit(
                 "request or request_id is NULL: pass a dsv4_request and a uint64_t to receive the id",
             ));
         }
-        // SAFETY: non-NULL; at least the struct_size field is readable.
-        let size = unsafe { (*request).struct_size } as usize;
-        check_size("dsv4_request", size, REQUEST_V1)?;
-        // SAFETY: the struct is at least version 1 per struct_size.
-        let spec = unsafe { spec_of(&*request) }?;
+        // SAFETY: non-NULL; its first field, struct_size, is readable per the contract (an
+        // unaligned read: the library assumes nothing of the caller's alignment).
+        let size = unsafe { std::ptr::addr_of!((*request).struct_size).read_unaligned() } as usize;
+        REQUEST.check(
+            "request->struct_size",
+            size,
+            "initialise the request with dsv4_request_init(&r, sizeof r)",
+        )?;
+        // SAFETY: readable for `size` bytes per the contract; `read_in` reads no more.
+        let local = unsafe { read_in(request, size, request_defaults(size as u32)) };
+        // SAFETY: the caller's pointers, copied by value, honour their lengths per the contract.
+        let spec = unsafe { spec_of(&local) }?;
         let id = engine.submit(spec)?;
         // SAFETY: non-NULL and valid for one write per the contract.
         unsafe { request_id.write(id) };
@@ -361,11 +436,13 @@ pub unsafe extern "C" fn dsv4_submit(
 /// Takes up to `cap` queued events into `events`, `*n_out` of them. Set `events[0].struct_size
 /// = sizeof(dsv4_event)` before the call: it gives the array's element size (so callers built
 /// against an older header keep working: each element gets at most that many bytes, and its
-/// `struct_size` says how many were written); a size below version 1 or above 1024 is
-/// `DSV4_ERR_INVALID_ARGUMENT`. `timeout_ms`: −1 waits for an event (or until the engine has
-/// stopped and every event is taken, or a callback is set), 0 never blocks, > 0 waits at most
-/// that long; a timeout is `DSV4_OK` with `*n_out == 0`. While an event callback is set:
-/// `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL pointers: `DSV4_ERR_INVALID_ARGUMENT`.
+/// `struct_size` says how many were written: the smaller of yours and the library's); a size
+/// below version 1 or above 1024 is `DSV4_ERR_INVALID_ARGUMENT`. Bytes of an element past what
+/// the library writes are left untouched. `timeout_ms`: −1 waits for an event (or until the
+/// engine has stopped and every event is taken, or a callback is set), 0 never blocks, > 0
+/// waits at most that long; a timeout is `DSV4_OK` with `*n_out == 0`. While an event
+/// callback is set: `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL pointers:
+/// `DSV4_ERR_INVALID_ARGUMENT`.
 /// Thread-safe: concurrent pollers each get different events. Events' `message` strings stay
 /// valid until the next `dsv4_poll` on the same thread.
 ///
@@ -400,14 +477,12 @@ pub unsafe extern "C" fn dsv4_poll(
             ));
         }
         // SAFETY: non-NULL; the first element's struct_size is readable per the contract.
-        let stride = unsafe { (*events).struct_size } as usize;
-        check_size("dsv4_event", stride, EVENT_V1)?;
-        if stride > EVENT_MAX_STRIDE {
-            return Err(Error::invalid_argument(format!(
-                "events[0].struct_size = {stride} is not the size of a dsv4_event (at most \
-                 {EVENT_MAX_STRIDE}): set it to sizeof(dsv4_event) before each call"
-            )));
-        }
+        let stride = unsafe { std::ptr::addr_of!((*events).struct_size).read_unaligned() } as usize;
+        EVENT.check(
+            "events[0].struct_size",
+            stride,
+            "set it to sizeof(dsv4_event) before each call",
+        )?;
         let timeout = match timeout_ms {
             t if t < 0 => None,
             t => Some(Duration::from_millis(t as u64)),
@@ -429,15 +504,11 @@ pub unsafe extern "C" fn dsv4_poll(
                 let mut c = to_c(e, message);
                 c.struct_size = written as u32;
                 // SAFETY: `i < cap` elements of `stride` bytes each are writable per the
-                // contract and `written <= stride`; the source is a live local of
-                // `EVENT_SIZE >= written` bytes; byte copies need no alignment.
+                // contract; `write_out` writes at most `stride` bytes of the i-th; the source
+                // is a live local.
                 unsafe {
-                    let at = events.cast::<u8>().add(i * stride);
-                    std::ptr::copy_nonoverlapping(
-                        (&c as *const dsv4_event).cast::<u8>(),
-                        at,
-                        written,
-                    );
+                    let at = events.cast::<u8>().add(i * stride).cast::<dsv4_event>();
+                    write_out(&c, at, stride);
                 }
             }
         });
