@@ -3,21 +3,15 @@
 //! allocated by a number of the file's choosing or gave NaN logits (a negative `rms_norm_eps`).
 //! Each refusal names the key, the value and the accepted range (docs/params.md, "Limits").
 
+mod common;
+
+use common::assert_short;
+
 use dsv4::config::ModelConfig;
 use dsv4::{Error, ErrorKind};
 use serde_json::{json, Map, Value};
 
 const MB: usize = 1 << 20;
-
-/// Messages quote hostile text by its start and length, so they stay readable.
-fn assert_short(err: &Error) {
-    assert!(
-        err.message().len() < 10_000,
-        "a {}-byte message: {:.300}",
-        err.message().len(),
-        err.message()
-    );
-}
 
 /// The published V4-Flash config.json, as a JSON object to mutate.
 fn flash() -> Map<String, Value> {

@@ -3,13 +3,14 @@
 //! or garbled safetensors, wrong shapes or dtypes, config and weights that disagree, empty or
 //! out-of-vocabulary tokens, unbuilt features).
 
-use std::collections::HashMap;
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use dsv4::config::Params;
 use dsv4::engine::Engine;
 use dsv4::ErrorKind;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use serde_json::json;
 
@@ -48,21 +49,8 @@ impl Scratch {
     }
 
     /// Rewrites model.safetensors after `edit` changes the (name → (dtype, shape, bytes)) map.
-    fn edit(&self, edit: impl FnOnce(&mut HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>)) {
-        let file = self.0.join("model.safetensors");
-        let bytes = std::fs::read(&file).unwrap();
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let mut tensors: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = st
-            .tensors()
-            .into_iter()
-            .map(|(n, t)| (n, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
-            .collect();
-        edit(&mut tensors);
-        let views: Vec<(String, TensorView)> = tensors
-            .iter()
-            .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-            .collect();
-        safetensors::serialize_to_file(views, None, &file).unwrap();
+    fn edit(&self, edit: impl FnOnce(&mut common::TensorMap)) {
+        common::edit_safetensors(&self.0.join("model.safetensors"), edit);
     }
 }
 

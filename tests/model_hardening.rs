@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
@@ -14,8 +13,6 @@ use dsv4::config::params::WeightDtype;
 use dsv4::config::{AttentionKind, Params};
 use dsv4::engine::Engine;
 use dsv4::ErrorKind;
-use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
 use serde_json::json;
 
 use common::{fixture, load_model, pools};
@@ -87,25 +84,8 @@ impl Scratch {
     }
 
     /// Rewrites `file` after `edit` changes its (name → (dtype, shape, bytes)) map.
-    fn edit(
-        &self,
-        file: &str,
-        edit: impl FnOnce(&mut HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
-    ) {
-        let path = self.path(file);
-        let bytes = std::fs::read(&path).unwrap();
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let mut tensors: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = st
-            .tensors()
-            .into_iter()
-            .map(|(n, t)| (n, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
-            .collect();
-        edit(&mut tensors);
-        let views: Vec<(String, TensorView)> = tensors
-            .iter()
-            .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-            .collect();
-        safetensors::serialize_to_file(views, None, &path).unwrap();
+    fn edit(&self, file: &str, edit: impl FnOnce(&mut common::TensorMap)) {
+        common::edit_safetensors(&self.path(file), edit);
     }
 
     /// Sets byte(s) of one stored tensor.

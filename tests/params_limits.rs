@@ -4,6 +4,10 @@
 //! and message — which the documented size caps (docs/params.md, "Limits") make deterministic;
 //! none measures time.
 
+mod common;
+
+use common::assert_short;
+
 use dsv4::config::params::MAX_DEVICES;
 use dsv4::config::{Params, MAX_PROBLEMS};
 use dsv4::{Error, ErrorKind};
@@ -15,16 +19,6 @@ fn params_err(doc: &Value) -> Error {
     let err = Params::from_value(doc).expect_err("should be refused");
     assert_eq!(err.kind(), ErrorKind::Config, "{err}");
     err
-}
-
-/// Messages quote hostile text by its start and length, so they stay readable.
-fn assert_short(err: &Error) {
-    assert!(
-        err.message().len() < 10_000,
-        "a {}-byte message: {:.300}",
-        err.message().len(),
-        err.message()
-    );
 }
 
 #[test]

@@ -13,6 +13,7 @@ use dsv4::config::ModelConfig;
 use dsv4::kv::{KvPools, SeqKv};
 use dsv4::model::{Chunk, Logits, Model};
 use dsv4::plan::{self, Plan};
+use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
 
@@ -172,4 +173,34 @@ pub fn prefill(
         cache.after_step(req, &prompt[..end]).unwrap();
     }
     Ok(logits)
+}
+
+/// A safetensors file's tensors by name: (dtype, shape, bytes).
+pub type TensorMap = std::collections::HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
+/// Rewrites the safetensors file at `path` after `edit` changes its tensors.
+pub fn edit_safetensors(path: &Path, edit: impl FnOnce(&mut TensorMap)) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: TensorMap = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// Messages quote hostile text by its start and length, so they stay readable.
+pub fn assert_short(err: &dsv4::Error) {
+    assert!(
+        err.message().len() < 10_000,
+        "a {}-byte message: {:.300}",
+        err.message().len(),
+        err.message()
+    );
 }

@@ -115,9 +115,8 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .read_to_string(&mut text)
             .map_err(|e| Error::io(format!("cannot read {}: {e}", index.display())))?;
         // Strict: a tensor listed twice must not silently map to whichever shard came last.
-        let value: Value = crate::config::json::parse_strict(&text).map_err(|e| {
-            Error::model_format(format!("{}: {e}", index.display()))
-        })?;
+        let value: Value = crate::config::json::parse_strict(&text)
+            .map_err(|e| Error::model_format(format!("{}: {e}", index.display())))?;
         let Some(map) = value.get("weight_map").and_then(Value::as_object) else {
             return Err(Error::model_format(format!(
                 "{} has no `weight_map` object",

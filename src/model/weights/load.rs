@@ -291,17 +291,8 @@ impl<'a> Loader<'a> {
                     cols.div_ceil(block[1]),
                 ]);
                 let scales = self.scales(spec, &loc.scale, &scale_shape)?;
-                let (values, scales, offset) = match expert {
-                    Some(e) => {
-                        let (nv, ns) = (per_expert(raw.bytes.len()), per_expert(scales.len()));
-                        (
-                            &raw.bytes[e * nv..(e + 1) * nv],
-                            scales[e * ns..(e + 1) * ns].to_vec(),
-                            e * ns,
-                        )
-                    }
-                    None => (raw.bytes, scales, 0),
-                };
+                let (values, scales, offset) =
+                    expert_part(expert, self.config.n_routed_experts, raw.bytes, scales);
                 let block_rows =
                     row_range.start / block[0]..(row_range.end.max(1) - 1) / block[0] + 1;
                 self.check_scales(
@@ -330,17 +321,8 @@ impl<'a> Loader<'a> {
                 self.expect_shape(spec, &raw, &stack(vec![matrix_rows, cols / 2]))?;
                 let scale_shape = stack(vec![matrix_rows, cols / block]);
                 let scales = self.scales(spec, &loc.scale, &scale_shape)?;
-                let (values, scales, offset) = match expert {
-                    Some(e) => {
-                        let (nv, ns) = (per_expert(raw.bytes.len()), per_expert(scales.len()));
-                        (
-                            &raw.bytes[e * nv..(e + 1) * nv],
-                            scales[e * ns..(e + 1) * ns].to_vec(),
-                            e * ns,
-                        )
-                    }
-                    None => (raw.bytes, scales, 0),
-                };
+                let (values, scales, offset) =
+                    expert_part(expert, self.config.n_routed_experts, raw.bytes, scales);
                 // One scale row per weight row.
                 self.check_scales(
                     spec,
@@ -502,6 +484,27 @@ fn storage_name(storage: Storage) -> &'static str {
         Storage::Unquantized => "float tensor",
         Storage::Float32 => "f32 tensor",
         Storage::Index => "I64 table",
+    }
+}
+
+/// One expert's quantised values and scales out of a stacked tensor (all of it for `None`),
+/// with the offset of its first scale in the stacked scale tensor.
+fn expert_part(
+    expert: Option<usize>,
+    experts: usize,
+    values: &[u8],
+    scales: Vec<f32>,
+) -> (&[u8], Vec<f32>, usize) {
+    match expert {
+        Some(e) => {
+            let (nv, ns) = (values.len() / experts.max(1), scales.len() / experts.max(1));
+            (
+                &values[e * nv..(e + 1) * nv],
+                scales[e * ns..(e + 1) * ns].to_vec(),
+                e * ns,
+            )
+        }
+        None => (values, scales, 0),
     }
 }
 
