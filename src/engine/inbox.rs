@@ -15,7 +15,7 @@ use crossbeam_channel::Sender;
 use serde_json::Value;
 
 use super::event::EventCallback;
-use super::worker::{Pending, PoolUsage, ShutdownMode};
+use super::worker::{ExportedSequence, Pending, PoolUsage, ShutdownMode};
 use crate::error::Result;
 use crate::kv::cache::Tier;
 
@@ -27,6 +27,8 @@ pub enum Control {
     FlushCache(Tier, Sender<PoolUsage>),
     /// The cache's per-pool, per-tier usage and counters.
     CacheStats(Sender<Value>),
+    /// A decoding request's state (it keeps running).
+    Export(u64, Sender<Result<ExportedSequence>>),
 }
 
 /// Everything taken from the inbox at once, in the order the engine thread handles it.
@@ -190,6 +192,7 @@ mod tests {
             spec: Default::default(),
             submitted: std::time::Instant::now(),
             max_gen: 1,
+            import: None,
         };
         assert!(inbox.submit(pending(1)).is_ok());
         inbox.shutdown(ShutdownMode::Drain);

@@ -28,8 +28,8 @@ pub use metrics::{
 };
 pub use request::RequestSpec;
 pub use sampling::{filtered, Sampler, SamplingParams};
+pub use worker::{ExportedSequence, PoolUsage, ShutdownMode};
 use worker::{Limits, Pending, Shared, Worker};
-pub use worker::{PoolUsage, ShutdownMode};
 
 use crate::backend::cpu::CpuBackend;
 use crate::config::params::{Backend as BackendKind, Params, Role};
@@ -140,8 +140,57 @@ impl Engine {
     /// (a prompt no pool could ever hold), `QueueFull` (admission limits), `Shutdown`. Does not
     /// block. Returns the request id.
     pub fn submit(&self, spec: RequestSpec) -> Result<u64> {
+        self.submit_with(spec, None)
+    }
+
+    /// Continues a sequence exported from another engine with the same params
+    /// ([`Self::export_sequence`]): `spec` is the original request (its prompt must begin the
+    /// exported tokens); the next TOKEN event is number `generated + 1`. Admitted like a
+    /// submit; a state whose layout differs from this engine's ends with an ERROR event.
+    pub fn submit_imported(&self, spec: RequestSpec, sequence: ExportedSequence) -> Result<u64> {
+        let x = &sequence;
+        let problem = if !x.tokens.starts_with(&spec.prompt) {
+            Some("its tokens do not begin with the request's prompt".to_string())
+        } else if x.generated != x.tokens.len() - spec.prompt.len() || x.generated == 0 {
+            Some(format!(
+                "it says {} tokens were generated but holds {} after a {}-token prompt",
+                x.generated,
+                x.tokens.len() - spec.prompt.len(),
+                spec.prompt.len()
+            ))
+        } else if x.state.position + 1 != x.tokens.len() {
+            Some(format!(
+                "its KV covers {} tokens but {} are listed (the last one not yet fed)",
+                x.state.position,
+                x.tokens.len()
+            ))
+        } else if x.generated >= spec.max_new_tokens as usize {
+            Some(format!(
+                "it already generated {} of max_new_tokens = {}",
+                x.generated, spec.max_new_tokens
+            ))
+        } else {
+            None
+        };
+        if let Some(p) = problem {
+            let e = Error::invalid_argument(format!(
+                "the exported sequence does not continue this request: {p}"
+            ));
+            self.shared.metrics.reject(e.kind());
+            return Err(e);
+        }
+        self.submit_with(spec, Some(Box::new(sequence)))
+    }
+
+    /// The state of decoding request `id`, taken between steps; the request keeps running.
+    /// `InvalidArgument` unless it is decoding (after its first TOKEN event).
+    pub fn export_sequence(&self, id: u64) -> Result<ExportedSequence> {
+        self.ask("export_sequence", |tx| Control::Export(id, tx))?
+    }
+
+    fn submit_with(&self, spec: RequestSpec, import: Option<Box<ExportedSequence>>) -> Result<u64> {
         self.alive()?;
-        let result = self.admit(spec);
+        let result = self.admit(spec, import);
         match &result {
             Ok(_) => self.shared.metrics.update(|m| m.requests += 1),
             Err(e) => self.shared.metrics.reject(e.kind()),
@@ -149,12 +198,14 @@ impl Engine {
         result
     }
 
-    fn admit(&self, spec: RequestSpec) -> Result<u64> {
+    fn admit(&self, spec: RequestSpec, import: Option<Box<ExportedSequence>>) -> Result<u64> {
         if !self.shared.inbox.accepting() {
             return Err(shutting_down());
         }
         spec.validate(self.vocab_size())?;
         let prompt = spec.prompt.len();
+        // Admission counts the tokens the request brings: its prompt, or an import's all.
+        let queued = import.as_ref().map_or(prompt, |x| x.tokens.len());
         if prompt > self.context_limit {
             return Err(Error::new(
                 ErrorKind::Capacity,
@@ -181,18 +232,18 @@ impl Engine {
                     ),
                 ));
             }
-            if a.queued_tokens + prompt as u64 > limits.max_queued_tokens {
+            if a.queued_tokens + queued as u64 > limits.max_queued_tokens {
                 return Err(Error::new(
                     ErrorKind::QueueFull,
                     format!(
                         "admission.max_queued_tokens = {} would be exceeded: {} prompt tokens are \
-                         queued and this prompt adds {prompt}: retry later, or raise the limit",
+                         queued and this request adds {queued}: retry later, or raise the limit",
                         limits.max_queued_tokens, a.queued_tokens
                     ),
                 ));
             }
             a.queued_requests += 1;
-            a.queued_tokens += prompt as u64;
+            a.queued_tokens += queued as u64;
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
         self.shared.live().insert(id, spec.user_tag);
@@ -202,6 +253,7 @@ impl Engine {
             spec,
             submitted: Instant::now(),
             max_gen,
+            import,
         };
         // Accepted only if the engine thread will see it: the inbox refuses once a shutdown
         // began, under the same lock the engine thread takes to decide it is done.
@@ -211,7 +263,7 @@ impl Engine {
                 self.shared.live().remove(&id);
                 let mut a = self.shared.admission();
                 a.queued_requests -= 1;
-                a.queued_tokens -= prompt as u64;
+                a.queued_tokens -= queued as u64;
                 Err(shutting_down())
             }
         }

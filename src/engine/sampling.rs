@@ -40,6 +40,12 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// The RNG's exact state: a sampler made with it as the seed draws what this one would
+    /// draw next (sequence export/import).
+    pub fn rng_state(&self) -> u64 {
+        self.rng.get_seed()
+    }
+
     pub fn new(params: SamplingParams, seed: u64) -> Self {
         Self {
             params,

@@ -24,7 +24,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::config::params::SchedulerPolicy;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::layout::PoolId;
-use crate::kv::{PrefixCache, Request};
+use crate::kv::{PrefixCache, Request, SequenceState};
 use crate::model::{Chunk, Logits, Model};
 
 /// How a shutdown ends the requests in flight.
@@ -51,6 +51,20 @@ pub struct Pending {
     pub submitted: Instant,
     /// Tokens this request may generate (max_new_tokens clamped to the context limit).
     pub max_gen: usize,
+    /// Set for a request that continues a sequence exported from another engine.
+    pub import: Option<Box<ExportedSequence>>,
+}
+
+/// A decoding request's complete state, taken between steps (the request keeps running):
+/// the KV regions and their bytes ([`SequenceState`], with the last sampled token and the
+/// sampler's RNG state filled), and the prompt + generated token ids.
+#[derive(Debug, Clone)]
+pub struct ExportedSequence {
+    pub state: SequenceState,
+    pub bytes: Vec<u8>,
+    /// Prompt then generated tokens; the last one is sampled and not yet fed.
+    pub tokens: Vec<u32>,
+    pub generated: usize,
 }
 
 /// Admission counters, shared with submitting threads.
@@ -469,9 +483,24 @@ impl Worker {
 
     fn handle(&mut self, batch: Batch) {
         for p in batch.submits {
+            // An imported request waits like a retracted one: its tokens and sampler are
+            // known; only its KV comes from the export instead of a recompute.
+            let progress = p.import.as_ref().map(|x| {
+                Box::new(Progress {
+                    sampler: Sampler::new(p.spec.sampling.clone(), x.state.rng.unwrap_or_default()),
+                    tokens: x.tokens.clone(),
+                    generated: x.generated,
+                    first_token: None,
+                    last_token: None,
+                    queue_us: 0,
+                    cached: 0,
+                    cached_host: 0,
+                    counted: false,
+                })
+            });
             self.waiting.push(Waiting {
                 pending: Box::new(p),
-                progress: None,
+                progress,
             });
         }
         for id in batch.aborts {
@@ -494,6 +523,9 @@ impl Worker {
                 Control::Score(tokens, reply) => {
                     let _ = reply.send(self.score(&tokens));
                 }
+                Control::Export(id, reply) => {
+                    let _ = reply.send(self.export(id));
+                }
                 Control::CacheStats(reply) => {
                     self.cache.poll();
                     let _ = reply.send(self.cache.stats_json());
@@ -510,6 +542,31 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// The state of decoding request `id` as it stands between steps (it keeps running).
+    fn export(&self, id: u64) -> Result<ExportedSequence> {
+        let r = self
+            .running
+            .iter()
+            .find(|r| r.id == id)
+            .filter(|r| r.decoding())
+            .ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "request {id} is not decoding (unknown, ended, waiting, or still in its \
+                     prefill): export a request after its first TOKEN event"
+                ))
+            })?;
+        let mut state = self.cache.export(&r.req)?;
+        state.last_token = r.p.tokens.last().copied();
+        state.rng = Some(r.p.sampler.rng_state());
+        let bytes = crate::kv::state::read(self.cache.pools(), &state)?;
+        Ok(ExportedSequence {
+            state,
+            bytes,
+            tokens: r.p.tokens.clone(),
+            generated: r.p.generated,
+        })
     }
 
     fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
@@ -719,6 +776,7 @@ impl Worker {
                 spec: r.spec,
                 submitted: r.submitted,
                 max_gen: r.max_gen,
+                import: None,
             }),
             // One that never ran waits again as it was submitted (its queue timeout applies,
             // its seed is drawn when it starts).
@@ -843,15 +901,38 @@ impl Worker {
             }
             let w = &self.waiting[i];
             let salt = w.pending.spec.cache_salt.clone();
-            let mut req = match self.cache.start(salt.as_deref(), w.tokens()) {
+            // What admission counted for it (its tokens), and what it must compute before it
+            // samples: everything, or for an import nothing past the exported position.
+            let queued = w.tokens().len();
+            let started = match &w.pending.import {
+                Some(x) => self
+                    .cache
+                    .import(
+                        salt.as_deref(),
+                        w.pending.spec.prompt.len(),
+                        &x.state,
+                        &x.bytes,
+                    )
+                    .map(|r| (r, x.state.position)),
+                None => self
+                    .cache
+                    .start(salt.as_deref(), w.tokens())
+                    .map(|r| (r, queued)),
+            };
+            let (mut req, prefill_len) = match started {
                 Ok(r) => r,
+                Err(e) if e.kind() != ErrorKind::Capacity && w.pending.import.is_some() => {
+                    // A state this engine can never take (another layout, altered bytes).
+                    log::warn!("request {}: cannot import: {e}", w.pending.id);
+                    self.end_waiting(i, EventKind::Error, FinishReason::None, Some(e));
+                    continue;
+                }
                 Err(e) => {
                     log::warn!("request {}: cannot start: {e}", w.pending.id);
                     self.blocked = true;
                     return;
                 }
             };
-            let prefill_len = w.tokens().len();
             // The prefill's pages now (after its load-back, for a host hit: `finish_loads`);
             // decode pages one at a time (`make_room_for_decode`).
             let loading = req.is_loading();
@@ -869,11 +950,13 @@ impl Worker {
                 return;
             }
             let w = self.waiting.remove(i);
-            let pending = *w.pending;
+            let mut pending = *w.pending;
+            // The KV is in the pools now; the bytes are not needed again.
+            pending.import = None;
             {
                 let mut a = self.shared.admission();
                 a.queued_requests -= 1;
-                a.queued_tokens -= prefill_len as u64;
+                a.queued_tokens -= queued as u64;
             }
             let p = match w.progress {
                 Some(p) => *p,
