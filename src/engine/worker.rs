@@ -138,6 +138,24 @@ struct Progress {
     counted: bool,
 }
 
+impl Progress {
+    /// A request about to run for the first time here: `tokens` (its prompt, or everything an
+    /// imported sequence holds) of which `generated` were sampled.
+    fn new(sampler: Sampler, tokens: Vec<u32>, generated: usize) -> Self {
+        Self {
+            sampler,
+            tokens,
+            generated,
+            first_token: None,
+            last_token: None,
+            queue_us: 0,
+            cached: 0,
+            cached_host: 0,
+            counted: false,
+        }
+    }
+}
+
 struct Waiting {
     pending: Box<Pending>,
     /// Set for a retracted request: recompute its tokens, then continue.
@@ -486,17 +504,11 @@ impl Worker {
             // An imported request waits like a retracted one: its tokens and sampler are
             // known; only its KV comes from the export instead of a recompute.
             let progress = p.import.as_ref().map(|x| {
-                Box::new(Progress {
-                    sampler: Sampler::new(p.spec.sampling.clone(), x.state.rng.unwrap_or_default()),
-                    tokens: x.tokens.clone(),
-                    generated: x.generated,
-                    first_token: None,
-                    last_token: None,
-                    queue_us: 0,
-                    cached: 0,
-                    cached_host: 0,
-                    counted: false,
-                })
+                Box::new(Progress::new(
+                    Sampler::new(p.spec.sampling.clone(), x.state.rng.unwrap_or_default()),
+                    x.tokens.clone(),
+                    x.generated,
+                ))
             });
             self.waiting.push(Waiting {
                 pending: Box::new(p),
@@ -966,17 +978,11 @@ impl Worker {
                     } else {
                         self.rng.u64(..)
                     };
-                    Progress {
-                        sampler: Sampler::new(pending.spec.sampling.clone(), seed),
-                        tokens: pending.spec.prompt.clone(),
-                        generated: 0,
-                        first_token: None,
-                        last_token: None,
-                        queue_us: 0,
-                        cached: 0,
-                        cached_host: 0,
-                        counted: false,
-                    }
+                    Progress::new(
+                        Sampler::new(pending.spec.sampling.clone(), seed),
+                        pending.spec.prompt.clone(),
+                        0,
+                    )
                 }
             };
             let mut p = p;
