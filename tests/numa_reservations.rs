@@ -2,13 +2,16 @@
 //! live engines of the process reserved and have not touched yet, a reservation lasts as long
 //! as its engine, and the touched part is not counted twice.
 
+mod common;
+
+use common::machine::Machine;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dsv4::config::size::human_bytes;
 use dsv4::config::{ModelConfig, Params};
 use dsv4::engine::Engine;
-use dsv4::plan::numa::{MemoryProbe, NodeMemory};
 use dsv4::plan::{self, plan_in, Plan, Registry};
 use dsv4::ErrorKind;
 use serde_json::{json, Value};
@@ -16,28 +19,6 @@ use serde_json::{json, Value};
 const GIB: u64 = 1 << 30;
 
 /// Nodes with (total, free) bytes, the process on node 0, no cgroup limit.
-struct Machine(Vec<(u64, u64)>);
-
-impl MemoryProbe for Machine {
-    fn nodes(&self) -> Vec<NodeMemory> {
-        self.0
-            .iter()
-            .enumerate()
-            .map(|(i, &(total, free))| NodeMemory {
-                index: i as u32,
-                total_bytes: total,
-                free_bytes: free,
-            })
-            .collect()
-    }
-    fn process_node(&self) -> Option<u32> {
-        Some(0)
-    }
-    fn cgroup(&self) -> Option<(u64, u64)> {
-        None
-    }
-}
-
 fn tiny() -> ModelConfig {
     ModelConfig::from_json_str(&dsv4::model::tiny::config_json().to_string(), "dsv4-tiny").unwrap()
 }
@@ -74,7 +55,7 @@ fn resident() -> Option<u64> {
 /// reservation, and accepted once the first is gone.
 #[test]
 fn a_second_engine_that_would_overcommit_is_refused_until_the_first_is_dropped() {
-    let machine = Machine(vec![(24 * GIB, 23 * GIB)]);
+    let machine = Machine::with_nodes(vec![(24 * GIB, 23 * GIB)]);
     let registry = Registry::with_resident_reader(|| None);
     let first_plan = cpu_plan(&machine, &registry, "15GiB", json!({}));
     assert!(first_plan.numa.fits, "{}", first_plan.numa.reason);
@@ -132,7 +113,7 @@ fn a_second_engine_that_would_overcommit_is_refused_until_the_first_is_dropped()
 /// acquire re-checks under the registry's lock.
 #[test]
 fn acquire_rechecks_against_reservations_taken_after_the_plan() {
-    let machine = Machine(vec![(24 * GIB, 23 * GIB)]);
+    let machine = Machine::with_nodes(vec![(24 * GIB, 23 * GIB)]);
     let registry = Registry::with_resident_reader(|| None);
     let a = cpu_plan(&machine, &registry, "12GiB", json!({}));
     let b = cpu_plan(&machine, &registry, "12GiB", json!({}));
@@ -164,14 +145,14 @@ fn acquire_rechecks_against_reservations_taken_after_the_plan() {
 fn touched_memory_is_not_counted_twice() {
     RESIDENT.store(3 * GIB, Ordering::SeqCst);
     let registry = Registry::with_resident_reader(resident);
-    let machine = Machine(vec![(24 * GIB, 23 * GIB)]);
+    let machine = Machine::with_nodes(vec![(24 * GIB, 23 * GIB)]);
     let first = registry
         .acquire(&cpu_plan(&machine, &registry, "15GiB", json!({})))
         .unwrap();
     // The first engine loads and uses 10 GiB: the process grows by that much and the node's
     // free memory shrinks by it.
     RESIDENT.store(13 * GIB, Ordering::SeqCst);
-    let machine = Machine(vec![(24 * GIB, 13 * GIB)]);
+    let machine = Machine::with_nodes(vec![(24 * GIB, 13 * GIB)]);
     let p = cpu_plan(&machine, &registry, "7GiB", json!({}));
     assert_eq!(p.numa.others.resident_bytes, 10 * GIB);
     assert_eq!(p.numa.others.outstanding_bytes, first.bytes() - 10 * GIB);
@@ -196,7 +177,7 @@ fn touched_memory_is_not_counted_twice() {
 /// A reservation counts only on its own node.
 #[test]
 fn reservations_count_on_their_own_node() {
-    let machine = Machine(vec![(24 * GIB, 20 * GIB), (24 * GIB, 20 * GIB)]);
+    let machine = Machine::with_nodes(vec![(24 * GIB, 20 * GIB), (24 * GIB, 20 * GIB)]);
     let registry = Registry::with_resident_reader(|| None);
     let on_one = cpu_plan(
         &machine,

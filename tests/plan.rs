@@ -2,10 +2,13 @@
 //! and the HiCache sizing rules. Expected values are literals from the model reference, never
 //! numbers computed by planner code.
 
+mod common;
+
+use common::machine::Machine;
+
 use std::path::Path;
 
 use dsv4::config::{ModelConfig, Params};
-use dsv4::plan::numa::{MemoryProbe, NodeMemory};
 use dsv4::plan::{plan_with, Plan};
 use dsv4::ErrorKind;
 use serde_json::{json, Value};
@@ -13,42 +16,6 @@ use serde_json::{json, Value};
 const GIB: u64 = 1 << 30;
 
 /// A machine described by the test: nodes with (total, free) bytes and an optional cgroup.
-struct Machine {
-    nodes: Vec<(u64, u64)>,
-    process_node: u32,
-    cgroup: Option<(u64, u64)>,
-}
-
-impl Machine {
-    fn big() -> Self {
-        Self {
-            nodes: vec![(1024 * GIB, 1000 * GIB), (1024 * GIB, 900 * GIB)],
-            process_node: 1,
-            cgroup: None,
-        }
-    }
-}
-
-impl MemoryProbe for Machine {
-    fn nodes(&self) -> Vec<NodeMemory> {
-        self.nodes
-            .iter()
-            .enumerate()
-            .map(|(i, &(total, free))| NodeMemory {
-                index: i as u32,
-                total_bytes: total,
-                free_bytes: free,
-            })
-            .collect()
-    }
-    fn process_node(&self) -> Option<u32> {
-        Some(self.process_node)
-    }
-    fn cgroup(&self) -> Option<(u64, u64)> {
-        self.cgroup
-    }
-}
-
 fn model(name: &str) -> ModelConfig {
     ModelConfig::load(
         &Path::new(env!("CARGO_MANIFEST_DIR"))
