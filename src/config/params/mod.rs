@@ -565,6 +565,19 @@ mod tests {
         assert!(m.contains("`devices` lists GPU 0 twice"), "{m}");
     }
 
+    /// Found by tests/config_property.rs: an index past u32 passed validation and then failed
+    /// to deserialize, an INTERNAL error instead of CONFIG.
+    #[test]
+    fn device_indices_beyond_u32_are_a_config_error() {
+        let e = err(json!({"devices": [4294967296u64]}));
+        assert_eq!(e.kind(), crate::error::ErrorKind::Config, "{e}");
+        assert!(
+            e.to_string()
+                .contains("`devices[0]` = 4294967296 is not a GPU index"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn choices_suggest_the_closest_value() {
         let m = err(json!({"hicache": {"write_policy": "write_trough"}})).to_string();

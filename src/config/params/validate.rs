@@ -208,6 +208,13 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
             let mut seen = HashSet::with_capacity(items.len());
             for (i, item) in items.iter().enumerate() {
                 match item.as_u64() {
+                    Some(n) if n > u64::from(u32::MAX) => {
+                        return Err(format!(
+                            "`{path}[{i}]` = {n} is not a GPU index (at most {}): use the index \
+                             nvidia-smi shows",
+                            u32::MAX
+                        ))
+                    }
                     Some(n) if !seen.insert(n) => {
                         return Err(format!("`{path}` lists GPU {n} twice: list each GPU once"))
                     }
