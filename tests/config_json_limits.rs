@@ -163,3 +163,22 @@ fn a_config_json_with_100_000_bad_entries_lists_fifty() {
         "{m}"
     );
 }
+
+/// Found by tests/config_property.rs: unsupported enum-like strings in config.json were echoed
+/// whole (a 64 KiB `expert_dtype` made a 64 KiB message); they are quoted shortened like params.
+#[test]
+fn long_unsupported_strings_are_quoted_shortened() {
+    let long = "x".repeat(100_000);
+    // (`dtype` is read only in the official form; this is the Hugging Face one.)
+    for key in ["expert_dtype", "scoring_func", "torch_dtype", "model_type"] {
+        let mut c = flash();
+        c.insert(key.into(), Value::String(long.clone()));
+        let text = serde_json::to_string(&c).unwrap();
+        let err = ModelConfig::from_json_str(&text, "flash").expect_err(key);
+        assert_short(&err);
+        assert!(
+            err.message().contains("(100000 bytes)"),
+            "{key}: {err:.300}"
+        );
+    }
+}

@@ -19,7 +19,7 @@ use serde_json::{Map, Value};
 
 use super::json::parse_strict;
 use super::problems_error;
-use super::size::describe;
+use super::size::{describe, shorten};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The largest config.json accepted, in bytes (a DeepSeek V4 one is about 3 KB).
@@ -480,7 +480,8 @@ fn parse(r: &mut Reader<'_>, fallback_name: &str) -> ModelConfig {
     if let Some(model_type) = r.string(&["model_type"]) {
         if model_type != "deepseek_v4" {
             r.problem(format!(
-                "`model_type` is \"{model_type}\": dsv4 serves DeepSeek V4 (\"deepseek_v4\") only"
+                "`model_type` is \"{}\": dsv4 serves DeepSeek V4 (\"deepseek_v4\") only",
+                shorten(&model_type)
             ));
         }
     }
@@ -537,7 +538,8 @@ fn parse(r: &mut Reader<'_>, fallback_name: &str) -> ModelConfig {
         "softmax" => ScoringFunc::Softmax,
         other => {
             r.problem(format!(
-                "`scoring_func` \"{other}\" is unknown: use sqrtsoftplus, sigmoid or softmax"
+                "`scoring_func` \"{}\" is unknown: use sqrtsoftplus, sigmoid or softmax",
+                shorten(other)
             ));
             ScoringFunc::SqrtSoftplus
         }
@@ -646,8 +648,9 @@ fn compress_rates(r: &mut Reader) -> (usize, usize) {
                 "compressed_sparse_attention" => rates.0 = rate as usize,
                 "heavily_compressed_attention" => rates.1 = rate as usize,
                 other => r.problem(format!(
-                    "`compress_rates` names an unknown layer type \"{other}\": use \
-                     compressed_sparse_attention or heavily_compressed_attention"
+                    "`compress_rates` names an unknown layer type \"{}\": use \
+                     compressed_sparse_attention or heavily_compressed_attention",
+                    shorten(other)
                 )),
             }
         }
@@ -979,7 +982,8 @@ fn rope_dict(r: &mut Reader, name: &str, value: &Value, default_theta: f64) -> R
         }
         other => {
             r.problem(format!(
-                "`{name}.rope_type` \"{other}\" is not supported: DeepSeek V4 uses default or yarn"
+                "`{name}.rope_type` \"{}\" is not supported: DeepSeek V4 uses default or yarn",
+                shorten(other)
             ));
             None
         }
@@ -1074,7 +1078,8 @@ fn weight_formats(r: &mut Reader, form: ConfigForm) -> (DenseFormat, ExpertForma
     let unquantized = match r.string(&["torch_dtype"]) {
         Some(name) => torch(&name).unwrap_or_else(|| {
             r.problem(format!(
-                "`torch_dtype` \"{name}\" is not supported: use float32, bfloat16 or float16"
+                "`torch_dtype` \"{}\" is not supported: use float32, bfloat16 or float16",
+                shorten(&name)
             ));
             DenseFormat::Bf16
         }),
@@ -1118,7 +1123,8 @@ fn weight_formats(r: &mut Reader, form: ConfigForm) -> (DenseFormat, ExpertForma
             Some(other) => match torch(other) {
                 Some(format) => dense = format,
                 None => r.problem(format!(
-                    "`dtype` \"{other}\" is not supported: use fp8 or bf16"
+                    "`dtype` \"{}\" is not supported: use fp8 or bf16",
+                    shorten(other)
                 )),
             },
         },
@@ -1128,7 +1134,8 @@ fn weight_formats(r: &mut Reader, form: ConfigForm) -> (DenseFormat, ExpertForma
         Some("fp8") | None => ExpertFormat::Dense,
         Some(other) => {
             r.problem(format!(
-                "`expert_dtype` \"{other}\" is not supported: use fp4 or leave it out"
+                "`expert_dtype` \"{}\" is not supported: use fp4 or leave it out",
+                shorten(other)
             ));
             ExpertFormat::Dense
         }
