@@ -66,8 +66,8 @@ fn drain(engine: &Engine, n: usize) -> Vec<f64> {
     let (mut ttft, mut ended) = (Vec::new(), 0);
     while ended < n {
         for e in engine.poll(256, Some(Duration::from_millis(50))).unwrap() {
-            if e.kind == EventKind::Token && e.generated_tokens == 1 {
-                ttft.push(e.ttft_us as f64 / 1000.0);
+            if e.kind() == EventKind::Token && e.stats().generated_tokens == 1 {
+                ttft.push(e.stats().ttft_us as f64 / 1000.0);
             }
             ended += usize::from(e.is_terminal());
         }
@@ -129,8 +129,8 @@ fn main() {
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 for e in engine.poll(512, Some(Duration::from_millis(20))).unwrap() {
-                    if e.kind == EventKind::Token && e.generated_tokens == 1 {
-                        out.lock().unwrap().push(e.ttft_us as f64 / 1000.0);
+                    if e.kind() == EventKind::Token && e.stats().generated_tokens == 1 {
+                        out.lock().unwrap().push(e.stats().ttft_us as f64 / 1000.0);
                     }
                 }
             }

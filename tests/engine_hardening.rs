@@ -78,7 +78,7 @@ fn every_request_accepted_while_another_thread_shuts_down_gets_one_terminal_even
                 break;
             }
             for e in events.iter().filter(|e| e.is_terminal()) {
-                *terminals.entry(e.request_id).or_default() += 1;
+                *terminals.entry(e.request_id()).or_default() += 1;
             }
         }
         for id in &ids {
@@ -128,7 +128,7 @@ struct CallsFromCallback {
 
 impl EventCallback for CallsFromCallback {
     fn deliver(&self, event: &Event) {
-        if event.kind != EventKind::Token || self.tried.swap(true, Ordering::SeqCst) {
+        if event.kind() != EventKind::Token || self.tried.swap(true, Ordering::SeqCst) {
             return;
         }
         let engine = self.engine.lock().unwrap().clone().unwrap();
@@ -149,7 +149,7 @@ impl EventCallback for CallsFromCallback {
         // Non-blocking calls work from a callback.
         let id = engine.submit(greedy(&self.prompt, 1)).unwrap();
         self.submitted.lock().unwrap().push(id);
-        engine.abort(event.request_id).unwrap();
+        engine.abort(event.request_id()).unwrap();
         let _ = engine.metrics();
     }
 }
@@ -339,11 +339,11 @@ fn unpolled_events_stay_bounded_and_paused_requests_lose_nothing() {
         // A slow host: the engine has ample time to run ahead between polls.
         std::thread::sleep(Duration::from_millis(150));
         let got = engine.poll(100_000, Some(Duration::ZERO)).unwrap();
-        let tokens = got.iter().filter(|e| e.kind == EventKind::Token).count();
+        let tokens = got.iter().filter(|e| e.kind() == EventKind::Token).count();
         most = most.max(tokens);
         for e in got {
             ended += usize::from(e.is_terminal());
-            events.entry(e.request_id).or_default().push(e);
+            events.entry(e.request_id()).or_default().push(e);
         }
     }
     // 8 queued + at most one step's token for each of the 4 running requests.
@@ -356,8 +356,8 @@ fn unpolled_events_stay_bounded_and_paused_requests_lose_nothing() {
         let got = &events[id];
         let numbers: Vec<u32> = got
             .iter()
-            .filter(|e| e.kind == EventKind::Token)
-            .map(|e| e.generated_tokens)
+            .filter(|e| e.kind() == EventKind::Token)
+            .map(|e| e.stats().generated_tokens)
             .collect();
         assert_eq!(
             numbers,
@@ -365,6 +365,6 @@ fn unpolled_events_stay_bounded_and_paused_requests_lose_nothing() {
             "request {id}: gaps"
         );
         assert_eq!(tokens_of(got), tokens_of(alone));
-        assert_eq!(terminal(got).finish_reason, FinishReason::Length);
+        assert_eq!(terminal(got).finish_reason(), Some(FinishReason::Length));
     }
 }

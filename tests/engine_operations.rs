@@ -55,10 +55,13 @@ fn metrics_match_a_known_workload() {
     let ran: Vec<&Vec<dsv4::engine::Event>> = all.values().collect();
     let terminals: Vec<_> = ran.iter().map(|e| terminal(e)).collect();
     let tokens: usize = ran.iter().map(|e| tokens_of(e).len()).sum();
-    let prompt: u64 = terminals.iter().map(|t| u64::from(t.prompt_tokens)).sum();
+    let prompt: u64 = terminals
+        .iter()
+        .map(|t| u64::from(t.stats().prompt_tokens))
+        .sum();
     let cached: u64 = terminals
         .iter()
-        .map(|t| u64::from(t.cached_tokens_device))
+        .map(|t| u64::from(t.stats().cached_tokens_device))
         .sum();
     assert_eq!(m.requests, accepted.len() as u64 + 2);
     assert_eq!(m.rejected(Rejection::QueueFull), queue_full);
@@ -70,14 +73,17 @@ fn metrics_match_a_known_workload() {
     assert_eq!(m.generation_tokens, tokens as u64);
     assert_eq!(m.prompt_tokens, prompt);
     assert_eq!(m.cached_tokens_device, cached);
-    assert_eq!(terminal(&all[&repeat]).cached_tokens_device, 128);
+    assert_eq!(terminal(&all[&repeat]).stats().cached_tokens_device, 128);
     assert_eq!(m.cached_tokens_host, 0);
     let ran_count = terminals.len() as u64;
     assert_eq!(m.ttft.count, ran_count);
     assert_eq!(m.queue_time.count, ran_count);
     assert_eq!(m.e2e.count, ran_count);
     assert_eq!(m.itl.count, tokens as u64 - ran_count);
-    let ttft_sum: f64 = terminals.iter().map(|t| t.ttft_us as f64 * 1e-6).sum();
+    let ttft_sum: f64 = terminals
+        .iter()
+        .map(|t| t.stats().ttft_us as f64 * 1e-6)
+        .sum();
     assert!(
         (m.ttft.sum - ttft_sum).abs() < 1e-3 * ran_count as f64,
         "{} vs {ttft_sum}",
@@ -152,15 +158,15 @@ fn a_retracted_request_is_recomputed_and_its_output_is_unchanged() {
         assert_eq!(tokens_of(e), want[k], "request {k}");
         let end = terminal(e);
         assert_eq!(
-            (end.kind, end.finish_reason),
-            (EventKind::Finished, FinishReason::Length)
+            (end.kind(), end.finish_reason()),
+            (EventKind::Finished, Some(FinishReason::Length))
         );
-        assert_eq!(end.generated_tokens, 300);
+        assert_eq!(end.stats().generated_tokens, 300);
         // Token events are numbered without gaps or repeats across the retraction.
         let counts: Vec<u32> = e
             .iter()
-            .filter(|e| e.kind == EventKind::Token)
-            .map(|e| e.generated_tokens)
+            .filter(|e| e.kind() == EventKind::Token)
+            .map(|e| e.stats().generated_tokens)
             .collect();
         assert_eq!(counts, (1..=300).collect::<Vec<u32>>());
     }
@@ -189,11 +195,11 @@ fn first_token_order(engine: &Engine, ids: &[u64]) -> Vec<u64> {
     let (mut order, mut ended) = (Vec::new(), 0);
     while ended < ids.len() {
         for e in engine.poll(64, Some(Duration::from_secs(30))).unwrap() {
-            if !ids.contains(&e.request_id) {
+            if !ids.contains(&e.request_id()) {
                 continue;
             }
-            if e.kind == EventKind::Token && !order.contains(&e.request_id) {
-                order.push(e.request_id);
+            if e.kind() == EventKind::Token && !order.contains(&e.request_id()) {
+                order.push(e.request_id());
             }
             ended += usize::from(e.is_terminal());
         }
@@ -214,7 +220,7 @@ fn run_order(extra: serde_json::Value, warm: &[u32], specs: Vec<RequestSpec>) ->
     loop {
         let e = engine.poll(1, Some(Duration::from_secs(30))).unwrap();
         if e.iter()
-            .any(|e| e.request_id == blocker && e.kind == EventKind::Token)
+            .any(|e| e.request_id() == blocker && e.kind() == EventKind::Token)
         {
             break;
         }
@@ -270,7 +276,7 @@ fn with_the_prefix_cache_off_every_prompt_is_computed() {
     let b = engine.submit(exact(prompt, 8)).unwrap();
     let eb = collect(&engine, &[b]);
     assert_eq!(tokens_of(&ea[&a]), tokens_of(&eb[&b]));
-    assert_eq!(terminal(&eb[&b]).cached_tokens_device, 0);
+    assert_eq!(terminal(&eb[&b]).stats().cached_tokens_device, 0);
     let m = engine.metrics();
     assert_eq!(
         (

@@ -21,11 +21,14 @@ fn greedy_generation_matches_argmax_of_full_scoring_and_reuses_the_cache() {
     let got = tokens_of(&events[&id]);
     assert_eq!(got.len(), 20);
     let end = terminal(&events[&id]);
-    assert_eq!(end.kind, EventKind::Finished);
-    assert_eq!(end.finish_reason, FinishReason::Length);
-    assert_eq!((end.prompt_tokens, end.generated_tokens), (260, 20));
-    assert_eq!(end.cached_tokens_device, 0);
-    assert!(end.ttft_us > 0 && end.elapsed_us >= end.ttft_us);
+    assert_eq!(end.kind(), EventKind::Finished);
+    assert_eq!(end.finish_reason(), Some(FinishReason::Length));
+    assert_eq!(
+        (end.stats().prompt_tokens, end.stats().generated_tokens),
+        (260, 20)
+    );
+    assert_eq!(end.stats().cached_tokens_device, 0);
+    assert!(end.stats().ttft_us > 0 && end.stats().elapsed_us >= end.stats().ttft_us);
     // Independent check: every generated token is the argmax of a full scoring pass.
     let mut seq: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
     seq.extend(got.iter().map(|&t| t as i32));
@@ -43,7 +46,7 @@ fn greedy_generation_matches_argmax_of_full_scoring_and_reuses_the_cache() {
     let id2 = engine.submit(greedy(prompt, 20)).unwrap();
     let events2 = collect(&engine, &[id2]);
     assert_eq!(tokens_of(&events2[&id2]), got);
-    assert_eq!(terminal(&events2[&id2]).cached_tokens_device, 256);
+    assert_eq!(terminal(&events2[&id2]).stats().cached_tokens_device, 256);
     engine.shutdown(ShutdownMode::Drain, None).unwrap();
 }
 
@@ -100,13 +103,13 @@ fn stop_tokens_eos_and_logprobs() {
     let events = &collect(&engine, &[id])[&id];
     assert_eq!(tokens_of(events), free[..=first].to_vec());
     let end = terminal(events);
-    assert_eq!(end.finish_reason, FinishReason::Stop);
-    assert!(events.iter().all(|e| e.user_tag == 77));
-    for e in events.iter().filter(|e| e.kind == EventKind::Token) {
+    assert_eq!(end.finish_reason(), Some(FinishReason::Stop));
+    assert!(events.iter().all(|e| e.user_tag() == 77));
+    for e in events.iter().filter(|e| e.kind() == EventKind::Token) {
         assert!(
-            e.logprob < 0.0 && e.logprob > -20.0,
+            e.logprob() < 0.0 && e.logprob() > -20.0,
             "logprob {}",
-            e.logprob
+            e.logprob()
         );
     }
     // A logit bias on EOS (id 1) makes it the greedy choice: STOP after one token.
@@ -115,7 +118,7 @@ fn stop_tokens_eos_and_logprobs() {
     let id = engine.submit(spec).unwrap();
     let events = &collect(&engine, &[id])[&id];
     assert_eq!(tokens_of(events), vec![1]);
-    assert_eq!(terminal(events).finish_reason, FinishReason::Stop);
+    assert_eq!(terminal(events).finish_reason(), Some(FinishReason::Stop));
 }
 
 #[test]
@@ -184,9 +187,18 @@ fn admission_refuses_at_once_and_names_the_limit() {
     assert!(e.message().contains("token id 100000 at index 1"), "{e}");
     engine.abort(a).unwrap();
     let events = collect(&engine, &[a, b]);
-    assert_eq!(terminal(&events[&a]).finish_reason, FinishReason::Aborted);
-    assert_eq!(terminal(&c_events[&c]).finish_reason, FinishReason::Aborted);
-    assert_eq!(terminal(&events[&b]).finish_reason, FinishReason::Length);
+    assert_eq!(
+        terminal(&events[&a]).finish_reason(),
+        Some(FinishReason::Aborted)
+    );
+    assert_eq!(
+        terminal(&c_events[&c]).finish_reason(),
+        Some(FinishReason::Aborted)
+    );
+    assert_eq!(
+        terminal(&events[&b]).finish_reason(),
+        Some(FinishReason::Length)
+    );
     assert_eq!(engine.abort(a).unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(engine.abort(999).unwrap_err().kind(), ErrorKind::NotFound);
 }
@@ -202,8 +214,8 @@ fn queue_timeouts_and_deadlines_end_requests_with_timeout() {
     let waiting = engine.submit(greedy(&ids[..20], 4)).unwrap();
     let events = collect(&engine, &[waiting]);
     let end = terminal(&events[&waiting]);
-    assert_eq!(end.finish_reason, FinishReason::Timeout);
-    assert_eq!(end.generated_tokens, 0);
+    assert_eq!(end.finish_reason(), Some(FinishReason::Timeout));
+    assert_eq!(end.stats().generated_tokens, 0);
     engine.abort(long).unwrap();
     collect(&engine, &[long]);
     // A running request past its deadline.
@@ -212,9 +224,9 @@ fn queue_timeouts_and_deadlines_end_requests_with_timeout() {
     let id = engine.submit(spec).unwrap();
     let events = collect(&engine, &[id]);
     let end = terminal(&events[&id]);
-    assert_eq!(end.finish_reason, FinishReason::Timeout);
-    assert!(end.generated_tokens > 0);
-    assert!(end.elapsed_us >= 400_000);
+    assert_eq!(end.finish_reason(), Some(FinishReason::Timeout));
+    assert!(end.stats().generated_tokens > 0);
+    assert!(end.stats().elapsed_us >= 400_000);
 }
 
 #[test]
@@ -227,7 +239,10 @@ fn shutdown_drain_finishes_and_abort_ends_everything() {
     assert_eq!(e.kind(), ErrorKind::Shutdown);
     // Terminal events stay pollable after shutdown.
     let events = collect(&engine, &[a]);
-    assert_eq!(terminal(&events[&a]).finish_reason, FinishReason::Length);
+    assert_eq!(
+        terminal(&events[&a]).finish_reason(),
+        Some(FinishReason::Length)
+    );
     assert_eq!(tokens_of(&events[&a]).len(), 8);
     assert!(
         engine.poll(8, None).unwrap().is_empty(),
@@ -244,7 +259,10 @@ fn shutdown_drain_finishes_and_abort_ends_everything() {
         .unwrap();
     let events = collect(&engine, &running);
     for id in &running {
-        assert_eq!(terminal(&events[id]).finish_reason, FinishReason::Aborted);
+        assert_eq!(
+            terminal(&events[id]).finish_reason(),
+            Some(FinishReason::Aborted)
+        );
     }
 }
 
@@ -269,8 +287,8 @@ fn higher_priority_runs_first_then_first_come_first_served() {
     let deadline = Instant::now() + Duration::from_secs(60);
     while order.len() < 3 && Instant::now() < deadline {
         for e in engine.poll(64, Some(Duration::from_millis(100))).unwrap() {
-            if e.is_terminal() && e.request_id != blocker {
-                order.push(e.request_id);
+            if e.is_terminal() && e.request_id() != blocker {
+                order.push(e.request_id());
             }
         }
     }

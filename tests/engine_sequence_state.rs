@@ -15,7 +15,7 @@ use serde_json::json;
 /// Polls `engine` until `id` has `n` TOKEN events (or ended); returns its events so far.
 fn events_until(engine: &Engine, id: u64, n: usize, out: &mut Vec<Event>) {
     let start = Instant::now();
-    while out.iter().filter(|e| e.kind == EventKind::Token).count() < n
+    while out.iter().filter(|e| e.kind() == EventKind::Token).count() < n
         && !out.iter().any(|e| e.is_terminal())
     {
         assert!(start.elapsed() < Duration::from_secs(60), "no progress");
@@ -24,7 +24,7 @@ fn events_until(engine: &Engine, id: u64, n: usize, out: &mut Vec<Event>) {
                 .poll(64, Some(Duration::from_millis(20)))
                 .unwrap()
                 .into_iter()
-                .filter(|e| e.request_id == id),
+                .filter(|e| e.request_id() == id),
         );
     }
 }
@@ -81,10 +81,16 @@ fn an_exported_sequence_continues_bit_equal_on_another_engine() {
             .unwrap();
         let mut from_b = Vec::new();
         finish(&b, id_b, &mut from_b);
-        let tokens = |evs: &[Event]| -> Vec<(u32, i32, u32)> {
+        let tokens = |evs: &[Event]| -> Vec<(u32, Option<u32>, u32)> {
             evs.iter()
-                .filter(|e| e.kind == EventKind::Token)
-                .map(|e| (e.generated_tokens, e.token, e.logprob.to_bits()))
+                .filter(|e| e.kind() == EventKind::Token)
+                .map(|e| {
+                    (
+                        e.stats().generated_tokens,
+                        e.token_id(),
+                        e.logprob().to_bits(),
+                    )
+                })
                 .collect()
         };
         let a_tokens = tokens(&from_a);
@@ -94,7 +100,7 @@ fn an_exported_sequence_continues_bit_equal_on_another_engine() {
             a_tokens[g..].to_vec(),
             "prompt {len}, exported after {g} tokens: engine B differs from the uninterrupted run"
         );
-        assert_eq!(terminal(&from_b).generated_tokens, 40);
+        assert_eq!(terminal(&from_b).stats().generated_tokens, 40);
         assert_eq!(b.metrics().pools.device_slots.used, 0);
     }
 }
@@ -127,9 +133,9 @@ fn exports_of_requests_not_decoding_and_mismatched_imports_are_refused() {
     let mut from_b = Vec::new();
     finish(&b, id_b, &mut from_b);
     let end = terminal(&from_b);
-    assert_eq!(end.kind, EventKind::Error);
-    assert_eq!(end.error, Some(ErrorKind::InvalidArgument));
-    assert!(from_b.iter().all(|e| e.kind != EventKind::Token));
+    assert_eq!(end.kind(), EventKind::Error);
+    assert_eq!(end.error_kind(), Some(ErrorKind::InvalidArgument));
+    assert!(from_b.iter().all(|e| e.kind() != EventKind::Token));
     let m = b.metrics();
     assert_eq!(
         (m.queued, m.queued_tokens, m.pools.device_pages.used),

@@ -82,7 +82,7 @@ fn stress(doc: serde_json::Value, tight: bool) -> MetricsSnapshot {
                             let events = engine.poll(32, Some(Duration::from_millis(20))).unwrap();
                             let mut b = books.lock().unwrap();
                             for e in &events {
-                                assert!(e.is_terminal() || e.kind == EventKind::Token);
+                                assert!(e.is_terminal() || e.kind() == EventKind::Token);
                                 b.event(e);
                             }
                         }

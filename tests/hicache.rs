@@ -27,7 +27,7 @@ fn engine(hicache: Value) -> Engine {
 }
 
 /// Greedy tokens with their log-probabilities, and the terminal event.
-fn generate(engine: &Engine, prompt: &[u32]) -> (Vec<(i32, f32)>, Event) {
+fn generate(engine: &Engine, prompt: &[u32]) -> (Vec<(u32, f32)>, Event) {
     let spec = RequestSpec {
         prompt: prompt.to_vec(),
         max_new_tokens: 16,
@@ -45,9 +45,9 @@ fn generate(engine: &Engine, prompt: &[u32]) -> (Vec<(i32, f32)>, Event) {
     loop {
         assert!(Instant::now() < deadline);
         for e in engine.poll(64, Some(Duration::from_millis(100))).unwrap() {
-            assert_eq!(e.request_id, id);
-            match e.kind {
-                EventKind::Token => tokens.push((e.token, e.logprob)),
+            assert_eq!(e.request_id(), id);
+            match e.kind() {
+                EventKind::Token => tokens.push((e.token_id().unwrap(), e.logprob())),
                 EventKind::Finished => return (tokens, e),
                 EventKind::Error => panic!("request failed: {e:?}"),
             }
@@ -60,21 +60,30 @@ fn device_hits_host_hits_and_write_back_round_trips_give_identical_tokens() {
     let ids = common::ids("flash-like");
     let prompt = &ids[..300];
     let (reference, cold) = generate(&engine(json!({"enabled": false})), prompt);
-    assert_eq!(cold.cached_tokens_device + cold.cached_tokens_host, 0);
+    assert_eq!(
+        cold.stats().cached_tokens_device + cold.stats().cached_tokens_host,
+        0
+    );
 
     let through = engine(json!({"enabled": true, "ratio": 2.0, "write_policy": "write_through"}));
     let (first, _) = generate(&through, prompt);
     assert_eq!(first, reference, "cold run with a host tier");
     let (device_hit, e) = generate(&through, prompt);
     assert_eq!(device_hit, reference);
-    assert_eq!((e.cached_tokens_device, e.cached_tokens_host), (256, 0));
+    assert_eq!(
+        (e.stats().cached_tokens_device, e.stats().cached_tokens_host),
+        (256, 0)
+    );
     through.flush_cache(Tier::Device).unwrap();
     let (host_hit, e) = generate(&through, prompt);
     assert_eq!(
         host_hit, reference,
         "bit-identical tokens and log-probabilities"
     );
-    assert_eq!((e.cached_tokens_device, e.cached_tokens_host), (0, 256));
+    assert_eq!(
+        (e.stats().cached_tokens_device, e.stats().cached_tokens_host),
+        (0, 256)
+    );
     let stats = through.cache_stats().unwrap();
     assert_eq!(stats["hits"]["host"], 1);
     assert!(stats["loadback"]["bytes"].as_u64().unwrap() > 0);
@@ -86,7 +95,10 @@ fn device_hits_host_hits_and_write_back_round_trips_give_identical_tokens() {
     // Flushing the host tier too leaves nothing to hit.
     through.flush_cache(Tier::All).unwrap();
     let (_, e) = generate(&through, prompt);
-    assert_eq!(e.cached_tokens_device + e.cached_tokens_host, 0);
+    assert_eq!(
+        e.stats().cached_tokens_device + e.stats().cached_tokens_host,
+        0
+    );
 
     let back = engine(json!({"enabled": true, "ratio": 2.0, "write_policy": "write_back"}));
     generate(&back, prompt);
@@ -106,7 +118,10 @@ fn device_hits_host_hits_and_write_back_round_trips_give_identical_tokens() {
     );
     let (round_trip, e) = generate(&back, prompt);
     assert_eq!(round_trip, reference);
-    assert_eq!((e.cached_tokens_device, e.cached_tokens_host), (0, 256));
+    assert_eq!(
+        (e.stats().cached_tokens_device, e.stats().cached_tokens_host),
+        (0, 256)
+    );
 
     let selective =
         engine(json!({"enabled": true, "ratio": 2.0, "write_policy": "write_through_selective"}));
@@ -117,7 +132,7 @@ fn device_hits_host_hits_and_write_back_round_trips_give_identical_tokens() {
     selective.flush_cache(Tier::Device).unwrap();
     let (again, e) = generate(&selective, prompt);
     assert_eq!(again, reference);
-    assert_eq!(e.cached_tokens_host, 256);
+    assert_eq!(e.stats().cached_tokens_host, 256);
     selective.shutdown(ShutdownMode::Drain, None).unwrap();
 }
 

@@ -455,13 +455,13 @@ fn a_request_on_nan_weights_ends_with_model_format_naming_the_layer() {
         events.extend(engine.poll(16, Some(Duration::from_millis(100))).unwrap());
     }
     assert!(
-        events.iter().all(|e| e.kind != EventKind::Token),
+        events.iter().all(|e| e.kind() != EventKind::Token),
         "no token sampled from NaN logits: {events:?}"
     );
     let end = events.last().unwrap();
-    assert_eq!((end.request_id, end.kind), (id, EventKind::Error));
-    assert_eq!(end.error, Some(ErrorKind::ModelFormat));
-    let message = end.message.as_deref().unwrap();
+    assert_eq!((end.request_id(), end.kind()), (id, EventKind::Error));
+    assert_eq!(end.error_kind(), Some(ErrorKind::ModelFormat));
+    let message = end.message().unwrap();
     assert!(
         message.contains("layer 1 (CSA) attention output")
             && message.contains("layers.1.attn.wo_b.weight"),

@@ -191,34 +191,36 @@ pub fn replay(engine: &Engine, w: &Workload, mut progress: impl FnMut(usize, usi
             .poll(512, Some(Duration::from_millis(5)))
             .expect("poll");
         for e in events {
-            let Some(&u) = owner.get(&e.request_id) else {
+            let Some(&u) = owner.get(&e.request_id()) else {
                 continue;
             };
             let user = &mut users[u];
-            match e.kind {
+            match e.kind() {
                 EventKind::Token => {
                     if user.answer.is_empty() {
-                        report.ttft_us.push(e.ttft_us);
+                        report.ttft_us.push(e.stats().ttft_us);
                     } else {
-                        report.itl_us.push(e.elapsed_us - user.last_token_us);
+                        report
+                            .itl_us
+                            .push(e.stats().elapsed_us - user.last_token_us);
                     }
-                    user.last_token_us = e.elapsed_us;
-                    user.answer.push(e.token as u32);
+                    user.last_token_us = e.stats().elapsed_us;
+                    user.answer.extend(e.token_id());
                 }
                 EventKind::Finished | EventKind::Error => {
-                    if e.kind == EventKind::Error {
+                    if e.kind() == EventKind::Error {
                         report.errors += 1;
                     }
                     report.requests += 1;
-                    report.prompt_tokens += u64::from(e.prompt_tokens);
-                    report.generated_tokens += u64::from(e.generated_tokens);
-                    report.cached_device += u64::from(e.cached_tokens_device);
-                    report.cached_host += u64::from(e.cached_tokens_host);
+                    report.prompt_tokens += u64::from(e.stats().prompt_tokens);
+                    report.generated_tokens += u64::from(e.stats().generated_tokens);
+                    report.cached_device += u64::from(e.stats().cached_tokens_device);
+                    report.cached_host += u64::from(e.stats().cached_tokens_host);
                     let answer = std::mem::take(&mut user.answer);
                     user.history.extend(answer);
                     user.in_flight = None;
                     user.turn += 1;
-                    owner.remove(&e.request_id);
+                    owner.remove(&e.request_id());
                     progress(report.requests, total);
                 }
             }

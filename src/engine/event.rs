@@ -5,8 +5,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 
+/// Which of the three events an [`Event`] is (for matching on the kind alone).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventKind {
     Token,
@@ -14,29 +15,27 @@ pub enum EventKind {
     Error,
 }
 
+/// Why a request finished normally.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    None,
     Length,
     Stop,
     Aborted,
     Timeout,
 }
 
-/// One event. Counters and timings are filled on terminal events (and the token ones where
-/// known: `ttft_us` from the first token on).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Event {
+/// The request an event belongs to: every event carries both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Origin {
     pub request_id: u64,
+    /// The host's tag from the request (`RequestSpec::user_tag`).
     pub user_tag: u64,
-    pub kind: EventKind,
-    /// TOKEN events: the token; otherwise −1.
-    pub token: i32,
-    /// TOKEN events of requests that asked for log-probabilities; otherwise 0.
-    pub logprob: f32,
-    pub finish_reason: FinishReason,
-    /// ERROR events: why.
-    pub error: Option<ErrorKind>,
+}
+
+/// A request's counters and timings as of an event. Terminal events have them all; token
+/// events have what is known by then (`ttft_us` from the first token on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EventStats {
     pub prompt_tokens: u32,
     pub cached_tokens_device: u32,
     pub cached_tokens_host: u32,
@@ -44,13 +43,135 @@ pub struct Event {
     pub queue_us: u64,
     pub ttft_us: u64,
     pub elapsed_us: u64,
-    /// ERROR events: what went wrong and what to do (the status alone rarely says).
-    pub message: Option<String>,
+}
+
+/// One event: a generated token, or the request's one terminal event (FINISHED or ERROR).
+/// Built only by the constructors, which take the request's [`Origin`], so no event goes out
+/// without its id and tag; the C struct is made from it in `ffi/`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token {
+        origin: Origin,
+        token: u32,
+        /// For requests that asked for log-probabilities; otherwise 0.
+        logprob: f32,
+        stats: EventStats,
+    },
+    Finished {
+        origin: Origin,
+        reason: FinishReason,
+        stats: EventStats,
+    },
+    Error {
+        origin: Origin,
+        kind: ErrorKind,
+        /// What went wrong and what to do (the status alone rarely says).
+        message: String,
+        stats: EventStats,
+    },
 }
 
 impl Event {
+    pub fn token(origin: Origin, token: u32, logprob: f32, stats: EventStats) -> Self {
+        Self::Token {
+            origin,
+            token,
+            logprob,
+            stats,
+        }
+    }
+
+    pub fn finished(origin: Origin, reason: FinishReason, stats: EventStats) -> Self {
+        Self::Finished {
+            origin,
+            reason,
+            stats,
+        }
+    }
+
+    pub fn error(origin: Origin, error: &Error, stats: EventStats) -> Self {
+        Self::Error {
+            origin,
+            kind: error.kind(),
+            message: error.message().to_string(),
+            stats,
+        }
+    }
+
+    pub fn origin(&self) -> Origin {
+        match self {
+            Self::Token { origin, .. }
+            | Self::Finished { origin, .. }
+            | Self::Error { origin, .. } => *origin,
+        }
+    }
+
+    pub fn request_id(&self) -> u64 {
+        self.origin().request_id
+    }
+
+    pub fn user_tag(&self) -> u64 {
+        self.origin().user_tag
+    }
+
+    pub fn kind(&self) -> EventKind {
+        match self {
+            Self::Token { .. } => EventKind::Token,
+            Self::Finished { .. } => EventKind::Finished,
+            Self::Error { .. } => EventKind::Error,
+        }
+    }
+
+    pub fn stats(&self) -> &EventStats {
+        match self {
+            Self::Token { stats, .. }
+            | Self::Finished { stats, .. }
+            | Self::Error { stats, .. } => stats,
+        }
+    }
+
+    /// TOKEN events: the token.
+    pub fn token_id(&self) -> Option<u32> {
+        match self {
+            Self::Token { token, .. } => Some(*token),
+            _ => None,
+        }
+    }
+
+    /// TOKEN events: the log-probability (0 unless the request asked for it); else 0.
+    pub fn logprob(&self) -> f32 {
+        match self {
+            Self::Token { logprob, .. } => *logprob,
+            _ => 0.0,
+        }
+    }
+
+    /// FINISHED events: why.
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        match self {
+            Self::Finished { reason, .. } => Some(*reason),
+            _ => None,
+        }
+    }
+
+    /// ERROR events: the status.
+    pub fn error_kind(&self) -> Option<ErrorKind> {
+        match self {
+            Self::Error { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+
+    /// ERROR events: the message.
+    pub fn message(&self) -> Option<&str> {
+        match self {
+            Self::Error { message, .. } => Some(message),
+            _ => None,
+        }
+    }
+
     pub fn is_terminal(&self) -> bool {
-        self.kind != EventKind::Token
+        !matches!(self, Self::Token { .. })
     }
 }
 
@@ -117,7 +238,7 @@ impl EventSink {
             match &q.callback {
                 Some(cb) => Arc::clone(cb),
                 None => {
-                    *q.per_request.entry(event.request_id).or_insert(0) += 1;
+                    *q.per_request.entry(event.request_id()).or_insert(0) += 1;
                     q.events.push_back(event);
                     self.ready.notify_all();
                     return;
@@ -169,10 +290,10 @@ impl EventSink {
                 let n = q.events.len().min(max);
                 let events: Vec<Event> = q.events.drain(..n).collect();
                 for e in &events {
-                    if let Some(c) = q.per_request.get_mut(&e.request_id) {
+                    if let Some(c) = q.per_request.get_mut(&e.request_id()) {
                         *c -= 1;
                         if *c == 0 {
-                            q.per_request.remove(&e.request_id);
+                            q.per_request.remove(&e.request_id());
                         }
                     }
                 }

@@ -140,13 +140,13 @@ impl Outcome {
         Outcome::Error,
     ];
 
-    pub fn of(reason: FinishReason, error: bool) -> Self {
-        match (error, reason) {
-            (true, _) => Self::Error,
-            (false, FinishReason::Stop) => Self::Stop,
-            (false, FinishReason::Aborted) => Self::Aborted,
-            (false, FinishReason::Timeout) => Self::Timeout,
-            (false, FinishReason::Length | FinishReason::None) => Self::Length,
+    /// A FINISHED event's outcome.
+    pub fn of(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => Self::Stop,
+            FinishReason::Aborted => Self::Aborted,
+            FinishReason::Timeout => Self::Timeout,
+            FinishReason::Length => Self::Length,
         }
     }
 

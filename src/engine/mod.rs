@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::bounded;
 use serde_json::Value;
 
-pub use event::{Event, EventCallback, EventKind, FinishReason};
+pub use event::{Event, EventCallback, EventKind, EventStats, FinishReason, Origin};
 use inbox::Control;
 pub use metrics::{
     Histogram, KvTransfer, MetricsSnapshot, Outcome, PoolGauges, Rejection, Units, LATENCY_BUCKETS,

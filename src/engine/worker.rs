@@ -15,7 +15,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::event::{Event, EventKind, EventSink, FinishReason};
+use super::event::{Event, EventSink, EventStats, FinishReason, Origin};
 use super::inbox::{Batch, Control, Inbox};
 use super::metrics::{Metrics, Outcome, PoolGauges, Units};
 use super::request::RequestSpec;
@@ -298,23 +298,14 @@ impl Worker {
             let live: Vec<(u64, u64)> = shared.live().drain().collect();
             for (id, user_tag) in live {
                 shared.metrics.finish(Outcome::Error, Duration::ZERO);
-                shared.sink.emit(Event {
+                let origin = Origin {
                     request_id: id,
                     user_tag,
-                    kind: EventKind::Error,
-                    token: -1,
-                    logprob: 0.0,
-                    finish_reason: FinishReason::None,
-                    error: Some(ErrorKind::Internal),
-                    prompt_tokens: 0,
-                    cached_tokens_device: 0,
-                    cached_tokens_host: 0,
-                    generated_tokens: 0,
-                    queue_us: 0,
-                    ttft_us: 0,
-                    elapsed_us: 0,
-                    message: Some(message.clone()),
-                });
+                };
+                let e = Error::internal(message.clone());
+                shared
+                    .sink
+                    .emit(Event::error(origin, &e, EventStats::default()));
             }
             let mut a = shared.admission();
             *a = Admission::default();
@@ -608,27 +599,20 @@ impl Worker {
 
     // --- ending requests ---------------------------------------------------------------------
 
-    fn terminal(
-        &self,
-        r: TerminalInfo,
-        kind: EventKind,
-        reason: FinishReason,
-        error: Option<Error>,
-    ) {
+    fn terminal(&self, r: TerminalInfo, end: End) {
         // Off the live set first: once the host sees the terminal event, abort says NOT_FOUND.
         self.shared.live().remove(&r.id);
         let now = Instant::now();
-        self.shared
-            .metrics
-            .finish(Outcome::of(reason, error.is_some()), now - r.submitted);
-        self.shared.sink.emit(Event {
+        let outcome = match &end {
+            End::Finished(reason) => Outcome::of(*reason),
+            End::Failed(_) => Outcome::Error,
+        };
+        self.shared.metrics.finish(outcome, now - r.submitted);
+        let origin = Origin {
             request_id: r.id,
             user_tag: r.user_tag,
-            kind,
-            token: -1,
-            logprob: 0.0,
-            finish_reason: reason,
-            error: error.as_ref().map(Error::kind),
+        };
+        let stats = EventStats {
             prompt_tokens: r.prompt_tokens,
             cached_tokens_device: (r.cached - r.cached_host) as u32,
             cached_tokens_host: r.cached_host as u32,
@@ -636,18 +620,15 @@ impl Worker {
             queue_us: r.queue_us,
             ttft_us: r.first_token.map_or(0, |t| micros(t - r.submitted)),
             elapsed_us: micros(now - r.submitted),
-            message: error.map(|e| e.message().to_string()),
+        };
+        self.shared.sink.emit(match end {
+            End::Finished(reason) => Event::finished(origin, reason, stats),
+            End::Failed(e) => Event::error(origin, &e, stats),
         });
     }
 
     /// Ends waiting request `i` (it never ran, or was retracted).
-    fn end_waiting(
-        &mut self,
-        i: usize,
-        kind: EventKind,
-        reason: FinishReason,
-        error: Option<Error>,
-    ) {
+    fn end_waiting(&mut self, i: usize, end: End) {
         let w = self.waiting.remove(i);
         {
             let mut a = self.shared.admission();
@@ -679,18 +660,13 @@ impl Worker {
                 first_token: None,
             },
         };
-        self.terminal(info, kind, reason, error);
+        self.terminal(info, end);
     }
 
     /// Ends running request `i`; `cache` inserts its sequence into the prefix cache.
-    fn end_running(&mut self, i: usize, reason: FinishReason, error: Option<Error>, cache: bool) {
+    fn end_running(&mut self, i: usize, end: End, cache: bool) {
         let info = self.release_running(i, cache);
-        let kind = if error.is_some() {
-            EventKind::Error
-        } else {
-            EventKind::Finished
-        };
-        self.terminal(info, kind, reason, error);
+        self.terminal(info, end);
     }
 
     /// Takes running request `i` out: its sequence goes into the prefix cache (`cache`) or
@@ -756,7 +732,7 @@ impl Worker {
         };
         log::error!("{message}");
         let e = Error::new(ErrorKind::ModelFormat, message);
-        self.terminal(info, EventKind::Error, FinishReason::None, Some(e));
+        self.terminal(info, End::Failed(e));
     }
 
     /// Moves running request `i` back to the front of the queue: what it computed goes into
@@ -798,9 +774,9 @@ impl Worker {
 
     fn abort(&mut self, id: u64) {
         if let Some(i) = self.waiting.iter().position(|w| w.pending.id == id) {
-            self.end_waiting(i, EventKind::Finished, FinishReason::Aborted, None);
+            self.end_waiting(i, End::Finished(FinishReason::Aborted));
         } else if let Some(i) = self.running.iter().position(|r| r.id == id) {
-            self.end_running(i, FinishReason::Aborted, None, false);
+            self.end_running(i, End::Finished(FinishReason::Aborted), false);
         }
     }
 
@@ -813,10 +789,10 @@ impl Worker {
             );
         }
         while !self.waiting.is_empty() {
-            self.end_waiting(0, EventKind::Finished, FinishReason::Aborted, None);
+            self.end_waiting(0, End::Finished(FinishReason::Aborted));
         }
         while !self.running.is_empty() {
-            self.end_running(0, FinishReason::Aborted, None, false);
+            self.end_running(0, End::Finished(FinishReason::Aborted), false);
         }
     }
 
@@ -831,7 +807,7 @@ impl Worker {
             let w = &self.waiting[i];
             let queued_too_long = self.queue_deadline(w).is_some_and(|t| now >= t);
             if queued_too_long || past(w.pending.submitted, w.pending.spec.deadline_ms) {
-                self.end_waiting(i, EventKind::Finished, FinishReason::Timeout, None);
+                self.end_waiting(i, End::Finished(FinishReason::Timeout));
             } else {
                 i += 1;
             }
@@ -840,7 +816,7 @@ impl Worker {
         while i < self.running.len() {
             let r = &self.running[i];
             if past(r.submitted, r.spec.deadline_ms) {
-                self.end_running(i, FinishReason::Timeout, None, true);
+                self.end_running(i, End::Finished(FinishReason::Timeout), true);
             } else {
                 i += 1;
             }
@@ -936,7 +912,7 @@ impl Worker {
                 Err(e) if e.kind() != ErrorKind::Capacity && w.pending.import.is_some() => {
                     // A state this engine can never take (another layout, altered bytes).
                     log::warn!("request {}: cannot import: {e}", w.pending.id);
-                    self.end_waiting(i, EventKind::Error, FinishReason::None, Some(e));
+                    self.end_waiting(i, End::Failed(e));
                     continue;
                 }
                 Err(e) => {
@@ -955,7 +931,7 @@ impl Worker {
                 if self.running.is_empty() {
                     // Nothing will free pages: it can never run.
                     log::warn!("request {}: {e}", self.waiting[i].pending.id);
-                    self.end_waiting(i, EventKind::Error, FinishReason::None, Some(e));
+                    self.end_waiting(i, End::Failed(e));
                     continue;
                 }
                 self.blocked = true;
@@ -1046,7 +1022,7 @@ impl Worker {
                     );
                     log::error!("{message}");
                     let e = Error::new(ErrorKind::Capacity, message);
-                    self.end_running(victim, FinishReason::None, Some(e), true);
+                    self.end_running(victim, End::Failed(e), true);
                     return;
                 }
                 self.new_token_ratio = (self.new_token_ratio + RATIO_BUMP).clamp(RATIO_INIT, 1.0);
@@ -1140,12 +1116,13 @@ impl Worker {
                 let mut idx: Vec<usize> = order.clone();
                 idx.sort_unstable_by(|a, b| b.cmp(a));
                 for i in idx {
-                    self.end_running(i, FinishReason::None, Some(e.clone()), false);
+                    self.end_running(i, End::Failed(e.clone()), false);
                 }
                 return true;
             }
         };
-        let mut finished: Vec<(usize, FinishReason, Option<Error>)> = Vec::new();
+        // (running index, how it ends; a failure here is non-finite logits)
+        let mut finished: Vec<(usize, End)> = Vec::new();
         let mut itl = Vec::new();
         let mut new_tokens = 0u64;
         let mut ttft = Vec::new();
@@ -1162,11 +1139,7 @@ impl Worker {
             // One pass over the sampled rows only (not per layer): a NaN or inf here would be
             // sampled as some token and the request would "finish" normally with garbage.
             if logits.iter().any(|v| !v.is_finite()) {
-                finished.push((
-                    *i,
-                    FinishReason::None,
-                    Some(nonfinite_logits(r.id, pos, &logits)),
-                ));
+                finished.push((*i, End::Failed(nonfinite_logits(r.id, pos, &logits))));
                 continue;
             }
             let (token, logprob) = r.p.sampler.sample(&logits);
@@ -1180,14 +1153,11 @@ impl Worker {
             }
             r.p.last_token = Some(now);
             let first = *r.p.first_token.get_or_insert(now);
-            self.shared.sink.emit(Event {
+            let origin = Origin {
                 request_id: r.id,
                 user_tag: r.spec.user_tag,
-                kind: EventKind::Token,
-                token: token as i32,
-                logprob: if r.spec.logprobs { logprob } else { 0.0 },
-                finish_reason: FinishReason::None,
-                error: None,
+            };
+            let stats = EventStats {
                 prompt_tokens: r.spec.prompt.len() as u32,
                 cached_tokens_device: (r.p.cached - r.p.cached_host) as u32,
                 cached_tokens_host: r.p.cached_host as u32,
@@ -1195,12 +1165,15 @@ impl Worker {
                 queue_us: r.p.queue_us,
                 ttft_us: micros(first - r.submitted),
                 elapsed_us: micros(now - r.submitted),
-                message: None,
-            });
+            };
+            let logprob = if r.spec.logprobs { logprob } else { 0.0 };
+            self.shared
+                .sink
+                .emit(Event::token(origin, token, logprob, stats));
             if self.eos.contains(&token) || r.spec.stop_tokens.contains(&token) {
-                finished.push((*i, FinishReason::Stop, None));
+                finished.push((*i, End::Finished(FinishReason::Stop)));
             } else if r.p.generated >= r.max_gen {
-                finished.push((*i, FinishReason::Length, None));
+                finished.push((*i, End::Finished(FinishReason::Length)));
             }
         }
         self.shared.metrics.update(|m| {
@@ -1213,10 +1186,10 @@ impl Worker {
             }
         });
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
-        for (i, reason, error) in finished {
-            match error {
-                Some(e) => self.end_nonfinite(i, e),
-                None => self.end_running(i, reason, None, true),
+        for (i, end) in finished {
+            match end {
+                End::Failed(e) => self.end_nonfinite(i, e),
+                end => self.end_running(i, end, true),
             }
         }
         true
@@ -1236,6 +1209,12 @@ fn nonfinite_logits(id: u64, position: usize, logits: &[f32]) -> Error {
             logits.len()
         ),
     )
+}
+
+/// How a request ends: its terminal event.
+enum End {
+    Finished(FinishReason),
+    Failed(Error),
 }
 
 struct TerminalInfo {

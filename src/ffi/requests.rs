@@ -207,38 +207,40 @@ thread_local! {
 
 /// The C text of an event's message (interior NULs become spaces).
 fn c_message(e: &Event) -> Option<CString> {
-    e.message
-        .as_deref()
+    e.message()
         .map(|m| CString::new(m.replace('\0', " ")).unwrap_or_default())
 }
 
+/// The C struct of one event: the one place an [`Event`] becomes a `dsv4_event`.
 fn to_c(e: &Event, message: *const c_char) -> dsv4_event {
+    let s = e.stats();
     dsv4_event {
         struct_size: EVENT_SIZE as u32,
-        request_id: e.request_id,
-        user_tag: e.user_tag,
-        kind: match e.kind {
+        request_id: e.request_id(),
+        user_tag: e.user_tag(),
+        kind: match e.kind() {
             EventKind::Token => DSV4_EVENT_TOKEN,
             EventKind::Finished => DSV4_EVENT_FINISHED,
             EventKind::Error => DSV4_EVENT_ERROR,
         },
-        token: e.token,
-        logprob: e.logprob,
-        finish_reason: match e.finish_reason {
-            FinishReason::None => DSV4_FINISH_NONE,
-            FinishReason::Length => DSV4_FINISH_LENGTH,
-            FinishReason::Stop => DSV4_FINISH_STOP,
-            FinishReason::Aborted => DSV4_FINISH_ABORTED,
-            FinishReason::Timeout => DSV4_FINISH_TIMEOUT,
+        // Token ids are below the vocabulary size, which the config caps far below i32::MAX.
+        token: e.token_id().map_or(-1, |t| t as i32),
+        logprob: e.logprob(),
+        finish_reason: match e.finish_reason() {
+            None => DSV4_FINISH_NONE,
+            Some(FinishReason::Length) => DSV4_FINISH_LENGTH,
+            Some(FinishReason::Stop) => DSV4_FINISH_STOP,
+            Some(FinishReason::Aborted) => DSV4_FINISH_ABORTED,
+            Some(FinishReason::Timeout) => DSV4_FINISH_TIMEOUT,
         },
-        status: e.error.map_or(DSV4_OK, status_of),
-        prompt_tokens: e.prompt_tokens,
-        cached_tokens_device: e.cached_tokens_device,
-        cached_tokens_host: e.cached_tokens_host,
-        generated_tokens: e.generated_tokens,
-        queue_us: e.queue_us,
-        ttft_us: e.ttft_us,
-        elapsed_us: e.elapsed_us,
+        status: e.error_kind().map_or(DSV4_OK, status_of),
+        prompt_tokens: s.prompt_tokens,
+        cached_tokens_device: s.cached_tokens_device,
+        cached_tokens_host: s.cached_tokens_host,
+        generated_tokens: s.generated_tokens,
+        queue_us: s.queue_us,
+        ttft_us: s.ttft_us,
+        elapsed_us: s.elapsed_us,
         message,
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use dsv4::engine::{
-    Engine, Event, EventKind, MetricsSnapshot, Outcome, Rejection, RequestSpec, SamplingParams,
+    Engine, Event, MetricsSnapshot, Outcome, Rejection, RequestSpec, SamplingParams,
 };
 use dsv4::error::Result;
 
@@ -80,11 +80,13 @@ impl Books {
 
     pub fn event(&mut self, e: &Event) {
         if e.is_terminal() {
-            *self.terminals.entry(e.request_id).or_default() += 1;
-            self.outcomes[Outcome::of(e.finish_reason, e.kind == EventKind::Error) as usize] += 1;
-            self.reported.insert(e.request_id, e.generated_tokens);
+            *self.terminals.entry(e.request_id()).or_default() += 1;
+            let outcome = e.finish_reason().map_or(Outcome::Error, Outcome::of);
+            self.outcomes[outcome as usize] += 1;
+            self.reported
+                .insert(e.request_id(), e.stats().generated_tokens);
         } else {
-            *self.tokens.entry(e.request_id).or_default() += 1;
+            *self.tokens.entry(e.request_id()).or_default() += 1;
         }
     }
 

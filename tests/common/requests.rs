@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use dsv4::config::params::Params;
-use dsv4::engine::{Engine, Event, EventKind, RequestSpec, SamplingParams};
+use dsv4::engine::{Engine, Event, RequestSpec, SamplingParams};
 use serde_json::{json, Value};
 
 pub fn engine_with(extra: Value) -> Engine {
@@ -67,18 +67,14 @@ pub fn collect(engine: &Engine, ids: &[u64]) -> HashMap<u64, Vec<Event>> {
             if e.is_terminal() {
                 done += 1;
             }
-            out.entry(e.request_id).or_default().push(e);
+            out.entry(e.request_id()).or_default().push(e);
         }
     }
     out
 }
 
 pub fn tokens_of(events: &[Event]) -> Vec<u32> {
-    events
-        .iter()
-        .filter(|e| e.kind == EventKind::Token)
-        .map(|e| e.token as u32)
-        .collect()
+    events.iter().filter_map(Event::token_id).collect()
 }
 
 pub fn terminal(events: &[Event]) -> &Event {
