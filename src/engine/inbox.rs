@@ -15,7 +15,7 @@ use crossbeam_channel::Sender;
 use serde_json::Value;
 
 use super::event::EventCallback;
-use super::worker::{ExportedSequence, Pending, PoolUsage, ShutdownMode};
+use super::shared::{ExportedSequence, Pending, PoolUsage, ShutdownMode};
 use crate::error::Result;
 use crate::kv::cache::Tier;
 

@@ -3,12 +3,21 @@
 //! requests through a bounded channel and receive events by polling or through a callback;
 //! admission control answers at submit time.
 
+mod admit;
+mod controls;
+mod ending;
 mod event;
+mod executor;
+mod gauges;
 mod inbox;
 mod metrics;
+mod phase;
 mod prometheus;
 mod request;
+mod retract;
 mod sampling;
+mod scheduler;
+mod shared;
 mod worker;
 
 use std::path::Path;
@@ -26,12 +35,16 @@ pub use metrics::{
     Histogram, KvTransfer, MetricsSnapshot, Outcome, PoolGauges, Rejection, Units, LATENCY_BUCKETS,
     STEP_BUCKETS,
 };
+pub use phase::Phase;
 pub use request::RequestSpec;
 pub use sampling::{filtered, Sampler, SamplingParams};
-pub use worker::{ExportedSequence, PoolUsage, ShutdownMode};
-use worker::{Limits, Pending, Shared, Worker};
+use scheduler::Limits;
+pub use shared::{ExportedSequence, PoolUsage, ShutdownMode};
+use shared::{Pending, Shared};
+use worker::Worker;
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
 use crate::config::params::{Backend as BackendKind, Params, Role};
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::cache::Tier;
@@ -40,11 +53,15 @@ use crate::kv::{KvPools, PrefixCache};
 use crate::model::Model;
 use crate::plan::{self, Plan};
 
-/// A loaded engine. Thread-safe: every method takes `&self`.
+/// A loaded engine. Thread-safe: every method takes `&self`. Not generic over the backend: the
+/// backend is chosen once, in [`Engine::create`] ([`start_on_backend`]), and lives on the
+/// engine thread.
 pub struct Engine {
     params: Params,
     plan: Plan,
-    model: Arc<Model<CpuBackend>>,
+    /// What the loaded model reports (`model_info`), taken at load.
+    model_info: Value,
+    vocab_size: usize,
     shared: Arc<Shared>,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
     /// Prompt + generated tokens one request may reach: the smaller of kv.max_context_tokens
@@ -53,6 +70,94 @@ pub struct Engine {
     /// The host memory this engine's plan requires, counted by every later engine's fit check
     /// (its pools map lazily, so free memory alone does not show them) until it is dropped.
     _reservation: plan::Reservation,
+}
+
+/// What starting the engine thread on a backend gives the handle.
+struct Started {
+    thread: JoinHandle<()>,
+    model_info: Value,
+    vocab_size: usize,
+}
+
+/// The one place a backend is chosen: builds it from the params, then loads the model and the
+/// KV pools on it and starts the engine thread ([`start`]).
+fn start_on_backend(params: &Params, plan: &Plan, shared: Arc<Shared>) -> Result<Started> {
+    match params.backend {
+        BackendKind::Cpu => {
+            let backend = Arc::new(CpuBackend::new(params.threads as usize)?);
+            let threads = backend.threads();
+            start(params, plan, backend, threads, shared)
+        }
+        // Refused before planning (`refuse_unbuilt`); kept exhaustive for when it lands.
+        BackendKind::Cuda => Err(Error::new(
+            ErrorKind::Unsupported,
+            "`backend` = cuda: the CUDA backend is not built yet; use cpu",
+        )),
+    }
+}
+
+/// Loads the model and the KV pools on `backend` (with `threads` workers) and starts the
+/// engine thread over them.
+fn start<B: Backend>(
+    params: &Params,
+    plan: &Plan,
+    backend: Arc<B>,
+    threads: usize,
+    shared: Arc<Shared>,
+) -> Result<Started> {
+    let path = params
+        .model_path
+        .as_deref()
+        .ok_or_else(|| Error::config("`model_path` is not set"))?;
+    log::info!(
+        "creating engine: {} on the {} backend with {threads} threads",
+        plan.model.name,
+        backend.name()
+    );
+    let model = Arc::new(
+        Model::load(
+            Path::new(path),
+            plan.model.clone(),
+            backend.clone(),
+            params.model.weight_dtype,
+        )?
+        .with_numerics(params.numerics.mode),
+    );
+    let pools = KvPools::new(backend.clone(), plan)?;
+    let mut cache = PrefixCache::new(pools, params.kv.snapshot_interval() as usize)?;
+    if !params.kv.prefix_cache {
+        cache = cache.without_reuse();
+    }
+    if params.hicache.enabled {
+        let host = HostPools::new(plan, backend.as_ref(), threads)?;
+        cache = cache.with_host(host, params.hicache.write_policy);
+    }
+    let limits = Limits {
+        max_running: params.kv.max_running_requests as usize,
+        chunk_tokens: params.scheduler.chunked_prefill_tokens as usize,
+        batch_tokens: params.scheduler.max_batch_tokens as usize,
+        queue_timeout: match params.admission.queue_timeout_ms {
+            0 => None,
+            ms => Some(Duration::from_millis(ms.into())),
+        },
+        policy: params.scheduler.policy,
+        lpm_max_waiting: params.scheduler.lpm_max_waiting as usize,
+    };
+    let mut model_info = model.info();
+    model_info["threads"] = threads.into();
+    model_info["weight_dtype"] =
+        serde_json::to_value(params.model.weight_dtype).unwrap_or_default();
+    let vocab_size = model.config.vocab_size;
+    let worker = Worker::new(model, cache, shared, limits);
+    let thread = std::thread::Builder::new()
+        .name("dsv4-engine".into())
+        .spawn(move || worker.run())
+        .map_err(|e| Error::internal(format!("cannot start the engine thread: {e}")))?;
+    Ok(Started {
+        thread,
+        model_info,
+        vocab_size,
+    })
 }
 
 impl Engine {
@@ -67,58 +172,16 @@ impl Engine {
         // Taken before anything is loaded, so an engine created meanwhile already counts it;
         // re-checks the fit against the engines that reserved since the plan was made.
         let reservation = plan::Reservation::acquire(&plan)?;
-        let path = params
-            .model_path
-            .as_deref()
-            .ok_or_else(|| Error::config("`model_path` is not set"))?;
-        let backend = Arc::new(CpuBackend::new(params.threads as usize)?);
-        log::info!(
-            "creating engine: {} on the cpu backend with {} threads",
-            plan.model.name,
-            backend.threads()
-        );
-        let model = Arc::new(
-            Model::load(
-                Path::new(path),
-                plan.model.clone(),
-                backend.clone(),
-                params.model.weight_dtype,
-            )?
-            .with_numerics(params.numerics.mode),
-        );
-        let pools = KvPools::new(backend.clone(), &plan)?;
-        let mut cache = PrefixCache::new(pools, params.kv.snapshot_interval() as usize)?;
-        if !params.kv.prefix_cache {
-            cache = cache.without_reuse();
-        }
-        if params.hicache.enabled {
-            let host = HostPools::new(&plan, backend.as_ref(), backend.threads())?;
-            cache = cache.with_host(host, params.hicache.write_policy);
-        }
         let context_limit = (plan.max_context_tokens as usize).min(plan.device_tokens() as usize);
         let shared = Arc::new(Shared::new(params.admission.max_unpolled_events as usize));
-        let limits = Limits {
-            max_running: params.kv.max_running_requests as usize,
-            chunk_tokens: params.scheduler.chunked_prefill_tokens as usize,
-            batch_tokens: params.scheduler.max_batch_tokens as usize,
-            queue_timeout: match params.admission.queue_timeout_ms {
-                0 => None,
-                ms => Some(Duration::from_millis(ms.into())),
-            },
-            policy: params.scheduler.policy,
-            lpm_max_waiting: params.scheduler.lpm_max_waiting as usize,
-        };
-        let worker = Worker::new(model.clone(), cache, shared.clone(), limits);
-        let thread = std::thread::Builder::new()
-            .name("dsv4-engine".into())
-            .spawn(move || worker.run())
-            .map_err(|e| Error::internal(format!("cannot start the engine thread: {e}")))?;
+        let started = start_on_backend(&params, &plan, shared.clone())?;
         Ok(Self {
             params,
             plan,
-            model,
+            model_info: started.model_info,
+            vocab_size: started.vocab_size,
             shared,
-            thread: std::sync::Mutex::new(Some(thread)),
+            thread: std::sync::Mutex::new(Some(started.thread)),
             context_limit,
             _reservation: reservation,
         })
@@ -133,7 +196,7 @@ impl Engine {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.model.config.vocab_size
+        self.vocab_size
     }
 
     /// Accepts a request or refuses it at once: `InvalidArgument` (bad fields), `Capacity`
@@ -439,13 +502,10 @@ impl Engine {
         prometheus::render(&self.metrics(), &self.params.metrics.labels)
     }
 
-    /// Configuration summary, parameter count and resident bytes by dtype.
+    /// Configuration summary, parameter count and resident bytes by dtype, with the thread
+    /// count and weight dtype.
     pub fn model_info(&self) -> Value {
-        let mut info = self.model.info();
-        info["threads"] = self.model.backend().threads().into();
-        info["weight_dtype"] =
-            serde_json::to_value(self.params.model.weight_dtype).unwrap_or_default();
-        info
+        self.model_info.clone()
     }
 
     fn check_tokens(&self, tokens: &[i32]) -> Result<Vec<u32>> {

@@ -1,0 +1,228 @@
+//! Runs what the scheduler planned on one backend: the forward pass over the step's chunks,
+//! sampling, TOKEN events and the step metrics. Also the engine's other model calls (scoring,
+//! the non-finite diagnosis). The only part of the engine thread that touches the model.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::event::{Event, EventStats, FinishReason, Origin};
+use super::scheduler::{Running, StepPlan};
+use super::shared::Shared;
+use crate::backend::Backend;
+use crate::error::{Error, ErrorKind, Result};
+use crate::kv::{PrefixCache, Request};
+use crate::model::{Chunk, Logits, Model, NonFinite};
+
+/// How a request ends: its terminal event.
+#[derive(Debug)]
+pub enum End {
+    Finished(FinishReason),
+    Failed(Error),
+}
+
+/// What a step did.
+pub enum StepOutcome {
+    /// The forward pass ran; these running requests (by index) end.
+    Ran(Vec<(usize, End)>),
+    /// The forward pass failed: every planned request ends with this error.
+    Failed(Error),
+}
+
+pub struct Executor<B: Backend> {
+    model: Arc<Model<B>>,
+    eos: Vec<u32>,
+}
+
+pub fn micros(d: std::time::Duration) -> u64 {
+    d.as_micros().min(u128::from(u64::MAX)) as u64
+}
+
+impl<B: Backend> Executor<B> {
+    pub fn new(model: Arc<Model<B>>) -> Self {
+        let eos = model.config.eos_token_ids.clone();
+        Self { model, eos }
+    }
+
+    /// Runs `plan` over `running`: one forward pass, then for each request that samples, its
+    /// token, TOKEN event and stop check. Admission books and the prefix cache's snapshots are
+    /// brought up to date for every planned request.
+    pub fn run(
+        &self,
+        plan: &StepPlan,
+        running: &mut [Running<Request>],
+        cache: &mut PrefixCache<B>,
+        shared: &Shared,
+    ) -> StepOutcome {
+        let result = {
+            // One disjoint borrow per planned request, in plan order.
+            let mut seqs: Vec<(usize, &mut Running<Request>)> =
+                running.iter_mut().enumerate().collect();
+            let mut chunks = Vec::with_capacity(plan.items.len());
+            for item in &plan.items {
+                let slot = seqs
+                    .iter()
+                    .position(|(j, _)| *j == item.index)
+                    .expect("planned once");
+                let (_, r) = seqs.swap_remove(slot);
+                let Running { req, p, .. } = r;
+                chunks.push(Chunk {
+                    tokens: &p.tokens[item.tokens.clone()],
+                    seq: req.kv_mut(),
+                    logits: if item.sample {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
+                });
+            }
+            let started = Instant::now();
+            let result = self.model.forward(cache.pools_mut(), &mut chunks);
+            let elapsed = started.elapsed();
+            let computed = plan.tokens() as u64;
+            shared.metrics.update(|m| {
+                m.forward_steps += 1;
+                m.forward_tokens += computed;
+                m.step_time.observe_duration(elapsed);
+            });
+            result
+        };
+        let outputs = match result {
+            Ok(o) => o,
+            Err(e) => {
+                log::error!("forward step failed: {e}");
+                return StepOutcome::Failed(e);
+            }
+        };
+        let mut ended = Vec::new();
+        let mut itl = Vec::new();
+        let mut ttft = Vec::new();
+        let mut new_tokens = 0u64;
+        for (item, logits) in plan.items.iter().zip(outputs) {
+            let r = &mut running[item.index];
+            r.recount(&shared.admission);
+            let pos = r.req.position();
+            if let Err(e) = cache.after_step(&mut r.req, &r.p.tokens[..pos]) {
+                log::error!("request {}: prefix cache: {e}", r.id);
+            }
+            if logits.is_empty() {
+                continue;
+            }
+            // One pass over the sampled rows only (not per layer): a NaN or inf here would be
+            // sampled as some token and the request would "finish" normally with garbage.
+            if logits.iter().any(|v| !v.is_finite()) {
+                ended.push((
+                    item.index,
+                    End::Failed(nonfinite_logits(r.id, pos, &logits)),
+                ));
+                continue;
+            }
+            let (token, logprob) = r.p.sampler.sample(&logits);
+            r.p.tokens.push(token);
+            r.p.generated += 1;
+            if !r.decoding() {
+                r.set_phase(super::phase::Phase::Decoding);
+            }
+            new_tokens += 1;
+            let now = Instant::now();
+            match r.p.last_token {
+                Some(last) => itl.push(now - last),
+                None => ttft.push(now - r.submitted),
+            }
+            r.p.last_token = Some(now);
+            let first = *r.p.first_token.get_or_insert(now);
+            let origin = Origin {
+                request_id: r.id,
+                user_tag: r.spec.user_tag,
+            };
+            let stats = EventStats {
+                prompt_tokens: r.spec.prompt.len() as u32,
+                cached_tokens_device: (r.p.cached - r.p.cached_host) as u32,
+                cached_tokens_host: r.p.cached_host as u32,
+                generated_tokens: r.p.generated as u32,
+                queue_us: r.p.queue_us,
+                ttft_us: micros(first - r.submitted),
+                elapsed_us: micros(now - r.submitted),
+            };
+            let logprob = if r.spec.logprobs { logprob } else { 0.0 };
+            shared
+                .sink
+                .emit(Event::token(origin, token, logprob, stats));
+            if self.eos.contains(&token) || r.spec.stop_tokens.contains(&token) {
+                ended.push((item.index, End::Finished(FinishReason::Stop)));
+            } else if r.p.generated >= r.max_gen {
+                ended.push((item.index, End::Finished(FinishReason::Length)));
+            }
+        }
+        shared.metrics.update(|m| {
+            m.generation_tokens += new_tokens;
+            for d in ttft {
+                m.ttft.observe_duration(d);
+            }
+            for d in itl {
+                m.itl.observe_duration(d);
+            }
+        });
+        StepOutcome::Ran(ended)
+    }
+
+    /// Logits of every position of one fresh sequence (`dsv4_score`), cached prefixes giving
+    /// way when the pages run short.
+    pub fn score(&self, cache: &mut PrefixCache<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let pools = cache.pools_mut();
+        let mut seq = pools.open()?;
+        let mut result = pools.reserve(&mut seq, tokens.len());
+        if result.is_err() {
+            cache.evict(cache.pools().pages_for(tokens.len()), 0);
+            result = cache.pools_mut().reserve(&mut seq, tokens.len());
+        }
+        let pools = cache.pools_mut();
+        let out = result.and_then(|()| {
+            self.model.forward(
+                pools,
+                &mut [Chunk {
+                    tokens,
+                    seq: &mut seq,
+                    logits: Logits::All,
+                }],
+            )
+        });
+        cache.pools_mut().close(seq);
+        Ok(out?.remove(0))
+    }
+
+    /// Re-runs `tokens` with a finite check after every layer sub-step and names the first
+    /// layer and weights that produced a non-finite value (`None`: every layer stayed finite).
+    pub fn diagnose(
+        &self,
+        cache: &mut PrefixCache<B>,
+        tokens: &[u32],
+        chunk: usize,
+    ) -> Result<Option<NonFinite>> {
+        let mut diagnosis = self
+            .model
+            .diagnose_nonfinite(cache.pools_mut(), tokens, chunk);
+        if matches!(&diagnosis, Err(e) if e.kind() == ErrorKind::Capacity) {
+            // Cached prefixes give way to the diagnosis, as they do to scoring.
+            cache.evict(cache.pools().pages_for(tokens.len()), 0);
+            diagnosis = self
+                .model
+                .diagnose_nonfinite(cache.pools_mut(), tokens, chunk);
+        }
+        diagnosis
+    }
+}
+
+/// The error that ends a request whose sampled logits are not finite.
+fn nonfinite_logits(id: u64, position: usize, logits: &[f32]) -> Error {
+    let nan = logits.iter().filter(|v| v.is_nan()).count();
+    let inf = logits.iter().filter(|v| v.is_infinite()).count();
+    Error::new(
+        ErrorKind::ModelFormat,
+        format!(
+            "request {id}: the logits after position {position} are not finite ({nan} NaN, {inf} \
+             ±inf of {}): the model produced non-finite values (a NaN or inf in a weight or \
+             scale, or an out-of-range config value); check or re-convert the checkpoint",
+            logits.len()
+        ),
+    )
+}

@@ -1,0 +1,130 @@
+//! Where one request stands. Every accepted request is in exactly one [`Phase`] from submit to
+//! its terminal event, and moves only along [`Phase::may_become`]:
+//!
+//! ```text
+//!  submit ──► Waiting ───┐                      (host hit)
+//!                        ├───────────────────► LoadingBack ───┐
+//!            Retracted ──┤                         │          │ (landed)
+//!                ▲       └─────────────────────────┼────────► Prefilling ──► Decoding
+//!                │                     (no pages:  │               │             │
+//!                │                      requeued)  ▼               │             │
+//!                │                     Waiting / Retracted         │             │
+//!                └───────── retraction (the pools ran out) ────────┴─────────────┘
+//!  import ──► Imported ──────────────────────────────────────────────────────► Decoding
+//!  every phase ──► Finished  (its one terminal event: length, stop, aborted, timeout, error)
+//! ```
+//!
+//! A request in `Waiting`, `Imported` or `Retracted` sits in the scheduler's queue and holds no
+//! pool units; `LoadingBack`, `Prefilling` and `Decoding` hold a slot (and pages, once past
+//! `LoadingBack`). PD disaggregation adds its phases here: on a prefill engine, `AwaitingClaim`
+//! (prefilled, pages held until a decode engine claims them) and `Transferring` (pages being
+//! sent); on a decode engine, `Receiving` (pages arriving), which ends like `Imported`, in
+//! `Decoding`.
+
+/// One request's phase (see the module docs for the transitions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Accepted and queued; has computed nothing here (a request started and requeued before
+    /// it computed anything waits here again, as submitted).
+    Waiting,
+    /// Queued with a sequence exported from another engine: its KV comes with it, so it
+    /// decodes as soon as its pages are allocated.
+    Imported,
+    /// Ran, then gave its pages back when the pools ran out: queued at the front to recompute
+    /// its tokens (its sampler and emitted tokens are kept, so its output does not change).
+    Retracted,
+    /// Holds a slot while its cached prefix is copied back from the host tier; its prefill's
+    /// pages are reserved once that lands.
+    LoadingBack,
+    /// Holds its prefill's pages and computes its tokens in chunks; samples after the last.
+    Prefilling,
+    /// Samples one token per step.
+    Decoding,
+    /// Its terminal event went out.
+    Finished,
+}
+
+impl Phase {
+    /// In the queue (holds no pool units).
+    pub fn is_queued(self) -> bool {
+        matches!(self, Self::Waiting | Self::Imported | Self::Retracted)
+    }
+
+    /// Holds its prefill's pages: takes part in forward steps.
+    pub fn is_reserved(self) -> bool {
+        matches!(self, Self::Prefilling | Self::Decoding)
+    }
+
+    /// Whether a request in `self` may move to `next`.
+    pub fn may_become(self, next: Phase) -> bool {
+        use Phase::*;
+        match (self, next) {
+            (Finished, _) => false,
+            (_, Finished) => true,
+            (Waiting | Retracted, LoadingBack | Prefilling) => true,
+            (Imported, Decoding) => true,
+            // No pages once the load-back landed: queued again (as it was).
+            (LoadingBack, Prefilling | Waiting | Retracted) => true,
+            (Prefilling, Decoding | Retracted) => true,
+            (Decoding, Retracted) => true,
+            _ => false,
+        }
+    }
+
+    /// `next`, after checking (in debug builds) that the move is allowed.
+    pub fn become_(self, next: Phase) -> Phase {
+        debug_assert!(
+            self.may_become(next),
+            "a request may not move from {self:?} to {next:?}"
+        );
+        next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Phase::{self, *};
+
+    const ALL: [Phase; 7] = [
+        Waiting,
+        Imported,
+        Retracted,
+        LoadingBack,
+        Prefilling,
+        Decoding,
+        Finished,
+    ];
+
+    #[test]
+    fn transitions_are_exactly_the_diagram() {
+        // Every allowed move, written out from the diagram; every other pair is refused.
+        let allowed = [
+            (Waiting, LoadingBack),
+            (Waiting, Prefilling),
+            (Retracted, LoadingBack),
+            (Retracted, Prefilling),
+            (Imported, Decoding),
+            (LoadingBack, Prefilling),
+            (LoadingBack, Waiting),
+            (LoadingBack, Retracted),
+            (Prefilling, Decoding),
+            (Prefilling, Retracted),
+            (Decoding, Retracted),
+        ];
+        for from in ALL {
+            for to in ALL {
+                let want = from != Finished && (to == Finished || allowed.contains(&(from, to)));
+                assert_eq!(from.may_become(to), want, "{from:?} -> {to:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn queued_and_reserved_phases_are_disjoint() {
+        for p in ALL {
+            assert!(!(p.is_queued() && p.is_reserved()), "{p:?}");
+        }
+        assert_eq!(ALL.iter().filter(|p| p.is_queued()).count(), 3);
+        assert_eq!(ALL.iter().filter(|p| p.is_reserved()).count(), 2);
+    }
+}
