@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use super::hicache::HostPools;
 use super::layout::PoolId;
 use super::pools::{KvPools, SeqKv};
-use super::radix::{Evicted, NodeId, RadixTree, Snap};
+use super::radix::{EvictTier, Evicted, NodeId, RadixTree, Snap};
 use super::state::{self, SequenceState};
 
 /// A load-back in flight for a request.
@@ -647,20 +647,17 @@ impl<B: Backend> PrefixCache<B> {
             if enough(&host.pools) {
                 return true;
             }
-            let victims = self.tree.host_victims();
-            if victims.is_empty() {
+            let Some(mut pass) = self.tree.eviction_pass(EvictTier::Host) else {
                 return false;
-            }
-            for v in victims {
+            };
+            while let Some(v) = self.tree.next_victim(&mut pass) {
                 if enough(&self.host.as_ref().expect("checked").pools) {
                     return true;
                 }
-                if self.tree.host_evictable(v) {
-                    let ev = self.tree.drop_host(v);
-                    self.stats.host_evictions += 1;
-                    self.stats.host_evicted_pages += ev.host_pages.len() as u64;
-                    self.give_back(ev);
-                }
+                let ev = self.tree.drop_host(v);
+                self.stats.host_evictions += 1;
+                self.stats.host_evicted_pages += ev.host_pages.len() as u64;
+                self.give_back(ev);
             }
         }
     }
@@ -776,17 +773,14 @@ impl<B: Backend> PrefixCache<B> {
             if enough(&self.pools) {
                 return true;
             }
-            let victims = self.tree.device_victims();
-            if victims.is_empty() {
+            let Some(mut pass) = self.tree.eviction_pass(EvictTier::Device) else {
                 return false;
-            }
-            for v in victims {
+            };
+            while let Some(v) = self.tree.next_victim(&mut pass) {
                 if enough(&self.pools) {
                     return true;
                 }
-                if self.tree.device_evictable(v) {
-                    self.evict_device_node(v, keep_host);
-                }
+                self.evict_device_node(v, keep_host);
             }
         }
     }

@@ -104,6 +104,24 @@ impl Evicted {
     }
 }
 
+/// Which copy of a node an eviction pass removes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictTier {
+    Device,
+    Host,
+}
+
+/// One eviction pass over a tier: the nodes evictable when it began, least recently used first
+/// (`(last_used, id)` order). A node that becomes evictable during the pass (the parent of an
+/// evicted leaf) waits for the next pass, even when it is older than the victims still to come:
+/// that is the order eviction has always had, and the tests and goldens pin it.
+#[derive(Debug)]
+pub struct EvictionPass {
+    tier: EvictTier,
+    victims: Vec<NodeId>,
+    next: usize,
+}
+
 /// A radix tree over page-sized token runs, one root per cache salt.
 #[derive(Debug)]
 pub struct RadixTree {
@@ -671,6 +689,35 @@ impl RadixTree {
             }
             None => false,
         }
+    }
+
+    /// Starts an eviction pass over `tier`; `None` when nothing is evictable there.
+    pub fn eviction_pass(&self, tier: EvictTier) -> Option<EvictionPass> {
+        let victims = match tier {
+            EvictTier::Device => self.device_victims(),
+            EvictTier::Host => self.host_victims(),
+        };
+        (!victims.is_empty()).then_some(EvictionPass {
+            tier,
+            victims,
+            next: 0,
+        })
+    }
+
+    /// The pass's next victim: the least recently used node that was evictable when the pass
+    /// began and still is.
+    pub fn next_victim(&self, pass: &mut EvictionPass) -> Option<NodeId> {
+        while let Some(&v) = pass.victims.get(pass.next) {
+            pass.next += 1;
+            let evictable = match pass.tier {
+                EvictTier::Device => self.device_evictable(v),
+                EvictTier::Host => self.host_evictable(v),
+            };
+            if evictable {
+                return Some(v);
+            }
+        }
+        None
     }
 
     /// Unlocked device-resident nodes with no device-resident child, least recently used
