@@ -10,7 +10,8 @@
 //! The tree records ids only: the caller owns the pools, turns what the tree adopts or gives
 //! back into references, and runs the copies.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Bound;
 
 /// A node of the tree.
 pub type NodeId = u32;
@@ -26,7 +27,7 @@ pub struct Snap {
     pub host: Option<u32>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Node {
     parent: NodeId,
     /// Whole pages of tokens on the edge into this node.
@@ -46,6 +47,11 @@ struct Node {
     /// Device pages are being loaded back from the host.
     loading: bool,
     live: bool,
+    /// Children holding device pages (a node is a device leaf when this is 0).
+    device_children: u32,
+    /// Per tier (`EvictTier` order): `(last_used, stamp)` while the node is in that tier's
+    /// evictable set; the stamp orders its entry against the start of an eviction pass.
+    listed: [Option<(u64, u64)>; 2],
 }
 
 impl Node {
@@ -115,15 +121,21 @@ pub enum EvictTier {
 /// (`(last_used, id)` order). A node that becomes evictable during the pass (the parent of an
 /// evicted leaf) waits for the next pass, even when it is older than the victims still to come:
 /// that is the order eviction has always had, and the tests and goldens pin it.
+///
+/// A pass is a cursor into the tier's ordered set of evictable nodes, so each victim costs
+/// O(log n) instead of a scan and sort of the whole tree per pass. Entries added after the pass
+/// began carry a later stamp and are stepped over.
 #[derive(Debug)]
 pub struct EvictionPass {
     tier: EvictTier,
-    victims: Vec<NodeId>,
-    next: usize,
+    /// Entries stamped up to this one were in the set when the pass began.
+    start: u64,
+    /// The last entry the pass went past.
+    after: Option<(u64, NodeId)>,
 }
 
 /// A radix tree over page-sized token runs, one root per cache salt.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RadixTree {
     page: usize,
     nodes: Vec<Node>,
@@ -134,6 +146,11 @@ pub struct RadixTree {
     snapshots_held: usize,
     host_pages_held: usize,
     host_snapshots_held: usize,
+    /// Per tier: the evictable nodes by `(last_used, id)`, kept exact on every change of a
+    /// node's locks, residency, children or LRU time (`refresh`).
+    evictable: [BTreeSet<(u64, NodeId)>; 2],
+    /// Counts insertions into `evictable` (an entry's stamp).
+    stamp: u64,
 }
 
 /// A fast 64-bit hash of one page of token ids (FxHash's multiply-rotate over pairs).
@@ -165,6 +182,8 @@ impl RadixTree {
             snapshots_held: 0,
             host_pages_held: 0,
             host_snapshots_held: 0,
+            evictable: [BTreeSet::new(), BTreeSet::new()],
+            stamp: 0,
         }
     }
 
@@ -218,6 +237,56 @@ impl RadixTree {
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
+    }
+
+    /// Puts `id` into, out of, or at its new place in each tier's evictable set after anything
+    /// its evictability or LRU time depends on changed. O(1) when nothing moved.
+    fn refresh(&mut self, id: NodeId) {
+        let n = self.n(id);
+        let base = n.live && n.parent != NONE && n.locks == 0 && !n.loading;
+        let want = [
+            (base && !n.device.is_empty() && n.device_children == 0).then_some(n.last_used),
+            (base && !n.host.is_empty() && (!n.device.is_empty() || n.children.is_empty()))
+                .then_some(n.last_used),
+        ];
+        for (tier, want) in want.into_iter().enumerate() {
+            let have = self.n(id).listed[tier];
+            if have.map(|e| e.0) == want {
+                continue;
+            }
+            if let Some((key, _)) = have {
+                self.evictable[tier].remove(&(key, id));
+            }
+            let entry = want.map(|key| {
+                self.evictable[tier].insert((key, id));
+                self.stamp += 1;
+                (key, self.stamp)
+            });
+            self.n_mut(id).listed[tier] = entry;
+        }
+    }
+
+    /// Takes `id` out of both evictable sets (before it is freed).
+    fn unlist(&mut self, id: NodeId) {
+        for tier in 0..2 {
+            if let Some((key, _)) = self.n_mut(id).listed[tier].take() {
+                self.evictable[tier].remove(&(key, id));
+            }
+        }
+    }
+
+    /// One more (or one fewer) device-resident child of `parent`.
+    fn count_device_child(&mut self, parent: NodeId, added: bool) {
+        if parent == NONE {
+            return;
+        }
+        let n = self.n_mut(parent);
+        if added {
+            n.device_children += 1;
+        } else {
+            n.device_children -= 1;
+        }
+        self.refresh(parent);
     }
 
     /// The child of `node` whose edge starts with `page`, if any.
@@ -287,8 +356,14 @@ impl RadixTree {
         }
         m.matched_tokens = depth * p;
         let Some((resume, at, snap)) = best else {
+            for &(id, ..) in &path {
+                self.refresh(id);
+            }
             return m;
         };
+        for &(id, ..) in &path[at + 1..] {
+            self.refresh(id);
+        }
         path.truncate(at + 1);
         // Split the holder at the boundary so the lock and any load cover whole nodes.
         let (holder, start, _, _) = path[at];
@@ -317,6 +392,10 @@ impl RadixTree {
         m.snapshot = Some((holder, snap));
         m.lock = Some(holder);
         self.lock(holder);
+        // Locked now, so this only drops stale entries of nodes the walk touched.
+        for &(id, ..) in &path {
+            self.refresh(id);
+        }
         m
     }
 
@@ -418,7 +497,11 @@ impl RadixTree {
         while node != NONE {
             let n = self.n_mut(node);
             n.locks += 1;
-            node = n.parent;
+            let (first, parent) = (n.locks == 1, n.parent);
+            if first {
+                self.refresh(node);
+            }
+            node = parent;
         }
     }
 
@@ -428,7 +511,11 @@ impl RadixTree {
             let n = self.n_mut(node);
             assert!(n.locks > 0, "unlock of an unlocked node");
             n.locks -= 1;
-            node = n.parent;
+            let (last, parent) = (n.locks == 0, n.parent);
+            if last {
+                self.refresh(node);
+            }
+            node = parent;
         }
     }
 
@@ -461,6 +548,8 @@ impl RadixTree {
             (n.parent, n.locks, n.last_used, n.hits, n.loading);
         let lower_key = page_hash(&n.tokens[..p]);
         let upper_key = page_hash(&tokens[..p]);
+        // The lower part holds device pages exactly when the upper part does.
+        let device_children = u32::from(!device.is_empty());
         let upper = self.new_node(Node {
             parent,
             tokens,
@@ -473,9 +562,13 @@ impl RadixTree {
             hits,
             loading,
             live: true,
+            device_children,
+            listed: [None; 2],
         });
         self.n_mut(node).parent = upper;
         self.n_mut(parent).children.insert(upper_key, upper);
+        self.refresh(upper);
+        self.refresh(node);
         upper
     }
 
@@ -525,6 +618,7 @@ impl RadixTree {
                         ..Node::default()
                     });
                     self.n_mut(node).children.insert(h, leaf);
+                    self.count_device_child(node, true);
                     adopted.pages.extend_from_slice(&pages[depth..n_pages]);
                     adopted.nodes.push(leaf);
                     self.pages_held += n_pages - depth;
@@ -558,10 +652,14 @@ impl RadixTree {
                 adopted.pages.extend_from_slice(&n.device);
                 adopted.nodes.push(next);
                 self.pages_held += k;
+                self.count_device_child(node, true);
             }
             path.push((next, depth));
             depth += k;
             node = next;
+        }
+        for &(id, _) in &path {
+            self.refresh(id);
         }
         for &(at, snap) in snapshots {
             if at == 0 || at % p != 0 || at / p > depth {
@@ -654,11 +752,13 @@ impl RadixTree {
         }
         self.host_pages_held += added.0;
         self.host_snapshots_held += added.1;
+        self.refresh(id);
     }
 
     /// Marks host-only nodes as loading (not usable by other matches until `set_device`).
     pub fn set_loading(&mut self, id: NodeId) {
         self.n_mut(id).loading = true;
+        self.refresh(id);
     }
 
     /// A load-back landed: the node's device pages (the tree takes the references).
@@ -666,8 +766,14 @@ impl RadixTree {
         let n = self.n_mut(id);
         debug_assert!(n.device.is_empty() && pages.len() == n.pages());
         n.loading = false;
+        let parent = n.parent;
         self.pages_held += pages.len();
+        let added = !pages.is_empty();
         self.n_mut(id).device = pages;
+        self.refresh(id);
+        if added {
+            self.count_device_child(parent, true);
+        }
     }
 
     /// A snapshot's device copy was loaded back: the tree takes the reference (false when
@@ -693,35 +799,31 @@ impl RadixTree {
 
     /// Starts an eviction pass over `tier`; `None` when nothing is evictable there.
     pub fn eviction_pass(&self, tier: EvictTier) -> Option<EvictionPass> {
-        let victims = match tier {
-            EvictTier::Device => self.device_victims(),
-            EvictTier::Host => self.host_victims(),
-        };
-        (!victims.is_empty()).then_some(EvictionPass {
+        (!self.evictable[tier as usize].is_empty()).then_some(EvictionPass {
             tier,
-            victims,
-            next: 0,
+            start: self.stamp,
+            after: None,
         })
     }
 
     /// The pass's next victim: the least recently used node that was evictable when the pass
-    /// began and still is.
+    /// began and still is. O(log n), plus one step per node that became evictable meanwhile.
     pub fn next_victim(&self, pass: &mut EvictionPass) -> Option<NodeId> {
-        while let Some(&v) = pass.victims.get(pass.next) {
-            pass.next += 1;
-            let evictable = match pass.tier {
-                EvictTier::Device => self.device_evictable(v),
-                EvictTier::Host => self.host_evictable(v),
-            };
-            if evictable {
-                return Some(v);
+        let tier = pass.tier as usize;
+        let from = pass.after.map_or(Bound::Unbounded, Bound::Excluded);
+        for &(key, id) in self.evictable[tier].range((from, Bound::Unbounded)) {
+            pass.after = Some((key, id));
+            let (_, stamp) = self.n(id).listed[tier].expect("a listed node");
+            if stamp <= pass.start {
+                return Some(id);
             }
         }
         None
     }
 
     /// Unlocked device-resident nodes with no device-resident child, least recently used
-    /// first: the candidates for device eviction.
+    /// first: the candidates for device eviction, by a scan and sort of the whole tree (the
+    /// reference `eviction_pass` is checked against).
     pub fn device_victims(&self) -> Vec<NodeId> {
         let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len() as NodeId)
             .filter(|&id| self.device_evictable(id))
@@ -742,7 +844,8 @@ impl RadixTree {
     }
 
     /// Unlocked nodes with a host copy, least recently used first: host-only leaves (removed
-    /// when evicted) and device-resident nodes (which only lose their host copy).
+    /// when evicted) and device-resident nodes (which only lose their host copy). A scan and
+    /// sort, like [`Self::device_victims`].
     pub fn host_victims(&self) -> Vec<NodeId> {
         let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len() as NodeId)
             .filter(|&id| self.host_evictable(id))
@@ -783,6 +886,11 @@ impl RadixTree {
         });
         self.pages_held -= out.pages.len();
         self.snapshots_held -= out.snapshots.len();
+        let parent = self.n(id).parent;
+        self.refresh(id);
+        if !out.pages.is_empty() {
+            self.count_device_child(parent, false);
+        }
         out
     }
 
@@ -804,6 +912,7 @@ impl RadixTree {
         });
         self.host_pages_held -= out.host_pages.len();
         self.host_snapshots_held -= out.host_snapshots.len();
+        self.refresh(id);
         out
     }
 
@@ -815,11 +924,17 @@ impl RadixTree {
         for c in children {
             out.absorb(self.remove_subtree(c));
         }
+        self.unlist(id);
         let n = std::mem::take(self.n_mut(id));
         debug_assert_eq!(n.locks, 0, "removing a locked node");
         let key = page_hash(&n.tokens[..p]);
         if n.parent != NONE && self.n(n.parent).live {
             self.n_mut(n.parent).children.remove(&key);
+            if n.device.is_empty() {
+                self.refresh(n.parent);
+            } else {
+                self.count_device_child(n.parent, false);
+            }
         }
         self.free.push(id);
         self.pages_held -= n.device.len();
@@ -908,6 +1023,43 @@ impl RadixTree {
                     return Err(format!("node {id}: child {c} does not point back"));
                 }
             }
+            let device_children = n
+                .children
+                .values()
+                .filter(|&&c| !self.n(c).device.is_empty())
+                .count();
+            if n.device_children as usize != device_children {
+                return Err(format!(
+                    "node {id}: counts {} device children, has {device_children}",
+                    n.device_children
+                ));
+            }
+        }
+        // The evictable sets are exactly what a scan finds, under the current LRU times.
+        for (tier, scan) in [self.device_victims(), self.host_victims()]
+            .into_iter()
+            .enumerate()
+        {
+            let listed: Vec<NodeId> = self.evictable[tier].iter().map(|e| e.1).collect();
+            if listed != scan {
+                return Err(format!(
+                    "evictable set {tier}: {listed:?}, a scan finds {scan:?}"
+                ));
+            }
+            for &(key, id) in &self.evictable[tier] {
+                if self.n(id).listed[tier].map(|e| e.0) != Some(key) || key != self.n(id).last_used
+                {
+                    return Err(format!("node {id}: stale evictable entry {key}"));
+                }
+            }
+        }
+        let listed = self
+            .nodes
+            .iter()
+            .map(|n| n.listed.iter().flatten().count())
+            .sum::<usize>();
+        if listed != self.evictable[0].len() + self.evictable[1].len() {
+            return Err(format!("{listed} nodes think they are listed"));
         }
         let books = [
             self.pages_held,
@@ -994,6 +1146,29 @@ mod tests {
         assert_eq!(gone.host_pages, vec![92, 93]);
         assert_eq!(gone.host_snapshots, vec![71]);
         t.check().unwrap();
+    }
+
+    #[test]
+    fn a_parent_freed_mid_pass_waits_for_the_next_pass() {
+        let mut t = RadixTree::new(4);
+        // X and Y share their first page (P) and branch into leaves A and B; Z is leaf C.
+        let x = toks(1, 2);
+        let mut y = x.clone();
+        y[5] = 0;
+        t.insert(None, &x, &[1, 2], &[]);
+        t.insert(None, &y, &[1, 3], &[]);
+        t.insert(None, &toks(2, 1), &[4], &[]);
+        // LRU times: A 1, P 2, B 2, C 3. Once A and B are gone P is older than C, but it was
+        // not evictable when the pass began: C goes first, P in the next pass.
+        let mut order = Vec::new();
+        while let Some(mut pass) = t.eviction_pass(EvictTier::Device) {
+            while let Some(v) = t.next_victim(&mut pass) {
+                order.push(t.remove_subtree(v).pages);
+                t.check().unwrap();
+            }
+        }
+        assert_eq!(order, vec![vec![2], vec![3], vec![4], vec![1]]);
+        assert_eq!(t.node_count(), 1, "only the root is left");
     }
 
     #[test]
