@@ -1,0 +1,56 @@
+//! Moving a running request to other pools: its state as regions ([`state::export`]) and a
+//! request rebuilt from such a state ([`state::import`]), evicting cached prefixes for room.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+
+use super::{PrefixCache, Request};
+use crate::kv::state::{self, SequenceState};
+
+impl<B: Backend> PrefixCache<B> {
+    /// The state of `req` in these pools ([`state::export`]): regions only, nothing copied;
+    /// read them with [`state::read`] on [`Self::pools`] before `req` steps or ends.
+    pub fn export(&self, req: &Request) -> Result<SequenceState> {
+        if req.is_loading() {
+            return Err(Error::invalid_argument(
+                "the request is still loading its prefix back from the host tier: export it \
+                 after complete_load returns true",
+            ));
+        }
+        Ok(state::export(&self.pools, &req.kv))
+    }
+
+    /// A request rebuilt from an exported state and its bytes ([`state::import`]), evicting
+    /// cached prefixes when the free pages run short (only once the state passed its checks).
+    /// It continues a prompt of `prompt_len` tokens under `salt`: snapshots, insertion and
+    /// `finish` work as for any request given all its tokens. It holds no tree lock and counts
+    /// no reused tokens. Refusals take nothing (see [`state::import`]).
+    pub fn import(
+        &mut self,
+        salt: Option<&str>,
+        prompt_len: usize,
+        state: &SequenceState,
+        bytes: &[u8],
+    ) -> Result<Request> {
+        let pages = state::check_import(&self.pools, state, bytes)?;
+        // Evicting cannot make a slot free.
+        if pages > self.pools.page_allocator().free_count()
+            && self.pools.slot_allocator().free_count() > 0
+        {
+            self.evict_until(|pools| pools.page_allocator().free_count() >= pages);
+        }
+        let kv = state::import(&mut self.pools, state, bytes)?;
+        self.stats.requests += 1;
+        Ok(Request {
+            kv,
+            salt: salt.map(str::to_owned),
+            prompt_len,
+            lock: None,
+            reused: 0,
+            reused_host: 0,
+            latest: None,
+            loading: None,
+            branch: None,
+        })
+    }
+}
