@@ -12,7 +12,7 @@ use dsv4::backend::cpu::CpuBackend;
 use dsv4::backend::{CopyDirection, Ticket};
 use dsv4::config::params::Params;
 use dsv4::kv::hicache::{HostMemory, HostPools};
-use dsv4::kv::KvPools;
+use dsv4::kv::{HostPageId, KvPools, PageId};
 use dsv4::plan;
 use serde_json::json;
 
@@ -46,7 +46,9 @@ fn main() {
     let pages = pages
         .min(pools.page_allocator().capacity())
         .min(host.page_allocator().capacity());
-    let pairs: Vec<(u32, u32)> = (0..pages as u32).map(|p| (p, p)).collect();
+    let pairs: Vec<(PageId, HostPageId)> = (0..pages as u32)
+        .map(|p| (PageId(p), HostPageId(p)))
+        .collect();
     let page_bytes = host.page_bytes();
     let bytes = (pages * page_bytes) as f64;
     let copy = |dir: CopyDirection| {

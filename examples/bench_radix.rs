@@ -9,7 +9,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use dsv4::kv::radix::EvictTier;
-use dsv4::kv::{RadixTree, UnitAllocator};
+use dsv4::kv::{PageId, RadixTree, SnapshotId, UnitAllocator};
 use serde_json::json;
 
 /// `n` random token ids from a V4-sized vocabulary.
@@ -56,8 +56,9 @@ fn main() {
         .collect();
     let seq_tokens: usize = seqs.iter().map(Vec::len).sum();
     let tree_tokens = (prefixes * prefix_pages + seqs.len() * tail_pages) * page;
-    let pages_for =
-        |i: usize, n: usize| -> Vec<u32> { (0..n).map(|j| (i * n + j) as u32).collect() };
+    let pages_for = |i: usize, n: usize| -> Vec<PageId> {
+        (0..n).map(|j| PageId((i * n + j) as u32)).collect()
+    };
 
     // Insert: every sequence, with a snapshot at its end, into a fresh tree.
     let mut tree = RadixTree::new(page);
@@ -65,7 +66,12 @@ fn main() {
         tree = RadixTree::new(page);
         for (i, s) in seqs.iter().enumerate() {
             let n = s.len() / page;
-            black_box(tree.insert(None, s, &pages_for(i, n), &[(s.len(), i as u32)]));
+            black_box(tree.insert(
+                None,
+                s,
+                &pages_for(i, n),
+                &[(s.len(), SnapshotId(i as u32))],
+            ));
         }
     });
     assert_eq!(tree.pages_held() * page, tree_tokens);
@@ -94,7 +100,12 @@ fn main() {
         *tree = RadixTree::new(page);
         for (i, s) in seqs.iter().enumerate() {
             let n = s.len() / page;
-            tree.insert(None, s, &pages_for(i, n), &[(s.len(), i as u32)]);
+            tree.insert(
+                None,
+                s,
+                &pages_for(i, n),
+                &[(s.len(), SnapshotId(i as u32))],
+            );
         }
     };
     let victims = tree.node_count() - 1;
@@ -115,7 +126,7 @@ fn main() {
 
     // Page alloc/free: one page at a time, and 16 at a time (a 2k-token prefill chunk).
     let capacity = 1 << 16;
-    let mut alloc = UnitAllocator::new(capacity);
+    let mut alloc = UnitAllocator::<PageId>::new(capacity);
     let ops = 1 << 20;
     let single_s = best(3, || {
         for _ in 0..ops {

@@ -9,6 +9,7 @@
 //! through `eviction_pass` / `next_victim`, and the victims (ids and what each gave back) must
 //! be equal.
 
+use dsv4::kv::ids::{HostSnapshotId, SnapshotId, UnitId};
 use dsv4::kv::radix::{EvictTier, Evicted, NodeId, RadixTree};
 use proptest::prelude::*;
 
@@ -113,10 +114,15 @@ impl World {
         }
     }
 
-    fn units(&mut self, n: usize) -> Vec<u32> {
-        let first = self.next_unit;
+    /// `n` fresh units of any kind (unique across kinds, so what a victim gives back names it).
+    fn units<I: UnitId>(&mut self, n: usize) -> Vec<I> {
+        let first = self.next_unit as usize;
         self.next_unit += n as u32;
-        (first..first + n as u32).collect()
+        (first..first + n).map(I::from_index).collect()
+    }
+
+    fn unit<I: UnitId>(&mut self) -> I {
+        self.units(1)[0]
     }
 
     fn land(&mut self, h: Held) {
@@ -125,7 +131,7 @@ impl World {
             self.tree.set_device(node, device);
         }
         if let Some((node, end)) = h.snap {
-            let unit = self.units(1)[0];
+            let unit: SnapshotId = self.unit();
             self.tree.set_snap_device(node, end, unit);
         }
         self.tree.unlock(h.lock);
@@ -140,7 +146,8 @@ impl World {
             return;
         }
         let host = self.units(pages.len());
-        let host_snaps: Vec<(u32, u32)> = snaps.iter().map(|s| (s.0, self.units(1)[0])).collect();
+        let host_snaps: Vec<(u32, HostSnapshotId)> =
+            snaps.iter().map(|s| (s.0, self.unit())).collect();
         self.tree.lock(node);
         self.tree.set_host(node, host, &host_snaps);
         self.tree.unlock(node);
@@ -182,9 +189,9 @@ impl World {
                 let mut s = Vec::new();
                 if snaps {
                     if pages > 2 {
-                        s.push((2 * PAGE, self.units(1)[0]));
+                        s.push((2 * PAGE, self.unit()));
                     }
-                    s.push((pages * PAGE, self.units(1)[0]));
+                    s.push((pages * PAGE, self.unit()));
                 }
                 let adopted = self.tree.insert(salted.then_some("s"), &t, &ids, &s);
                 self.nodes.extend(adopted.nodes);

@@ -63,7 +63,7 @@ fn compute(cache: &mut PrefixCache<CpuBackend>, r: &mut Running, end: usize) {
     let pools = cache.pools_mut();
     for boundary in (start / PAGE + 1) * PAGE..=end {
         if boundary.is_multiple_of(PAGE) {
-            let page = r.req.kv().pages()[boundary / PAGE - 1];
+            let page = r.req.kv().pages()[boundary / PAGE - 1].get();
             write_tag(
                 pools,
                 PoolId::C4Kv,
@@ -93,7 +93,7 @@ fn check_hit(cache: &PrefixCache<CpuBackend>, r: &Running) {
     );
     for (i, &page) in r.req.kv().pages()[..reused / PAGE].iter().enumerate() {
         assert_eq!(
-            tag(pools, PoolId::C4Kv, page),
+            tag(pools, PoolId::C4Kv, page.get()),
             digest(salt, &r.tokens[..(i + 1) * PAGE]),
             "shared page {i} does not hold its prefix's data"
         );

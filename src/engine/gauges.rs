@@ -21,7 +21,7 @@ impl<B: Backend> Worker<B> {
             PoolId::C128State,
         ]);
         let snap_bytes: u64 = bytes(&[PoolId::Snapshots]);
-        let units = |a: &crate::kv::units::UnitAllocator, unit: u64| Units {
+        let units = |a: &dyn crate::kv::units::UnitCounts, unit: u64| Units {
             used: a.used_count() as u64,
             total: a.capacity() as u64,
             used_bytes: a.used_count() as u64 * unit,

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
 use crate::plan::{self, Plan};
 
+use super::ids::{PageId, SnapshotId, UnitId};
 use super::state::LayoutFingerprint;
 
 /// The pools, in the plan's report order.
@@ -273,7 +274,7 @@ impl KvLayout {
     /// The pool, ratio and row layout of a compressed layer's rows addressed by `pages`.
     pub fn rows<'a>(
         &self,
-        pages: &'a [u32],
+        pages: &'a [PageId],
         l: usize,
         stream: Stream,
     ) -> Option<(PoolId, usize, RowLayout<'a>)> {
@@ -312,7 +313,8 @@ impl KvLayout {
                 width,
                 codec,
                 placement: Placement::Paged {
-                    pages,
+                    // The backend takes raw ids: converted here, at the boundary.
+                    pages: PageId::raw_slice(pages),
                     rows_per_unit: per_page,
                     unit_bytes: self.unit_bytes(pool),
                 },
@@ -357,8 +359,12 @@ impl KvLayout {
     /// the last closed window (the first-half kv and score of its `ratio` rows) of the main
     /// and indexer compressors. At a page boundary every other frontier entry is dead: the
     /// pending windows are empty and HCA windows are closed.
-    pub fn snapshot_regions(&self, slot: u32, snapshot: u32) -> Vec<(PoolId, usize, usize, usize)> {
-        let base = snapshot as usize * self.unit_bytes(PoolId::Snapshots);
+    pub fn snapshot_regions(
+        &self,
+        slot: u32,
+        snapshot: SnapshotId,
+    ) -> Vec<(PoolId, usize, usize, usize)> {
+        let base = snapshot.index() * self.unit_bytes(PoolId::Snapshots);
         let swa = self.unit_bytes(PoolId::Swa);
         let mut out = vec![(PoolId::Swa, slot as usize * swa, base, swa)];
         let mut at = base + swa;

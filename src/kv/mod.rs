@@ -1,6 +1,7 @@
 //! The KV cache: DeepSeek V4 state in the pools the planner sizes (ARCHITECTURE.md "pool
 //! geometry"), and exact prefix reuse across requests.
 //!
+//! - [`ids`]: typed unit ids (device/host pages and snapshots, tree nodes).
 //! - [`layout`]: where each layer's rows, rings and frontiers live in each pool.
 //! - [`pools`]: the device pools, their allocators and the per-request handle [`SeqKv`].
 //! - [`radix`]: the prefix tree over token pages, with snapshots at page boundaries.
@@ -11,6 +12,7 @@
 
 pub mod cache;
 pub mod hicache;
+pub mod ids;
 pub mod layout;
 pub mod pools;
 pub mod radix;
@@ -18,8 +20,9 @@ pub mod state;
 pub mod units;
 
 pub use cache::{CacheStats, PrefixCache, Request};
+pub use ids::{HostPageId, HostSnapshotId, NodeId, PageId, SnapshotId};
 pub use layout::{KvLayout, PoolId, Stream};
 pub use pools::{KvPools, SeqKv};
 pub use radix::RadixTree;
 pub use state::{LayoutFingerprint, Region, RegionTier, SequenceState};
-pub use units::UnitAllocator;
+pub use units::{UnitAllocator, UnitCounts};

@@ -12,6 +12,7 @@ use crate::backend::{Backend, CompressArgs, CopyRegion, Rows};
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::Plan;
 
+use super::ids::{PageId, SnapshotId, UnitId};
 use super::layout::{KvLayout, PoolId, Stream};
 use super::units::UnitAllocator;
 
@@ -19,7 +20,7 @@ use super::units::UnitAllocator;
 #[derive(Debug)]
 pub struct SeqKv {
     position: usize,
-    pages: Vec<u32>,
+    pages: Vec<PageId>,
     slot: u32,
 }
 
@@ -30,7 +31,7 @@ impl SeqKv {
     }
 
     /// The page table: page i holds tokens `[i·P, (i+1)·P)`.
-    pub fn pages(&self) -> &[u32] {
+    pub fn pages(&self) -> &[PageId] {
         &self.pages
     }
 
@@ -49,9 +50,9 @@ pub struct KvPools<B: Backend> {
     backend: Arc<B>,
     layout: KvLayout,
     buffers: Vec<B::Buffer>,
-    pages: UnitAllocator,
-    slots: UnitAllocator,
-    snapshots: UnitAllocator,
+    pages: UnitAllocator<PageId>,
+    slots: UnitAllocator<u32>,
+    snapshots: UnitAllocator<SnapshotId>,
 }
 
 impl<B: Backend> KvPools<B> {
@@ -137,15 +138,15 @@ impl<B: Backend> KvPools<B> {
         b.write_bytes(self.buffer_mut(id), offset, data);
     }
 
-    pub fn page_allocator(&self) -> &UnitAllocator {
+    pub fn page_allocator(&self) -> &UnitAllocator<PageId> {
         &self.pages
     }
 
-    pub fn slot_allocator(&self) -> &UnitAllocator {
+    pub fn slot_allocator(&self) -> &UnitAllocator<u32> {
         &self.slots
     }
 
-    pub fn snapshot_allocator(&self) -> &UnitAllocator {
+    pub fn snapshot_allocator(&self) -> &UnitAllocator<SnapshotId> {
         &self.snapshots
     }
 
@@ -223,7 +224,7 @@ impl<B: Backend> KvPools<B> {
     }
 
     /// Starts `seq` on shared pages (a prefix-cache hit): one more reference on each.
-    pub fn share_pages(&mut self, seq: &mut SeqKv, pages: &[u32]) {
+    pub fn share_pages(&mut self, seq: &mut SeqKv, pages: &[PageId]) {
         assert!(
             seq.pages.is_empty(),
             "shared pages go first in a page table"
@@ -249,15 +250,15 @@ impl<B: Backend> KvPools<B> {
     }
 
     /// `n` free pages (one reference each, owned by the caller), or None and nothing taken.
-    pub fn alloc_pages(&mut self, n: usize) -> Option<Vec<u32>> {
+    pub fn alloc_pages(&mut self, n: usize) -> Option<Vec<PageId>> {
         self.pages.alloc(n)
     }
 
-    pub fn retain_page(&mut self, page: u32) {
+    pub fn retain_page(&mut self, page: PageId) {
         self.pages.retain(page);
     }
 
-    pub fn release_page(&mut self, page: u32) -> bool {
+    pub fn release_page(&mut self, page: PageId) -> bool {
         self.pages.release(page)
     }
 
@@ -365,7 +366,7 @@ impl<B: Backend> KvPools<B> {
 
     /// A new snapshot of `seq`'s fixed state (at a page boundary), or `None` when every
     /// snapshot unit is taken.
-    pub fn capture(&mut self, seq: &SeqKv) -> Result<Option<u32>> {
+    pub fn capture(&mut self, seq: &SeqKv) -> Result<Option<SnapshotId>> {
         self.check_boundary(seq)?;
         let Some(units) = self.snapshots.alloc(1) else {
             return Ok(None);
@@ -375,7 +376,7 @@ impl<B: Backend> KvPools<B> {
     }
 
     /// Overwrites snapshot `snap` (held by the caller) with `seq`'s fixed state.
-    pub fn capture_into(&mut self, seq: &SeqKv, snap: u32) -> Result<()> {
+    pub fn capture_into(&mut self, seq: &SeqKv, snap: SnapshotId) -> Result<()> {
         self.check_boundary(seq)?;
         let regions = self.layout.snapshot_regions(seq.slot, snap);
         let b = Arc::clone(&self.backend);
@@ -394,7 +395,7 @@ impl<B: Backend> KvPools<B> {
     }
 
     /// Puts snapshot `snap` into `seq`'s slot.
-    pub fn restore(&mut self, seq: &SeqKv, snap: u32) {
+    pub fn restore(&mut self, seq: &SeqKv, snap: SnapshotId) {
         let regions = self.layout.snapshot_regions(seq.slot, snap);
         let b = Arc::clone(&self.backend);
         let (snapshots, slots) = split_snapshots(&mut self.buffers);
@@ -414,25 +415,25 @@ impl<B: Backend> KvPools<B> {
         }
     }
 
-    pub fn alloc_snapshot(&mut self) -> Option<u32> {
+    pub fn alloc_snapshot(&mut self) -> Option<SnapshotId> {
         self.snapshots.alloc(1).map(|s| s[0])
     }
 
-    pub fn retain_snapshot(&mut self, snap: u32) {
+    pub fn retain_snapshot(&mut self, snap: SnapshotId) {
         self.snapshots.retain(snap);
     }
 
-    pub fn release_snapshot(&mut self, snap: u32) -> bool {
+    pub fn release_snapshot(&mut self, snap: SnapshotId) -> bool {
         self.snapshots.release(snap)
     }
 
     /// The bytes of snapshot `snap`.
-    pub fn snapshot_bytes(&self, snap: u32) -> Vec<u8> {
+    pub fn snapshot_bytes(&self, snap: SnapshotId) -> Vec<u8> {
         let unit = self.layout.unit_bytes(PoolId::Snapshots);
         let mut out = vec![0; unit];
         self.backend.read_bytes(
             self.buffer(PoolId::Snapshots),
-            snap as usize * unit,
+            snap.index() * unit,
             &mut out,
         );
         out
@@ -440,7 +441,7 @@ impl<B: Backend> KvPools<B> {
 
     /// The bytes a snapshot of `seq` would hold now, read straight from its slot.
     pub fn fixed_state_bytes(&self, seq: &SeqKv) -> Vec<u8> {
-        let regions = self.layout.snapshot_regions(seq.slot, 0);
+        let regions = self.layout.snapshot_regions(seq.slot, SnapshotId(0));
         let mut out = vec![0; self.layout.unit_bytes(PoolId::Snapshots)];
         for (pool, src, dst, len) in regions {
             self.backend

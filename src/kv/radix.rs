@@ -13,18 +13,18 @@
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Bound;
 
-/// A node of the tree.
-pub type NodeId = u32;
+pub use super::ids::NodeId;
+use super::ids::{HostPageId, HostSnapshotId, PageId, SnapshotId, UnitId};
 
-const NONE: NodeId = NodeId::MAX;
+const NONE: NodeId = NodeId(u32::MAX);
 
 /// One snapshot boundary of a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Snap {
     /// Pages from the edge's start (the boundary is at the end of that many pages).
     pub end: u32,
-    pub device: Option<u32>,
-    pub host: Option<u32>,
+    pub device: Option<SnapshotId>,
+    pub host: Option<HostSnapshotId>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -33,9 +33,9 @@ struct Node {
     /// Whole pages of tokens on the edge into this node.
     tokens: Vec<u32>,
     /// Device KV pages, one per page of tokens; empty when not on the device.
-    device: Vec<u32>,
+    device: Vec<PageId>,
     /// Host copies; empty when not backed up.
-    host: Vec<u32>,
+    host: Vec<HostPageId>,
     snaps: Vec<Snap>,
     /// Children by a hash of their first page (verified against the tokens on lookup).
     children: HashMap<u64, NodeId>,
@@ -71,10 +71,10 @@ pub struct Match {
     /// Of those, the prefix whose pages are already on the device.
     pub device_tokens: usize,
     /// Device pages of `[0, device_tokens)`.
-    pub pages: Vec<u32>,
+    pub pages: Vec<PageId>,
     /// Host-only nodes covering `[device_tokens, reusable_tokens)`, in order, with their host
     /// pages: load them back, then `set_device`.
-    pub load: Vec<(NodeId, Vec<u32>)>,
+    pub load: Vec<(NodeId, Vec<HostPageId>)>,
     /// The snapshot to restore: its node, boundary and copies.
     pub snapshot: Option<(NodeId, Snap)>,
     /// The locked node (present iff `reusable_tokens > 0`); pass it to [`RadixTree::unlock`].
@@ -86,8 +86,8 @@ pub struct Match {
 /// What an insertion took over from the caller (one reference each).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Adopted {
-    pub pages: Vec<u32>,
-    pub snapshots: Vec<u32>,
+    pub pages: Vec<PageId>,
+    pub snapshots: Vec<SnapshotId>,
     /// Nodes that received device pages or snapshots, for write-through backups.
     pub nodes: Vec<NodeId>,
 }
@@ -95,10 +95,10 @@ pub struct Adopted {
 /// What the tree gave back (one reference each), by tier.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Evicted {
-    pub pages: Vec<u32>,
-    pub snapshots: Vec<u32>,
-    pub host_pages: Vec<u32>,
-    pub host_snapshots: Vec<u32>,
+    pub pages: Vec<PageId>,
+    pub snapshots: Vec<SnapshotId>,
+    pub host_pages: Vec<HostPageId>,
+    pub host_snapshots: Vec<HostSnapshotId>,
 }
 
 impl Evicted {
@@ -216,22 +216,22 @@ impl RadixTree {
     fn new_node(&mut self, node: Node) -> NodeId {
         match self.free.pop() {
             Some(id) => {
-                self.nodes[id as usize] = node;
+                self.nodes[id.index()] = node;
                 id
             }
             None => {
                 self.nodes.push(node);
-                (self.nodes.len() - 1) as NodeId
+                NodeId::from_index(self.nodes.len() - 1)
             }
         }
     }
 
     fn n(&self, id: NodeId) -> &Node {
-        &self.nodes[id as usize]
+        &self.nodes[id.index()]
     }
 
     fn n_mut(&mut self, id: NodeId) -> &mut Node {
-        &mut self.nodes[id as usize]
+        &mut self.nodes[id.index()]
     }
 
     fn tick(&mut self) -> u64 {
@@ -408,7 +408,7 @@ impl RadixTree {
         salt: Option<&str>,
         tokens: &[u32],
         with_host: bool,
-        mut pages: Option<&mut Vec<u32>>,
+        mut pages: Option<&mut Vec<PageId>>,
     ) -> (usize, usize) {
         let Some(&root) = self.roots.get(&salt.map(str::to_owned)) else {
             return (0, 0);
@@ -455,7 +455,7 @@ impl RadixTree {
 
     /// Device pages held by unlocked nodes: what eviction could give back (those not also
     /// referenced elsewhere).
-    pub fn unlocked_device_pages(&self) -> impl Iterator<Item = u32> + '_ {
+    pub fn unlocked_device_pages(&self) -> impl Iterator<Item = PageId> + '_ {
         self.nodes
             .iter()
             .filter(|n| n.live && n.parent != NONE && n.locks == 0 && !n.loading)
@@ -526,15 +526,15 @@ impl RadixTree {
         let n = self.n_mut(node);
         debug_assert!(k > 0 && k < n.pages());
         let tokens = n.tokens.drain(..k * p).collect::<Vec<_>>();
-        let take = |v: &mut Vec<u32>| {
+        fn take<T>(v: &mut Vec<T>, k: usize) -> Vec<T> {
             if v.is_empty() {
                 Vec::new()
             } else {
                 v.drain(..k).collect()
             }
-        };
-        let device = take(&mut n.device);
-        let host = take(&mut n.host);
+        }
+        let device = take(&mut n.device, k);
+        let host = take(&mut n.host, k);
         let (upper_snaps, lower_snaps): (Vec<Snap>, Vec<Snap>) =
             n.snaps.iter().partition(|s| s.end as usize <= k);
         n.snaps = lower_snaps
@@ -580,8 +580,8 @@ impl RadixTree {
         &mut self,
         salt: Option<&str>,
         tokens: &[u32],
-        pages: &[u32],
-        snapshots: &[(usize, u32)],
+        pages: &[PageId],
+        snapshots: &[(usize, SnapshotId)],
     ) -> Adopted {
         let p = self.page;
         let n_pages = tokens.len() / p;
@@ -698,7 +698,7 @@ impl RadixTree {
     // --- tiers -------------------------------------------------------------------------------
 
     /// The node's device pages and device snapshot units (for a backup).
-    pub fn device_data(&self, id: NodeId) -> (Vec<u32>, Vec<(u32, u32)>) {
+    pub fn device_data(&self, id: NodeId) -> (Vec<PageId>, Vec<(u32, SnapshotId)>) {
         let n = self.n(id);
         let snaps = n
             .snaps
@@ -713,7 +713,7 @@ impl RadixTree {
     }
 
     /// Snapshots with a device copy but no host copy, as `(end, device unit)`.
-    pub fn snaps_without_host(&self, id: NodeId) -> Vec<(u32, u32)> {
+    pub fn snaps_without_host(&self, id: NodeId) -> Vec<(u32, SnapshotId)> {
         self.n(id)
             .snaps
             .iter()
@@ -727,12 +727,17 @@ impl RadixTree {
     }
 
     pub fn is_live(&self, id: NodeId) -> bool {
-        self.nodes.get(id as usize).is_some_and(|n| n.live)
+        self.nodes.get(id.index()).is_some_and(|n| n.live)
     }
 
     /// Records host copies: the node's pages (when `pages` is not empty) and snapshots by
     /// boundary. The tree takes the references.
-    pub fn set_host(&mut self, id: NodeId, pages: Vec<u32>, snaps: &[(u32, u32)]) {
+    pub fn set_host(
+        &mut self,
+        id: NodeId,
+        pages: Vec<HostPageId>,
+        snaps: &[(u32, HostSnapshotId)],
+    ) {
         let n = self.n_mut(id);
         let mut added = (0, 0);
         if !pages.is_empty() {
@@ -762,7 +767,7 @@ impl RadixTree {
     }
 
     /// A load-back landed: the node's device pages (the tree takes the references).
-    pub fn set_device(&mut self, id: NodeId, pages: Vec<u32>) {
+    pub fn set_device(&mut self, id: NodeId, pages: Vec<PageId>) {
         let n = self.n_mut(id);
         debug_assert!(n.device.is_empty() && pages.len() == n.pages());
         n.loading = false;
@@ -778,7 +783,7 @@ impl RadixTree {
 
     /// A snapshot's device copy was loaded back: the tree takes the reference (false when
     /// the entry no longer wants one; the caller keeps it).
-    pub fn set_snap_device(&mut self, id: NodeId, end: u32, unit: u32) -> bool {
+    pub fn set_snap_device(&mut self, id: NodeId, end: u32, unit: SnapshotId) -> bool {
         if !self.is_live(id) {
             return false;
         }
@@ -825,7 +830,8 @@ impl RadixTree {
     /// first: the candidates for device eviction, by a scan and sort of the whole tree (the
     /// reference `eviction_pass` is checked against).
     pub fn device_victims(&self) -> Vec<NodeId> {
-        let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len() as NodeId)
+        let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len())
+            .map(NodeId::from_index)
             .filter(|&id| self.device_evictable(id))
             .map(|id| (self.n(id).last_used, id))
             .collect();
@@ -847,7 +853,8 @@ impl RadixTree {
     /// when evicted) and device-resident nodes (which only lose their host copy). A scan and
     /// sort, like [`Self::device_victims`].
     pub fn host_victims(&self) -> Vec<NodeId> {
-        let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len() as NodeId)
+        let mut v: Vec<(u64, NodeId)> = (0..self.nodes.len())
+            .map(NodeId::from_index)
             .filter(|&id| self.host_evictable(id))
             .map(|id| (self.n(id).last_used, id))
             .collect();
@@ -976,7 +983,7 @@ impl RadixTree {
             if !n.live {
                 continue;
             }
-            let id = id as NodeId;
+            let id = NodeId::from_index(id);
             counts[0] += n.device.len();
             counts[1] += n.snaps.iter().filter(|s| s.device.is_some()).count();
             counts[2] += n.host.len();
@@ -986,9 +993,9 @@ impl RadixTree {
                 if n.tokens.is_empty() || n.tokens.len() % p != 0 {
                     return Err(format!("node {id}: {} tokens", n.tokens.len()));
                 }
-                for (tier, v) in [("device", &n.device), ("host", &n.host)] {
-                    if !v.is_empty() && v.len() != pages {
-                        return Err(format!("node {id}: {} {tier} pages for {pages}", v.len()));
+                for (tier, len) in [("device", n.device.len()), ("host", n.host.len())] {
+                    if len != 0 && len != pages {
+                        return Err(format!("node {id}: {len} {tier} pages for {pages}"));
                     }
                 }
                 if n.device.is_empty() && n.host.is_empty() && !n.loading {
@@ -1078,6 +1085,14 @@ impl RadixTree {
 mod tests {
     use super::*;
 
+    fn pg(ids: &[u32]) -> Vec<PageId> {
+        ids.iter().map(|&i| PageId(i)).collect()
+    }
+
+    fn sn(at: &[(usize, u32)]) -> Vec<(usize, SnapshotId)> {
+        at.iter().map(|&(t, i)| (t, SnapshotId(i))).collect()
+    }
+
     fn toks(seed: u32, pages: usize) -> Vec<u32> {
         (0..pages as u32 * 4).map(|i| seed * 1000 + i).collect()
     }
@@ -1086,9 +1101,14 @@ mod tests {
     fn a_hit_resumes_at_the_deepest_snapshot_within_the_match() {
         let mut t = RadixTree::new(4);
         let a = toks(1, 5);
-        let adopted = t.insert(None, &a, &[10, 11, 12, 13, 14], &[(8, 100), (16, 101)]);
-        assert_eq!(adopted.pages, vec![10, 11, 12, 13, 14]);
-        assert_eq!(adopted.snapshots, vec![100, 101]);
+        let adopted = t.insert(
+            None,
+            &a,
+            &pg(&[10, 11, 12, 13, 14]),
+            &sn(&[(8, 100), (16, 101)]),
+        );
+        assert_eq!(adopted.pages, pg(&[10, 11, 12, 13, 14]));
+        assert_eq!(adopted.snapshots, vec![SnapshotId(100), SnapshotId(101)]);
         // Diverges in page 4 (index 3): matched 3 pages, resumes at 2.
         let mut b = a.clone();
         b[13] = 7;
@@ -1097,8 +1117,8 @@ mod tests {
             (m.matched_tokens, m.reusable_tokens, m.device_tokens),
             (12, 8, 8)
         );
-        assert_eq!(m.pages, vec![10, 11]);
-        assert_eq!(m.snapshot.unwrap().1.device, Some(100));
+        assert_eq!(m.pages, pg(&[10, 11]));
+        assert_eq!(m.snapshot.unwrap().1.device, Some(SnapshotId(100)));
         // Locked: nothing can be evicted above the lock.
         let holder = m.lock.unwrap();
         assert!(!t.device_evictable(holder));
@@ -1112,14 +1132,19 @@ mod tests {
     fn host_copies_survive_device_eviction_and_hits_name_what_to_load() {
         let mut t = RadixTree::new(4);
         let a = toks(1, 4);
-        let adopted = t.insert(None, &a, &[1, 2, 3, 4], &[(8, 50), (16, 51)]);
+        let adopted = t.insert(None, &a, &pg(&[1, 2, 3, 4]), &sn(&[(8, 50), (16, 51)]));
         let node = adopted.nodes[0];
-        t.set_host(node, vec![90, 91, 92, 93], &[(2, 70), (4, 71)]);
+        let host = [90, 91, 92, 93].map(HostPageId).to_vec();
+        t.set_host(
+            node,
+            host,
+            &[(2, HostSnapshotId(70)), (4, HostSnapshotId(71))],
+        );
         assert_eq!(t.device_victims(), vec![node]);
         let gone = t.drop_device(node);
         assert_eq!(
             (gone.pages.clone(), gone.snapshots.clone()),
-            (vec![1, 2, 3, 4], vec![50, 51])
+            (pg(&[1, 2, 3, 4]), vec![SnapshotId(50), SnapshotId(51)])
         );
         t.check().unwrap();
         // Device-only matching finds nothing; with the host tier the whole prefix is there.
@@ -1127,24 +1152,28 @@ mod tests {
         let m = t.match_prefix(None, &a[..15], true);
         assert_eq!((m.reusable_tokens, m.device_tokens), (8, 0));
         assert_eq!(m.load.len(), 1);
-        assert_eq!(m.load[0].1, vec![90, 91], "split at the resume point");
-        assert_eq!(m.snapshot.unwrap().1.host, Some(70));
+        assert_eq!(
+            m.load[0].1,
+            vec![HostPageId(90), HostPageId(91)],
+            "split at the resume point"
+        );
+        assert_eq!(m.snapshot.unwrap().1.host, Some(HostSnapshotId(70)));
         let (holder, _) = m.snapshot.unwrap();
         t.set_loading(holder);
-        t.set_device(holder, vec![5, 6]);
-        t.set_snap_device(holder, 2, 52);
+        t.set_device(holder, pg(&[5, 6]));
+        t.set_snap_device(holder, 2, SnapshotId(52));
         t.unlock(m.lock.unwrap());
         t.check().unwrap();
         let again = t.match_prefix(None, &a[..15], true);
         assert_eq!((again.reusable_tokens, again.device_tokens), (8, 8));
-        assert_eq!(again.pages, vec![5, 6]);
+        assert_eq!(again.pages, pg(&[5, 6]));
         t.unlock(again.lock.unwrap());
         // Host eviction of the host-only lower half removes it.
         let victims = t.host_victims();
         let lower = *victims.iter().find(|&&v| t.n(v).device.is_empty()).unwrap();
         let gone = t.drop_host(lower);
-        assert_eq!(gone.host_pages, vec![92, 93]);
-        assert_eq!(gone.host_snapshots, vec![71]);
+        assert_eq!(gone.host_pages, vec![HostPageId(92), HostPageId(93)]);
+        assert_eq!(gone.host_snapshots, vec![HostSnapshotId(71)]);
         t.check().unwrap();
     }
 
@@ -1155,9 +1184,9 @@ mod tests {
         let x = toks(1, 2);
         let mut y = x.clone();
         y[5] = 0;
-        t.insert(None, &x, &[1, 2], &[]);
-        t.insert(None, &y, &[1, 3], &[]);
-        t.insert(None, &toks(2, 1), &[4], &[]);
+        t.insert(None, &x, &pg(&[1, 2]), &[]);
+        t.insert(None, &y, &pg(&[1, 3]), &[]);
+        t.insert(None, &toks(2, 1), &pg(&[4]), &[]);
         // LRU times: A 1, P 2, B 2, C 3. Once A and B are gone P is older than C, but it was
         // not evictable when the pass began: C goes first, P in the next pass.
         let mut order = Vec::new();
@@ -1167,7 +1196,7 @@ mod tests {
                 t.check().unwrap();
             }
         }
-        assert_eq!(order, vec![vec![2], vec![3], vec![4], vec![1]]);
+        assert_eq!(order, vec![pg(&[2]), pg(&[3]), pg(&[4]), pg(&[1])]);
         assert_eq!(t.node_count(), 1, "only the root is left");
     }
 
@@ -1175,21 +1204,24 @@ mod tests {
     fn inserting_a_branch_splits_the_edge_and_keeps_existing_pages() {
         let mut t = RadixTree::new(4);
         let a = toks(1, 4);
-        t.insert(None, &a, &[1, 2, 3, 4], &[(16, 50)]);
+        t.insert(None, &a, &pg(&[1, 2, 3, 4]), &sn(&[(16, 50)]));
         let mut b = a.clone();
         b[9] = 0; // differs in page 2
-        let adopted = t.insert(None, &b, &[7, 8, 9, 10], &[(8, 60), (16, 61)]);
-        assert_eq!(adopted.pages, vec![9, 10], "shared pages stay the tree's");
-        assert_eq!(adopted.snapshots, vec![60, 61]);
+        let adopted = t.insert(None, &b, &pg(&[7, 8, 9, 10]), &sn(&[(8, 60), (16, 61)]));
+        assert_eq!(adopted.pages, pg(&[9, 10]), "shared pages stay the tree's");
+        assert_eq!(adopted.snapshots, vec![SnapshotId(60), SnapshotId(61)]);
         t.check().unwrap();
         assert_eq!(t.pages_held(), 6);
         let m = t.match_prefix(None, &a, true);
-        assert_eq!((m.reusable_tokens, m.pages.clone()), (16, vec![1, 2, 3, 4]));
+        assert_eq!(
+            (m.reusable_tokens, m.pages.clone()),
+            (16, pg(&[1, 2, 3, 4]))
+        );
         t.unlock(m.lock.unwrap());
         let m = t.match_prefix(None, &b, true);
         assert_eq!(
             (m.reusable_tokens, m.pages.clone()),
-            (16, vec![1, 2, 9, 10])
+            (16, pg(&[1, 2, 9, 10]))
         );
         t.unlock(m.lock.unwrap());
         // Device victims: the two leaves (oldest first), then the shared part.
@@ -1204,7 +1236,7 @@ mod tests {
         gone.absorb(t.remove_subtree(shared[0]));
         let mut pages = gone.pages.clone();
         pages.sort_unstable();
-        assert_eq!(pages, vec![1, 2, 3, 4, 9, 10]);
+        assert_eq!(pages, pg(&[1, 2, 3, 4, 9, 10]));
         assert_eq!(t.pages_held(), 0);
         t.check().unwrap();
     }

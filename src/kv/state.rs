@@ -25,6 +25,7 @@ use crate::backend::Backend;
 use crate::config::AttentionKind;
 use crate::error::{Error, ErrorKind, Result};
 
+use super::ids::{PageId, UnitId};
 use super::layout::{KvLayout, PoolId};
 use super::pools::{KvPools, SeqKv};
 
@@ -177,7 +178,7 @@ pub struct SequenceState {
     pub pages: usize,
     /// The source units: its slot and the first `pages` pages of its page table.
     pub source_slot: u32,
-    pub source_pages: Vec<u32>,
+    pub source_pages: Vec<PageId>,
     /// The byte regions, in the order [`read`] concatenates them.
     pub regions: Vec<Region>,
 }
@@ -194,7 +195,7 @@ impl SequenceState {
 
 /// The regions of the sequence at `position` in slot `slot` with page table `pages`
 /// (`pages.len() >= pages_for(position)`), in export order.
-fn regions(layout: &KvLayout, slot: u32, pages: &[u32], position: usize) -> Vec<Region> {
+fn regions(layout: &KvLayout, slot: u32, pages: &[PageId], position: usize) -> Vec<Region> {
     let mut out = Vec::new();
     let mut push = |pool, offset, len| {
         if len > 0 {
@@ -234,10 +235,10 @@ fn regions(layout: &KvLayout, slot: u32, pages: &[u32], position: usize) -> Vec<
         let closed = position / ratio;
         let (full, partial) = (closed / per_page, closed % per_page);
         for &page in &pages[..full] {
-            push(pool, page as usize * unit, unit);
+            push(pool, page.index() * unit, unit);
         }
         if partial > 0 {
-            let base = pages[full] as usize * unit;
+            let base = pages[full].index() * unit;
             for j in 0..layers {
                 push(pool, base + j * per_page * row, partial * row);
             }
@@ -308,11 +309,10 @@ pub fn read_into<B: Backend>(
             out.len()
         )));
     }
-    let slots = pools.slot_allocator();
-    let page_alloc = pools.page_allocator();
-    let held =
-        |a: &super::units::UnitAllocator, u: u32| (u as usize) < a.capacity() && a.refs(u) > 0;
-    if !held(slots, state.source_slot) || !state.source_pages.iter().all(|&p| held(page_alloc, p)) {
+    let (slots, page_alloc) = (pools.slot_allocator(), pools.page_allocator());
+    if !slots.is_held(state.source_slot)
+        || !state.source_pages.iter().all(|&p| page_alloc.is_held(p))
+    {
         return Err(Error::invalid_argument(format!(
             "the sequence state points at slot {} and pages {:?}, which are no longer in use in \
              these pools: read the state before the sequence is closed",
@@ -425,7 +425,7 @@ pub fn check_import<B: Backend>(
     }
     // The destination's regions have the same lengths in the same order (same layout, same
     // position); only the offsets differ. Checked before anything is taken.
-    let expected = regions(layout, 0, &vec![0; pages], state.position);
+    let expected = regions(layout, 0, &vec![PageId(0); pages], state.position);
     let same_shape = expected.len() == state.regions.len()
         && expected
             .iter()

@@ -3,6 +3,8 @@
 //! operation, so a leak or a double free shows where it happens).
 
 use crate::backend::Backend;
+use crate::kv::ids::UnitId;
+use crate::kv::units::UnitAllocator;
 
 use super::{PrefixCache, Request};
 
@@ -13,52 +15,34 @@ impl<B: Backend> PrefixCache<B> {
         self.pools.check()?;
         self.tree.check()?;
         let held = self.tree.held();
-        let mut page_refs = vec![0u32; self.pools.page_allocator().capacity()];
-        let mut snap_refs = vec![0u32; self.pools.snapshot_allocator().capacity()];
-        for &p in &held.pages {
-            page_refs[p as usize] += 1;
-        }
-        for &s in &held.snapshots {
-            snap_refs[s as usize] += 1;
-        }
+        let mut pages = held.pages.clone();
+        let mut snaps = held.snapshots.clone();
         if let Some(h) = &self.host {
             for b in &h.backups {
-                b.pages.iter().for_each(|&p| page_refs[p as usize] += 1);
-                b.snaps.iter().for_each(|&s| snap_refs[s as usize] += 1);
+                pages.extend_from_slice(&b.pages);
+                snaps.extend_from_slice(&b.snaps);
             }
         }
         let mut slots = vec![false; self.pools.slot_allocator().capacity()];
         for r in running {
-            for &p in r.kv.pages() {
-                page_refs[p as usize] += 1;
-            }
+            pages.extend_from_slice(r.kv.pages());
             if let Some((_, s)) = r.latest {
-                snap_refs[s as usize] += 1;
+                snaps.push(s);
             }
             if let Some(l) = &r.loading {
-                for (_, pages) in &l.nodes {
-                    pages.iter().for_each(|&p| page_refs[p as usize] += 1);
+                for (_, loaded) in &l.nodes {
+                    pages.extend_from_slice(loaded);
                 }
                 if l.snap.3 {
-                    snap_refs[l.snap.2 as usize] += 1;
+                    snaps.push(l.snap.2);
                 }
             }
             if std::mem::replace(&mut slots[r.kv.slot() as usize], true) {
                 return Err(format!("slot {} used by two requests", r.kv.slot()));
             }
         }
-        for (p, &want) in page_refs.iter().enumerate() {
-            let got = self.pools.page_allocator().refs(p as u32);
-            if got != want {
-                return Err(format!("page {p}: {got} references, {want} holders"));
-            }
-        }
-        for (s, &want) in snap_refs.iter().enumerate() {
-            let got = self.pools.snapshot_allocator().refs(s as u32);
-            if got != want {
-                return Err(format!("snapshot {s}: {got} references, {want} holders"));
-            }
-        }
+        audit(self.pools.page_allocator(), pages, "page")?;
+        audit(self.pools.snapshot_allocator(), snaps, "snapshot")?;
         let used_slots = self.pools.slot_allocator().used_count();
         if used_slots != running.len() {
             return Err(format!(
@@ -68,28 +52,34 @@ impl<B: Backend> PrefixCache<B> {
         }
         if let Some(h) = &self.host {
             h.pools.check()?;
-            for (alloc, held, what) in [
-                (h.pools.page_allocator(), &held.host_pages, "host page"),
-                (
-                    h.pools.snapshot_allocator(),
-                    &held.host_snapshots,
-                    "host snapshot",
-                ),
-            ] {
-                let mut refs = vec![0u32; alloc.capacity()];
-                held.iter().for_each(|&u| refs[u as usize] += 1);
-                for (u, &want) in refs.iter().enumerate() {
-                    if alloc.refs(u as u32) != want {
-                        return Err(format!(
-                            "{what} {u}: {} references, {want} holders",
-                            alloc.refs(u as u32)
-                        ));
-                    }
-                }
-            }
+            audit(h.pools.page_allocator(), held.host_pages, "host page")?;
+            audit(
+                h.pools.snapshot_allocator(),
+                held.host_snapshots,
+                "host snapshot",
+            )?;
         } else if !held.host_pages.is_empty() || !held.host_snapshots.is_empty() {
             return Err("host units in the tree without a host tier".into());
         }
         Ok(())
     }
+}
+
+/// Every unit of `alloc` has exactly as many references as `holders` lists it.
+fn audit<I: UnitId>(
+    alloc: &UnitAllocator<I>,
+    holders: Vec<I>,
+    what: &str,
+) -> std::result::Result<(), String> {
+    let mut want = vec![0u32; alloc.capacity()];
+    for u in holders {
+        want[u.index()] += 1;
+    }
+    for (u, &want) in want.iter().enumerate() {
+        let got = alloc.refs(I::from_index(u));
+        if got != want {
+            return Err(format!("{what} {u}: {got} references, {want} holders"));
+        }
+    }
+    Ok(())
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use crate::backend::{Backend, CopyDirection, Ticket};
 
 use super::{Backup, Loading, PrefixCache, Request};
+use crate::kv::ids::{HostPageId, HostSnapshotId, PageId, SnapshotId};
 use crate::kv::radix::{Match, NodeId, Snap};
 
 impl<B: Backend> PrefixCache<B> {
@@ -49,7 +50,7 @@ impl<B: Backend> PrefixCache<B> {
         let mut pairs = Vec::new();
         let mut next = pages.iter().copied();
         for (node, host_pages) in &m.load {
-            let device: Vec<u32> = next.by_ref().take(host_pages.len()).collect();
+            let device: Vec<PageId> = next.by_ref().take(host_pages.len()).collect();
             pairs.extend(device.iter().copied().zip(host_pages.iter().copied()));
             self.tree.set_loading(*node);
             nodes.push((*node, device));
@@ -147,12 +148,12 @@ impl<B: Backend> PrefixCache<B> {
         let host_pages = host.pools.page_allocator_mut().alloc(pages.len())?;
         let host_snaps = host.pools.snapshot_allocator_mut().alloc(snaps.len())?;
         let ticket = Ticket::new();
-        let page_pairs: Vec<(u32, u32)> = pages
+        let page_pairs: Vec<(PageId, HostPageId)> = pages
             .iter()
             .copied()
             .zip(host_pages.iter().copied())
             .collect();
-        let snap_pairs: Vec<(u32, u32)> = snaps
+        let snap_pairs: Vec<(SnapshotId, HostSnapshotId)> = snaps
             .iter()
             .map(|s| s.1)
             .zip(host_snaps.iter().copied())
@@ -168,7 +169,7 @@ impl<B: Backend> PrefixCache<B> {
         for s in &snaps {
             self.pools.retain_snapshot(s.1);
         }
-        let host_snap_entries: Vec<(u32, u32)> = snaps
+        let host_snap_entries: Vec<(u32, HostSnapshotId)> = snaps
             .iter()
             .map(|s| s.0)
             .zip(host_snaps.iter().copied())

@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::backend::Backend;
 use crate::config::params::WritePolicy;
 use crate::error::{Error, Result};
+use crate::kv::ids::SnapshotId;
 use crate::kv::radix::Match;
 
 use super::{PrefixCache, Request};
@@ -145,13 +146,13 @@ impl<B: Backend> PrefixCache<B> {
 
     /// Inserts `tokens` (cut to whole pages) with `req`'s pages and an optional snapshot at
     /// the end; the tree takes references on what it adopts; write_through backs it up.
-    fn insert(&mut self, req: &Request, tokens: &[u32], snapshot: Option<u32>) {
+    fn insert(&mut self, req: &Request, tokens: &[u32], snapshot: Option<SnapshotId>) {
         let page = self.pools.page_size();
         let n = tokens.len() / page * page;
         if n == 0 {
             return;
         }
-        let snaps: Vec<(usize, u32)> = snapshot.map(|s| (n, s)).into_iter().collect();
+        let snaps: Vec<(usize, SnapshotId)> = snapshot.map(|s| (n, s)).into_iter().collect();
         let adopted = self
             .tree
             .insert(req.salt.as_deref(), &tokens[..n], req.kv.pages(), &snaps);

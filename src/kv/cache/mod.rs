@@ -31,6 +31,7 @@ use crate::config::params::WritePolicy;
 use crate::error::{Error, Result};
 
 use super::hicache::HostPools;
+use super::ids::{PageId, SnapshotId};
 use super::pools::{KvPools, SeqKv};
 use super::radix::{NodeId, RadixTree};
 pub use stats::CacheStats;
@@ -40,12 +41,12 @@ pub use stats::CacheStats;
 struct Loading {
     ticket: Arc<Ticket>,
     /// Nodes being filled and the device pages they get.
-    nodes: Vec<(NodeId, Vec<u32>)>,
+    nodes: Vec<(NodeId, Vec<PageId>)>,
     /// The snapshot node, its boundary, the device unit to restore from, and whether that unit
     /// was loaded by this request (then the tree adopts it).
-    snap: (NodeId, u32, u32, bool),
+    snap: (NodeId, u32, SnapshotId, bool),
     /// The whole reusable prefix's device pages, in order.
-    pages: Vec<u32>,
+    pages: Vec<PageId>,
     resume: usize,
     host_tokens: usize,
 }
@@ -61,7 +62,7 @@ pub struct Request {
     reused: usize,
     reused_host: usize,
     /// The snapshot of the latest page boundary passed while decoding: `(tokens, snapshot)`.
-    latest: Option<(usize, u32)>,
+    latest: Option<(usize, SnapshotId)>,
     loading: Option<Loading>,
     /// Where this prompt leaves the cached pages with no snapshot there (a branch point): it
     /// is snapshotted too, so the next prompt sharing that prefix can resume at it.
@@ -124,8 +125,8 @@ struct HostTier {
 /// A backup in flight: the device units it reads stay referenced until it lands.
 struct Backup {
     ticket: Arc<Ticket>,
-    pages: Vec<u32>,
-    snaps: Vec<u32>,
+    pages: Vec<PageId>,
+    snaps: Vec<SnapshotId>,
     tokens: usize,
 }
 
@@ -181,7 +182,7 @@ impl<B: Backend> PrefixCache<B> {
         &self,
         salt: Option<&str>,
         prompt: &[u32],
-        pages: Option<&mut Vec<u32>>,
+        pages: Option<&mut Vec<PageId>>,
     ) -> (usize, usize) {
         if !self.reuse || prompt.is_empty() {
             return (0, 0);

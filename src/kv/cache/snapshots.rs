@@ -4,6 +4,7 @@
 //! the capture is exact, and where a snapshot unit comes from.
 
 use crate::backend::Backend;
+use crate::kv::ids::SnapshotId;
 
 use super::{PrefixCache, Request};
 
@@ -34,7 +35,7 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// A snapshot unit, evicting cached prefixes if needed; `None` when none can be freed.
-    pub(super) fn snapshot_unit(&mut self) -> Option<u32> {
+    pub(super) fn snapshot_unit(&mut self) -> Option<SnapshotId> {
         if let Some(s) = self.pools.alloc_snapshot() {
             return Some(s);
         }

@@ -7,6 +7,7 @@ use crate::backend::Backend;
 
 use super::PrefixCache;
 use crate::kv::layout::PoolId;
+use crate::kv::units::UnitCounts;
 
 /// Cache counters since creation.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -70,7 +71,7 @@ impl<B: Backend> PrefixCache<B> {
                 "used_bytes": used as u64 * unit, "total_bytes": total as u64 * unit,
             }});
             if let Some(h) = &self.host {
-                let host = match id {
+                let host: Option<&dyn UnitCounts> = match id {
                     PoolId::C4Kv | PoolId::C4Indexer | PoolId::C128Kv => {
                         Some(h.pools.page_allocator())
                     }

@@ -11,6 +11,7 @@ use crate::backend::{Backend, CopyDirection, Ticket, TierCopy};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 
+use super::ids::{HostPageId, HostSnapshotId, PageId, SnapshotId, UnitId};
 use super::layout::PoolId;
 use super::pools::KvPools;
 use super::units::UnitAllocator;
@@ -30,8 +31,8 @@ pub struct HostPools {
     /// One allocation per mirrored pool (`MIRRORED` order).
     memory: Vec<HostMemory>,
     unit_bytes: [usize; 4],
-    pages: UnitAllocator,
-    snapshots: UnitAllocator,
+    pages: UnitAllocator<HostPageId>,
+    snapshots: UnitAllocator<HostSnapshotId>,
     reports: Vec<AllocReport>,
 }
 
@@ -94,19 +95,19 @@ impl HostPools {
         &self.reports
     }
 
-    pub fn page_allocator(&self) -> &UnitAllocator {
+    pub fn page_allocator(&self) -> &UnitAllocator<HostPageId> {
         &self.pages
     }
 
-    pub fn snapshot_allocator(&self) -> &UnitAllocator {
+    pub fn snapshot_allocator(&self) -> &UnitAllocator<HostSnapshotId> {
         &self.snapshots
     }
 
-    pub fn page_allocator_mut(&mut self) -> &mut UnitAllocator {
+    pub fn page_allocator_mut(&mut self) -> &mut UnitAllocator<HostPageId> {
         &mut self.pages
     }
 
-    pub fn snapshot_allocator_mut(&mut self) -> &mut UnitAllocator {
+    pub fn snapshot_allocator_mut(&mut self) -> &mut UnitAllocator<HostSnapshotId> {
         &mut self.snapshots
     }
 
@@ -125,11 +126,13 @@ impl HostPools {
         &self,
         pools: &KvPools<B>,
         direction: CopyDirection,
-        pairs: &[(u32, u32)],
+        pairs: &[(PageId, HostPageId)],
         ticket: &Arc<Ticket>,
     ) {
+        let pairs: Vec<(usize, usize)> =
+            pairs.iter().map(|(d, h)| (d.index(), h.index())).collect();
         for id in [PoolId::C4Kv, PoolId::C4Indexer, PoolId::C128Kv] {
-            self.copy_units(pools, id, direction, pairs, ticket);
+            self.copy_units(pools, id, direction, &pairs, ticket);
         }
     }
 
@@ -138,19 +141,21 @@ impl HostPools {
         &self,
         pools: &KvPools<B>,
         direction: CopyDirection,
-        pairs: &[(u32, u32)],
+        pairs: &[(SnapshotId, HostSnapshotId)],
         ticket: &Arc<Ticket>,
     ) {
-        self.copy_units(pools, PoolId::Snapshots, direction, pairs, ticket);
+        let pairs: Vec<(usize, usize)> =
+            pairs.iter().map(|(d, h)| (d.index(), h.index())).collect();
+        self.copy_units(pools, PoolId::Snapshots, direction, &pairs, ticket);
     }
 
-    /// One copy part for pool `id`: whole units, `(device unit, host unit)` pairs.
+    /// One copy part for pool `id`: whole units, `(device unit, host unit)` index pairs.
     fn copy_units<B: Backend>(
         &self,
         pools: &KvPools<B>,
         id: PoolId,
         direction: CopyDirection,
-        pairs: &[(u32, u32)],
+        pairs: &[(usize, usize)],
         ticket: &Arc<Ticket>,
     ) {
         let i = Self::index(id);
@@ -161,8 +166,8 @@ impl HostPools {
         let copies = pairs
             .iter()
             .map(|&(device, host)| TierCopy {
-                pool_offset: device as usize * unit,
-                host: self.memory[i].ptr_at(host as usize * unit),
+                pool_offset: device * unit,
+                host: self.memory[i].ptr_at(host * unit),
                 len: unit,
             })
             .collect();
