@@ -201,11 +201,12 @@ fn host_pools_hold_exactly_the_planned_bytes() {
             common::plan_for_model_doc(&model, json!({"kv": {}, "hicache": hicache.clone()}));
         let host = HostPools::new(&plan, model.backend(), 2).unwrap();
         let mut total = 0;
-        for (name, bytes) in host.allocated_bytes() {
+        for (id, bytes) in host.allocated_bytes() {
             assert_eq!(
                 bytes,
-                plan.pool(name).unwrap().host_bytes(),
-                "{hicache}: {name}"
+                plan.pool(id).unwrap().host_bytes(),
+                "{hicache}: {}",
+                id.name()
             );
             total += bytes;
         }

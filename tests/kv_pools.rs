@@ -39,9 +39,9 @@ fn allocated_bytes_equal_the_plan() {
         let plan = plan_for(dir, kv.clone());
         let pools = KvPools::new(backend.clone(), &plan).unwrap();
         let mut total = 0;
-        for (name, bytes) in pools.allocated_bytes() {
-            let planned = plan.pool(name).unwrap().device_bytes();
-            assert_eq!(bytes, planned, "{kv}: pool {name}");
+        for (id, bytes) in pools.allocated_bytes() {
+            let planned = plan.pool(id).unwrap().device_bytes();
+            assert_eq!(bytes, planned, "{kv}: pool {}", id.name());
             total += bytes;
         }
         // Measured from the allocations themselves, not from the layout.

@@ -50,7 +50,7 @@ fn merge(base: &mut Value, over: Value) {
 
 /// Bytes per token per layer of a paged pool.
 fn per_token_per_layer(plan: &Plan, pool: &str) -> f64 {
-    let p = plan.pool(pool).unwrap();
+    let p = plan.pool_named(pool).unwrap();
     p.shape.unit_bytes as f64 / (plan.geometry.page_size as f64 * p.shape.layers as f64)
 }
 
@@ -58,10 +58,10 @@ fn per_token_per_layer(plan: &Plan, pool: &str) -> f64 {
 fn flash_fp8_pool_geometry_matches_the_model_reference() {
     let plan = flash_plan(json!({}), &Machine::big());
     // §3.2: 21 CSA and 20 HCA layers; FP8 rows of 584 B; indexer rows of 132 B.
-    assert_eq!(plan.pool("c4_kv").unwrap().shape.layers, 21);
-    assert_eq!(plan.pool("c128_kv").unwrap().shape.layers, 20);
-    assert_eq!(plan.pool("c4_kv").unwrap().shape.row_bytes, 584);
-    assert_eq!(plan.pool("c4_indexer").unwrap().shape.row_bytes, 132);
+    assert_eq!(plan.pool_named("c4_kv").unwrap().shape.layers, 21);
+    assert_eq!(plan.pool_named("c128_kv").unwrap().shape.layers, 20);
+    assert_eq!(plan.pool_named("c4_kv").unwrap().shape.row_bytes, 584);
+    assert_eq!(plan.pool_named("c4_indexer").unwrap().shape.row_bytes, 132);
     // CSA 146 B/token per layer, HCA 4.56 B/token per layer, indexer 33 B/token per layer.
     assert_eq!(per_token_per_layer(&plan, "c4_kv"), 146.0);
     assert_eq!(per_token_per_layer(&plan, "c4_indexer"), 33.0);
@@ -70,19 +70,19 @@ fn flash_fp8_pool_geometry_matches_the_model_reference() {
     let growing = plan.geometry.page_bytes() as f64 / 256.0;
     assert!((growing - 3850.0).abs() < 1.0, "{growing}");
     // Fixed per request: SWA rings 44 layers × 128 × 584 B = 3.29 MB.
-    let swa = plan.pool("swa").unwrap();
+    let swa = plan.pool_named("swa").unwrap();
     assert_eq!(swa.shape.layers, 44);
     assert_eq!(swa.shape.unit_bytes, 44 * 128 * 584);
     // Compressor frontiers: 21 × 80 KiB + 20 × 512 KiB ≈ 11.6 MiB per request.
     let frontiers: u64 = ["c4_state", "c4_indexer_state", "c128_state"]
         .iter()
-        .map(|p| plan.pool(p).unwrap().shape.unit_bytes)
+        .map(|p| plan.pool_named(p).unwrap().shape.unit_bytes)
         .sum();
     assert_eq!(frontiers, 21 * 80 * 1024 + 20 * 512 * 1024);
     assert!((frontiers as f64 / (1 << 20) as f64 - 11.6).abs() < 0.05);
     // A snapshot at a 128-aligned boundary: the SWA window + C4 halos ≈ 420 KiB (§6.2).
     let halos: u64 = plan
-        .pool("snapshots")
+        .pool_named("snapshots")
         .unwrap()
         .shape
         .components
@@ -96,7 +96,7 @@ fn flash_fp8_pool_geometry_matches_the_model_reference() {
 #[test]
 fn flash_fp4_indexer_and_bf16_rows_match_the_model_reference() {
     let plan = flash_plan(json!({"kv": {"indexer_dtype": "fp4"}}), &Machine::big());
-    assert_eq!(plan.pool("c4_indexer").unwrap().shape.row_bytes, 68);
+    assert_eq!(plan.pool_named("c4_indexer").unwrap().shape.row_bytes, 68);
     assert_eq!(per_token_per_layer(&plan, "c4_indexer"), 17.0);
     let growing = plan.geometry.page_bytes() as f64 / 256.0;
     assert!((growing - 3514.0).abs() < 1.0, "{growing}");
@@ -110,7 +110,10 @@ fn flash_fp4_indexer_and_bf16_rows_match_the_model_reference() {
     assert_eq!(per_token_per_layer(&bf16, "c128_kv"), 8.0);
     // 6880 B/token all-bf16, ≈ 5.77 MB of SWA rings.
     assert_eq!(bf16.geometry.page_bytes() / 256, 6880);
-    assert_eq!(bf16.pool("swa").unwrap().shape.unit_bytes, 44 * 128 * 1024);
+    assert_eq!(
+        bf16.pool_named("swa").unwrap().shape.unit_bytes,
+        44 * 128 * 1024
+    );
 }
 
 #[test]
@@ -119,10 +122,10 @@ fn the_device_budget_is_split_slots_then_snapshots_then_pages() {
     let budget = 40 * GIB;
     let slots: u64 = ["swa", "c4_state", "c4_indexer_state", "c128_state"]
         .iter()
-        .map(|p| plan.pool(p).unwrap().device_bytes())
+        .map(|p| plan.pool_named(p).unwrap().device_bytes())
         .sum();
-    assert_eq!(plan.pool("swa").unwrap().device_units, 64);
-    let snapshots = plan.pool("snapshots").unwrap();
+    assert_eq!(plan.pool_named("swa").unwrap().device_units, 64);
+    let snapshots = plan.pool_named("snapshots").unwrap();
     let rest = budget - slots;
     // 10 % of the rest (the default snapshot_fraction), in whole snapshots.
     assert_eq!(
@@ -139,7 +142,10 @@ fn the_device_budget_is_split_slots_then_snapshots_then_pages() {
     assert!(budget - plan.device_bytes() < page_bytes);
     // All three paged pools share one page count (one page id addresses all three).
     for pool in ["c4_kv", "c4_indexer", "c128_kv"] {
-        assert_eq!(plan.pool(pool).unwrap().device_units, plan.device_pages());
+        assert_eq!(
+            plan.pool_named(pool).unwrap().device_units,
+            plan.device_pages()
+        );
     }
     assert_eq!(plan.device_tokens(), plan.device_pages() * 256);
 }
@@ -151,11 +157,11 @@ fn hicache_ratio_multiplies_device_pages_and_snapshots() {
         &Machine::big(),
     );
     for pool in ["c4_kv", "c4_indexer", "c128_kv", "snapshots"] {
-        let p = plan.pool(pool).unwrap();
+        let p = plan.pool_named(pool).unwrap();
         assert_eq!(p.host_units, 2 * p.device_units, "{pool}");
     }
     for pool in ["swa", "c4_state", "c4_indexer_state", "c128_state"] {
-        assert_eq!(plan.pool(pool).unwrap().host_units, 0, "{pool}");
+        assert_eq!(plan.pool_named(pool).unwrap().host_units, 0, "{pool}");
     }
     assert!((plan.effective_ratio() - 2.0).abs() < 1e-12);
     assert_eq!(plan.host_tokens(), 2 * plan.device_tokens());
@@ -191,7 +197,7 @@ fn hicache_size_is_split_by_device_bytes_and_never_exceeded() {
     );
     // Pages and snapshots get the same effective ratio (up to one unit of rounding).
     let ratio_of = |pool: &str| {
-        let p = by_size.pool(pool).unwrap();
+        let p = by_size.pool_named(pool).unwrap();
         p.host_units as f64 / p.device_units as f64
     };
     let (pages, snaps) = (ratio_of("c4_kv"), ratio_of("snapshots"));
@@ -213,7 +219,7 @@ impl Mirrored for Plan {
     fn device_bytes_mirrored(&self) -> f64 {
         ["c4_kv", "c4_indexer", "c128_kv", "snapshots"]
             .iter()
-            .map(|p| self.pool(p).unwrap().device_bytes() as f64)
+            .map(|p| self.pool_named(p).unwrap().device_bytes() as f64)
             .sum()
     }
 }
@@ -226,10 +232,10 @@ fn a_snapshot_pool_smaller_than_twice_the_running_requests_is_noted() {
             .any(|n| n.contains("prefix-cache snapshots for"))
     };
     let roomy = flash_plan(json!({}), &Machine::big());
-    assert!(roomy.pool("snapshots").unwrap().device_units >= 2 * 64);
+    assert!(roomy.pool_named("snapshots").unwrap().device_units >= 2 * 64);
     assert!(!warned(&roomy));
     let tight = flash_plan(json!({"kv": {"snapshot_fraction": 0.001}}), &Machine::big());
-    let units = tight.pool("snapshots").unwrap().device_units;
+    let units = tight.pool_named("snapshots").unwrap().device_units;
     assert!(units > 0 && units < 2 * 64, "{units}");
     assert!(warned(&tight), "{:?}", tight.notes);
     let off = flash_plan(json!({"kv": {"snapshot_fraction": 0.0}}), &Machine::big());

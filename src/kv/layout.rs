@@ -11,50 +11,8 @@ use crate::plan::{self, Plan};
 use super::ids::{PageId, SnapshotId, UnitId};
 use super::state::LayoutFingerprint;
 
-/// The pools, in the plan's report order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PoolId {
-    C4Kv,
-    C4Indexer,
-    C128Kv,
-    Swa,
-    C4State,
-    C4IndexerState,
-    C128State,
-    Snapshots,
-}
-
-impl PoolId {
-    pub const ALL: [PoolId; 8] = [
-        Self::C4Kv,
-        Self::C4Indexer,
-        Self::C128Kv,
-        Self::Swa,
-        Self::C4State,
-        Self::C4IndexerState,
-        Self::C128State,
-        Self::Snapshots,
-    ];
-
-    /// The plan's name for the pool.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::C4Kv => "c4_kv",
-            Self::C4Indexer => "c4_indexer",
-            Self::C128Kv => "c128_kv",
-            Self::Swa => "swa",
-            Self::C4State => "c4_state",
-            Self::C4IndexerState => "c4_indexer_state",
-            Self::C128State => "c128_state",
-            Self::Snapshots => "snapshots",
-        }
-    }
-
-    pub(crate) fn index(self) -> usize {
-        self as usize
-    }
-}
+/// The pools: the plan owns the vocabulary; re-exported here for `kv::layout::PoolId` users.
+pub use crate::plan::PoolId;
 
 /// Which compressor of a layer: the attention's own, or the lightning indexer's (CSA only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +80,7 @@ impl KvLayout {
         let mut units = [0; 8];
         for id in PoolId::ALL {
             let pool = plan
-                .pool(id.name())
+                .pool(id)
                 .ok_or_else(|| Error::internal(format!("the plan has no `{}` pool", id.name())))?;
             unit_bytes[id.index()] = usize::try_from(pool.shape.unit_bytes)
                 .map_err(|_| Error::internal("pool unit larger than the address space"))?;

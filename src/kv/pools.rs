@@ -107,12 +107,12 @@ impl<B: Backend> KvPools<B> {
     }
 
     /// Bytes each pool's allocation actually holds, measured from the buffers.
-    pub fn allocated_bytes(&self) -> Vec<(&'static str, u64)> {
+    pub fn allocated_bytes(&self) -> Vec<(PoolId, u64)> {
         PoolId::ALL
             .iter()
             .map(|&id| {
                 (
-                    id.name(),
+                    id,
                     self.backend.buffer_bytes(&self.buffers[id.index()]) as u64,
                 )
             })

@@ -7,6 +7,8 @@ use crate::config::params::{IndexerDtype, KvDtype};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::formats::rows::RowCodec;
 
+use super::PoolId;
+
 /// What one unit of a pool is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -58,7 +60,9 @@ pub fn indexer_row_bytes(dtype: IndexerDtype, model: &ModelConfig) -> u64 {
 /// The shape of one pool, before it is given any units.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PoolShape {
-    pub name: &'static str,
+    /// Which pool (serialized as its name, as before).
+    #[serde(rename = "name")]
+    pub id: PoolId,
     pub unit: Unit,
     pub layers: u64,
     pub row_bytes: u64,
@@ -71,10 +75,10 @@ pub struct PoolShape {
 }
 
 impl PoolShape {
-    fn rows(name: &'static str, unit: Unit, layers: usize, rows: u64, row_bytes: u64) -> Self {
+    fn rows(id: PoolId, unit: Unit, layers: usize, rows: u64, row_bytes: u64) -> Self {
         let layers = layers as u64;
         Self {
-            name,
+            id,
             unit,
             layers,
             row_bytes,
@@ -112,7 +116,7 @@ impl Geometry {
         let frontier_row = |coff: u64, width: u64| 2 * coff * width * f32;
         let swa_layers = model.num_layers + model.num_mtp_layers;
         let swa = PoolShape::rows(
-            "swa",
+            PoolId::Swa,
             Unit::Slot,
             swa_layers,
             model.sliding_window as u64,
@@ -128,7 +132,7 @@ impl Geometry {
             ("c4_indexer_halo", halo(index)),
         ];
         let snapshots = PoolShape {
-            name: "snapshots",
+            id: PoolId::Snapshots,
             unit: Unit::Snapshot,
             unit_bytes: components.iter().map(|(_, b)| b).sum(),
             components,
@@ -136,32 +140,32 @@ impl Geometry {
         };
         Self {
             page_size,
-            c4_kv: PoolShape::rows("c4_kv", Unit::Page, n_csa, page_size / csa, kv_row),
+            c4_kv: PoolShape::rows(PoolId::C4Kv, Unit::Page, n_csa, page_size / csa, kv_row),
             c4_indexer: PoolShape::rows(
-                "c4_indexer",
+                PoolId::C4Indexer,
                 Unit::Page,
                 n_csa,
                 page_size / csa,
                 indexer_row_bytes(indexer, model),
             ),
-            c128_kv: PoolShape::rows("c128_kv", Unit::Page, n_hca, page_size / hca, kv_row),
+            c128_kv: PoolShape::rows(PoolId::C128Kv, Unit::Page, n_hca, page_size / hca, kv_row),
             swa,
             c4_state: PoolShape::rows(
-                "c4_state",
+                PoolId::C4State,
                 Unit::Slot,
                 n_csa,
                 2 * csa,
                 frontier_row(2, head),
             ),
             c4_indexer_state: PoolShape::rows(
-                "c4_indexer_state",
+                PoolId::C4IndexerState,
                 Unit::Slot,
                 n_csa,
                 2 * csa,
                 frontier_row(2, index),
             ),
             c128_state: PoolShape::rows(
-                "c128_state",
+                PoolId::C128State,
                 Unit::Slot,
                 n_hca,
                 hca,

@@ -5,6 +5,7 @@
 
 mod geometry;
 pub mod numa;
+mod pool_id;
 pub mod reserve;
 mod text;
 mod weights;
@@ -23,6 +24,7 @@ pub use geometry::{
     indexer_codec, indexer_row_bytes, kv_codec, kv_row_bytes, Geometry, PoolShape, Unit,
 };
 use numa::{MemoryProbe, NodeMemory, SystemProbe};
+pub use pool_id::PoolId;
 pub use reserve::{Held, Registry, Reservation};
 
 /// HiCache ratio used when neither `hicache.ratio` nor `hicache.size_bytes` is set.
@@ -37,6 +39,11 @@ pub struct PoolPlan {
 }
 
 impl PoolPlan {
+    /// Which pool this is.
+    pub fn id(&self) -> PoolId {
+        self.shape.id
+    }
+
     pub fn device_bytes(&self) -> u64 {
         self.device_units * self.shape.unit_bytes
     }
@@ -605,8 +612,14 @@ fn backend_name(b: Backend) -> &'static str {
 }
 
 impl Plan {
-    pub fn pool(&self, name: &str) -> Option<&PoolPlan> {
-        self.pools.iter().find(|p| p.shape.name == name)
+    /// Pool `id`'s plan (every plan from [`plan`] has all of [`PoolId::ALL`]).
+    pub fn pool(&self, id: PoolId) -> Option<&PoolPlan> {
+        self.pools.iter().find(|p| p.shape.id == id)
+    }
+
+    /// The pool called `name` in reports (`"c4_kv"`, …), for callers holding a name.
+    pub fn pool_named(&self, name: &str) -> Option<&PoolPlan> {
+        self.pool(PoolId::from_name(name)?)
     }
 
     pub fn device_bytes(&self) -> u64 {
@@ -618,11 +631,11 @@ impl Plan {
     }
 
     pub fn device_pages(&self) -> u64 {
-        self.pool("c4_kv").map_or(0, |p| p.device_units)
+        self.pool(PoolId::C4Kv).map_or(0, |p| p.device_units)
     }
 
     pub fn host_pages(&self) -> u64 {
-        self.pool("c4_kv").map_or(0, |p| p.host_units)
+        self.pool(PoolId::C4Kv).map_or(0, |p| p.host_units)
     }
 
     /// Host bytes ÷ device bytes over the pools the host tier mirrors (pages and snapshots).
@@ -684,7 +697,7 @@ impl Plan {
                     .collect();
                 pool["components"] = Value::Object(parts);
             }
-            pools.insert(s.name.to_string(), pool);
+            pools.insert(s.id.name().to_string(), pool);
         }
         let weights: Map<String, Value> = self
             .weights

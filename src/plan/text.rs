@@ -73,7 +73,7 @@ pub fn render(plan: &Plan) -> String {
         .map(|pool| {
             let s = &pool.shape;
             [
-                s.name.to_string(),
+                s.id.name().to_string(),
                 format!("{:?}", s.unit).to_lowercase(),
                 s.layers.to_string(),
                 s.rows_per_unit.to_string(),

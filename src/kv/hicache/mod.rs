@@ -47,7 +47,7 @@ impl HostPools {
         let mut units = [0usize; 4];
         for (i, id) in MIRRORED.iter().enumerate() {
             let pool = plan
-                .pool(id.name())
+                .pool(*id)
                 .ok_or_else(|| Error::internal(format!("the plan has no `{}` pool", id.name())))?;
             unit_bytes[i] = pool.shape.unit_bytes as usize;
             units[i] = pool.host_units as usize;
@@ -82,11 +82,11 @@ impl HostPools {
     }
 
     /// Bytes each host pool's allocation holds (measured from the allocations).
-    pub fn allocated_bytes(&self) -> Vec<(&'static str, u64)> {
+    pub fn allocated_bytes(&self) -> Vec<(PoolId, u64)> {
         MIRRORED
             .iter()
             .zip(&self.memory)
-            .map(|(id, m)| (id.name(), m.len() as u64))
+            .map(|(&id, m)| (id, m.len() as u64))
             .collect()
     }
 
