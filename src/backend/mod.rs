@@ -258,6 +258,10 @@ pub trait Backend: Send + Sync + 'static {
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
     /// Bytes the buffer's allocation holds.
     fn buffer_bytes(&self, b: &Self::Buffer) -> usize;
+    /// Where the buffer's memory is: `(base address, bytes)`, what a copy engine or a network
+    /// transport registers once (the KV pools publish it as `kv::PoolRegion`). Valid while the
+    /// buffer lives; a device address on a GPU backend, a host address on the CPU backend.
+    fn buffer_region(&self, b: &Self::Buffer) -> (u64, usize);
     /// Copies `out.len()` bytes at `offset` to the host.
     fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]);
     /// Copies host bytes into the buffer at `offset`.

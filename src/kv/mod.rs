@@ -6,6 +6,7 @@
 //! - [`pools`]: the device pools, their allocators and the per-request handle [`SeqKv`].
 //! - [`radix`]: the prefix tree over token pages, with snapshots at page boundaries.
 //! - [`cache`]: pools + tree: starting, growing, snapshotting and ending requests.
+//! - [`regions`]: each pool's memory as one `(addr, len)` region a transport can register.
 //! - [`state`]: one sequence's state as byte regions: export, read, import into other pools.
 //!
 //! `kv` stores bytes in a geometry `plan` defines; it never imports `model`.
@@ -16,6 +17,7 @@ pub mod ids;
 pub mod layout;
 pub mod pools;
 pub mod radix;
+pub mod regions;
 pub mod state;
 pub mod units;
 
@@ -24,5 +26,6 @@ pub use ids::{HostPageId, HostSnapshotId, NodeId, PageId, SnapshotId};
 pub use layout::{KvLayout, PoolId, Stream};
 pub use pools::{KvPools, SeqKv};
 pub use radix::RadixTree;
+pub use regions::PoolRegion;
 pub use state::{LayoutFingerprint, Region, RegionTier, SequenceState};
 pub use units::{UnitAllocator, UnitCounts};

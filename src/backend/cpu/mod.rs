@@ -175,6 +175,11 @@ impl Backend for CpuBackend {
         b.len()
     }
 
+    fn buffer_region(&self, b: &CpuBuffer) -> (u64, usize) {
+        // Exposed so that a reader given this address (kv's checked `read_mapped`) may use it.
+        (b.base().expose_provenance() as u64, b.len())
+    }
+
     fn read_bytes(&self, b: &CpuBuffer, offset: usize, out: &mut [u8]) {
         out.copy_from_slice(b.range(offset, out.len()));
     }

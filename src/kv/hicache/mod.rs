@@ -14,6 +14,8 @@ use crate::plan::Plan;
 use super::ids::{HostPageId, HostSnapshotId, PageId, SnapshotId, UnitId};
 use super::layout::PoolId;
 use super::pools::KvPools;
+use super::regions::{self, PoolRegion};
+use super::state::RegionTier;
 use super::units::UnitAllocator;
 pub use host::{AllocReport, HostMemory};
 
@@ -88,6 +90,31 @@ impl HostPools {
             .zip(&self.memory)
             .map(|(&id, m)| (id, m.len() as u64))
             .collect()
+    }
+
+    /// Every host pool's memory, one region per mirrored pool (`MIRRORED` order).
+    pub fn regions(&self) -> Vec<PoolRegion> {
+        MIRRORED
+            .iter()
+            .zip(&self.memory)
+            .map(|(&pool, m)| PoolRegion {
+                pool,
+                tier: RegionTier::Host,
+                // Exposed so that `read_mapped` may read through the published address.
+                addr: m.ptr_at(0).0.expose_provenance() as u64,
+                len: m.len(),
+            })
+            .collect()
+    }
+
+    /// Copies `out.len()` bytes at absolute address `addr` into `out` through the published
+    /// address (see `KvPools::read_mapped`). Refused unless the bytes lie inside one of
+    /// [`Self::regions`]; the range must not be one a tier copy is writing meanwhile.
+    pub fn read_mapped(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        // SAFETY: the regions are this tier's own allocations (`self.memory`), alive while
+        // `&self` is held and initialised by the pre-touch; by the tier copy protocol nothing
+        // writes a range that is being read.
+        unsafe { regions::read_in_regions(&self.regions(), addr, out) }
     }
 
     /// How each allocation went.
