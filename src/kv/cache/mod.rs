@@ -10,10 +10,10 @@
 //! nodes in use are never evicted from either tier. Copies run in submission order (one copy
 //! queue), which is what makes freeing a host unit with a copy still queued safe.
 //!
-//! The code is split by job: [`lifecycle`] (start, reserve, after_step, finish, abort),
-//! [`snapshots`] (where prompt snapshots are taken), [`hicache_io`] (backups, load-backs and
-//! their polling), [`evict`] (both tiers' LRU eviction and flushes), [`transfer`] (export and
-//! import of a running request), [`stats`] (counters and the JSON report) and [`check`] (the
+//! The code is split by job: `lifecycle` (start, reserve, after_step, finish, abort),
+//! `snapshots` (where prompt snapshots are taken), `hicache_io` (backups, load-backs and
+//! their polling), `evict` (both tiers' LRU eviction and flushes), `transfer` (export and
+//! import of a running request), `stats` (counters and the JSON report) and `check` (the
 //! audit of every reference).
 
 mod check;
