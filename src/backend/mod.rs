@@ -10,12 +10,14 @@
 
 pub mod cpu;
 pub mod tier;
+pub mod weights;
 
 use std::ops::Range;
 
 use crate::error::Result;
 use crate::formats::rows::RowCodec;
 pub use tier::{CopyDirection, HostPtr, Ticket, TierCopy};
+pub use weights::{WeightData, WeightFormat, WeightPart};
 
 /// Where a weight matrix keeps its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -231,27 +233,23 @@ pub trait Backend: Send + Sync + 'static {
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
 
     // --- memory -------------------------------------------------------------------------
-    fn tensor(&self, data: &[f32]) -> Self::Tensor;
-    fn zeros(&self, len: usize) -> Self::Tensor;
+    fn tensor(&self, data: &[f32]) -> Result<Self::Tensor>;
+    fn zeros(&self, len: usize) -> Result<Self::Tensor>;
     fn len(&self, t: &Self::Tensor) -> usize;
     /// Copies a tensor back to the host (outputs such as logits).
-    fn read(&self, t: &Self::Tensor) -> Vec<f32>;
-    /// A `[rows, cols]` matrix from host f32 values, stored at `precision`.
-    fn matrix(
-        &self,
-        rows: usize,
-        cols: usize,
-        data: Vec<f32>,
-        precision: Precision,
-    ) -> Result<Self::Matrix>;
+    fn read(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// A weight matrix from its checkpoint bytes ([`WeightData`]: F32, BF16, F16, FP8 e4m3 with
+    /// block scales, packed FP4 e2m1 with row scales), stored at `precision` or, where the
+    /// backend supports it, in the checkpoint's own format.
+    fn matrix(&self, weight: &WeightData<'_>, precision: Precision) -> Result<Self::Matrix>;
     /// `(rows, cols)` of a matrix.
     fn matrix_shape(&self, m: &Self::Matrix) -> (usize, usize);
     /// Bytes a matrix occupies.
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
-    fn index(&self, data: &[i32]) -> Self::Index;
-    fn read_index(&self, i: &Self::Index) -> Vec<i32>;
+    fn index(&self, data: &[i32]) -> Result<Self::Index>;
+    fn read_index(&self, i: &Self::Index) -> Result<Vec<i32>>;
     /// A RoPE frequency set from its inverse frequencies (one per rotated pair).
-    fn rope(&self, inv_freq: &[f32]) -> Self::Rope;
+    fn rope(&self, inv_freq: &[f32]) -> Result<Self::Rope>;
 
     // --- pool memory ---------------------------------------------------------------------
     /// A zeroed buffer of exactly `bytes` bytes; an allocation failure is a capacity error.
@@ -259,9 +257,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Bytes the buffer's allocation holds.
     fn buffer_bytes(&self, b: &Self::Buffer) -> usize;
     /// Copies `out.len()` bytes at `offset` to the host.
-    fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]);
+    fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]) -> Result<()>;
     /// Copies host bytes into the buffer at `offset`.
-    fn write_bytes(&self, b: &mut Self::Buffer, offset: usize, data: &[u8]);
+    fn write_bytes(&self, b: &mut Self::Buffer, offset: usize, data: &[u8]) -> Result<()>;
     /// Starts asynchronous copies between pool `buffer` and host memory and adds one part to
     /// `ticket`, completed once every byte has landed. Until then the caller keeps the host
     /// memory alive and does not touch the ranges being copied (the pools pin the pages).
@@ -271,13 +269,18 @@ pub trait Backend: Send + Sync + 'static {
         direction: CopyDirection,
         copies: Vec<TierCopy>,
         ticket: &std::sync::Arc<Ticket>,
-    );
+    ) -> Result<()>;
     /// Prepares host memory for fast tier copies (CUDA: `cudaHostRegister`; CPU: nothing).
     fn register_host(&self, _ptr: HostPtr, _len: usize) -> Result<()> {
         Ok(())
     }
     /// Copies regions from one buffer to another (snapshots, restores, transfers).
-    fn copy_regions(&self, src: &Self::Buffer, dst: &mut Self::Buffer, regions: &[CopyRegion]);
+    fn copy_regions(
+        &self,
+        src: &Self::Buffer,
+        dst: &mut Self::Buffer,
+        regions: &[CopyRegion],
+    ) -> Result<()>;
     /// Encodes rows `rows` of `x` (`[_, layout.width]`) into rows `first..` of the layout.
     fn write_rows(
         &self,
@@ -286,18 +289,18 @@ pub trait Backend: Send + Sync + 'static {
         first: usize,
         x: &Self::Tensor,
         rows: Range<usize>,
-    );
+    ) -> Result<()>;
     /// Decodes rows `range` to f32 `[range.len(), width]`.
-    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> Self::Tensor;
+    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> Result<Self::Tensor>;
     /// Replaces every `width`-wide row of `x` by its value after a trip through `codec`, so
     /// rows used straight from a step equal the stored ones.
-    fn codec_round_trip(&self, x: &mut Self::Tensor, width: usize, codec: RowCodec);
+    fn codec_round_trip(&self, x: &mut Self::Tensor, width: usize, codec: RowCodec) -> Result<()>;
 
     // --- dense ops ----------------------------------------------------------------------
     /// Rows `ids` of `table`, as f32 `[ids.len(), cols]`.
-    fn embed(&self, table: &Self::Matrix, ids: &[u32]) -> Self::Tensor;
+    fn embed(&self, table: &Self::Matrix, ids: &[u32]) -> Result<Self::Tensor>;
     /// `x [rows, in] @ wᵀ` → `[rows, out]`.
-    fn matmul(&self, x: &Self::Tensor, rows: usize, w: &Self::Matrix) -> Self::Tensor;
+    fn matmul(&self, x: &Self::Tensor, rows: usize, w: &Self::Matrix) -> Result<Self::Tensor>;
     /// Block-diagonal: `x [rows, groups·in_g]`, `w [groups·out_g, in_g]` → `[rows, groups·out_g]`
     /// where group g multiplies `x[:, g·in_g..]` by `w[g·out_g..]`.
     fn matmul_grouped(
@@ -306,7 +309,7 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         w: &Self::Matrix,
         groups: usize,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// RMS-normalises every `dim`-wide vector of `x` (`vectors` of them), times `weight` when
     /// given: `x / sqrt(mean(x²) + eps) · w`.
     fn rms_norm(
@@ -316,7 +319,7 @@ pub trait Backend: Send + Sync + 'static {
         dim: usize,
         weight: Option<&Self::Tensor>,
         eps: f32,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// Interleaved RoPE on the last `2 · pairs` channels of every head: row r (one per entry of
     /// `positions`), head h rotates pairs `(x[2i], x[2i+1])` by `positions[r] · θ_i` (by its
     /// negation when `inverse`).
@@ -328,29 +331,41 @@ pub trait Backend: Send + Sync + 'static {
         rope: &Self::Rope,
         positions: &[u32],
         inverse: bool,
-    );
+    ) -> Result<()>;
     /// `a += b`.
-    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor);
+    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor) -> Result<()>;
     /// Splits `[rows, Σ widths]` by columns into one `[rows, width]` tensor per width.
-    fn split(&self, x: &Self::Tensor, rows: usize, widths: &[usize]) -> Vec<Self::Tensor>;
+    fn split(&self, x: &Self::Tensor, rows: usize, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
     /// Rows `rows` of a `[_, cols]` tensor.
-    fn take_rows(&self, x: &Self::Tensor, cols: usize, rows: &[usize]) -> Self::Tensor;
+    fn take_rows(&self, x: &Self::Tensor, cols: usize, rows: &[usize]) -> Result<Self::Tensor>;
     /// SwiGLU with DeepSeek's clamp: `silu(min(gate, limit)) · clamp(up, ±limit)` for a
     /// `[rows, 2·inter]` input holding gate then up (limit 0 = no clamp).
-    fn swiglu(&self, gate_up: &Self::Tensor, rows: usize, inter: usize, limit: f32)
-        -> Self::Tensor;
+    fn swiglu(
+        &self,
+        gate_up: &Self::Tensor,
+        rows: usize,
+        inter: usize,
+        limit: f32,
+    ) -> Result<Self::Tensor>;
 
     // --- official numerics (emulating the release's FP8/FP4 kernels) ---------------------
     /// FP8 round trip of channels `[0, channels)` of every `width`-wide row, in blocks of
     /// `block` channels with ue8m0 scales (`crate::formats::fp8_round_trip`).
-    fn fp8_round_trip(&self, x: &mut Self::Tensor, width: usize, channels: usize, block: usize);
+    fn fp8_round_trip(
+        &self,
+        x: &mut Self::Tensor,
+        width: usize,
+        channels: usize,
+        block: usize,
+    ) -> Result<()>;
     /// Normalised Hadamard transform of every `dim`-wide vector, then an FP4 round trip in
     /// blocks of `block` (`crate::formats::fp4_round_trip`).
-    fn hadamard_fp4_round_trip(&self, x: &mut Self::Tensor, dim: usize, block: usize);
+    fn hadamard_fp4_round_trip(&self, x: &mut Self::Tensor, dim: usize, block: usize)
+        -> Result<()>;
 
     // --- hyper-connections --------------------------------------------------------------
     /// Collapses `x [rows, hc·dim]` with the mixing weights of one block input.
-    fn hc_pre(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> HcMix<Self>;
+    fn hc_pre(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> Result<HcMix<Self>>;
     /// `x'[k] = post[k] · out + Σ_j comb[j, k] · x[j]` per row.
     fn hc_post(
         &self,
@@ -360,11 +375,22 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         hc: usize,
         dim: usize,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// The final collapse (no Sinkhorn): `Σ_i (sigmoid(mix_i·scale + base_i) + eps) · x[i]`.
-    fn hc_head(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> Self::Tensor;
+    fn hc_head(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        p: &HcParams<'_, Self>,
+    ) -> Result<Self::Tensor>;
     /// `x [rows, dim]` repeated into `hc` identical streams `[rows, hc·dim]`.
-    fn hc_expand(&self, x: &Self::Tensor, rows: usize, hc: usize, dim: usize) -> Self::Tensor;
+    fn hc_expand(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        hc: usize,
+        dim: usize,
+    ) -> Result<Self::Tensor>;
 
     // --- attention state ----------------------------------------------------------------
     /// Advances a compressor frontier — f32 `[coff·ratio, 2·coff·width]` (rows of kv ‖ score,
@@ -376,15 +402,15 @@ pub trait Backend: Send + Sync + 'static {
         state: &mut Self::Buffer,
         frontier: usize,
         args: &CompressArgs<'_, Self>,
-    ) -> (Self::Tensor, usize);
+    ) -> Result<(Self::Tensor, usize)>;
     /// For each sequence: scores every causally visible indexer key for each new token and
     /// keeps the top k: `[new_rows, k]`, k = `min(top_k, n_keys)`, ascending, −1 where fewer
     /// are visible. Sequences may run in parallel.
-    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Vec<(Self::Index, usize)>;
+    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Result<Vec<(Self::Index, usize)>>;
     /// Attention with sinks over each new token's window plus its compressed rows, for every
     /// sequence of the batch (in parallel); each writes its rows of `out`
     /// (`[batch_rows, heads·head_dim]`).
-    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut Self::Tensor);
+    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut Self::Tensor) -> Result<()>;
 
     // --- mixture of experts -------------------------------------------------------------
     fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>>;
@@ -397,5 +423,5 @@ pub trait Backend: Send + Sync + 'static {
         experts: &[Expert<Self>],
         inter: usize,
         limit: f32,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
 }

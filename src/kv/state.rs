@@ -344,7 +344,7 @@ pub fn read_into<B: Backend>(
     }
     let mut at = 0;
     for r in &state.regions {
-        pools.read_bytes(r.pool, r.offset, &mut out[at..at + r.len]);
+        pools.read_bytes(r.pool, r.offset, &mut out[at..at + r.len])?;
         at += r.len;
     }
     Ok(())
@@ -377,7 +377,11 @@ pub fn import<B: Backend>(
     let dest = regions(pools.layout(), seq.slot(), seq.pages(), seq.position());
     let mut at = 0;
     for r in &dest {
-        pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len]);
+        if let Err(e) = pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len]) {
+            // Refused: nothing taken.
+            pools.close(seq);
+            return Err(e);
+        }
         at += r.len;
     }
     debug_assert_eq!(at, bytes.len());

@@ -127,10 +127,11 @@ impl HostPools {
         direction: CopyDirection,
         pairs: &[(u32, u32)],
         ticket: &Arc<Ticket>,
-    ) {
+    ) -> Result<()> {
         for id in [PoolId::C4Kv, PoolId::C4Indexer, PoolId::C128Kv] {
-            self.copy_units(pools, id, direction, pairs, ticket);
+            self.copy_units(pools, id, direction, pairs, ticket)?;
         }
+        Ok(())
     }
 
     /// Queues snapshot copies (`(device unit, host unit)` pairs) onto `ticket`.
@@ -140,8 +141,8 @@ impl HostPools {
         direction: CopyDirection,
         pairs: &[(u32, u32)],
         ticket: &Arc<Ticket>,
-    ) {
-        self.copy_units(pools, PoolId::Snapshots, direction, pairs, ticket);
+    ) -> Result<()> {
+        self.copy_units(pools, PoolId::Snapshots, direction, pairs, ticket)
     }
 
     /// One copy part for pool `id`: whole units, `(device unit, host unit)` pairs.
@@ -152,11 +153,11 @@ impl HostPools {
         direction: CopyDirection,
         pairs: &[(u32, u32)],
         ticket: &Arc<Ticket>,
-    ) {
+    ) -> Result<()> {
         let i = Self::index(id);
         let unit = self.unit_bytes[i];
         if pairs.is_empty() || unit == 0 {
-            return;
+            return Ok(());
         }
         let copies = pairs
             .iter()
@@ -168,7 +169,7 @@ impl HostPools {
             .collect();
         pools
             .backend()
-            .copy_tier(pools.buffer(id), direction, copies, ticket);
+            .copy_tier(pools.buffer(id), direction, copies, ticket)
     }
 
     /// The first bytes of host unit `unit` of pool `id` (tests).
