@@ -33,7 +33,8 @@ pub enum RouteKind<'a, B: Backend + ?Sized> {
     /// The fixed token-id → experts table `[vocab, k]`.
     Hash {
         table: &'a B::Index,
-        token_ids: &'a [u32],
+        /// The step's token ids (uploaded once per step).
+        token_ids: &'a B::Index,
     },
 }
 
@@ -111,13 +112,25 @@ pub struct CompressArgs<'a, B: Backend + ?Sized> {
     pub overlap: bool,
 }
 
-/// Where the rows of one layer live inside a pool buffer.
-#[derive(Debug, Clone, Copy)]
-pub enum Placement<'a> {
+/// A sequence's page table as a host-side op reads it: page `i`'s unit index. A backend whose
+/// index lives in device memory reads it in its kernels instead and need not implement this.
+pub trait PageTable {
+    fn page(&self, i: usize) -> usize;
+}
+
+impl PageTable for [u32] {
+    fn page(&self, i: usize) -> usize {
+        self[i] as usize
+    }
+}
+
+/// Where the rows of one layer live inside a pool buffer. `P` is the page table: a backend
+/// index uploaded once per step (`B::Index`) for the ops, host page ids for host-side code.
+pub enum Placement<'a, P: ?Sized = [u32]> {
     /// Growing rows: row r is row `r % rows_per_unit` of unit `pages[r / rows_per_unit]`,
     /// units being `unit_bytes` apart.
     Paged {
-        pages: &'a [u32],
+        pages: &'a P,
         rows_per_unit: usize,
         unit_bytes: usize,
     },
@@ -125,19 +138,77 @@ pub enum Placement<'a> {
     Ring { rows: usize },
 }
 
+// By hand: a derive would require `P: Clone`, which an unsized page table is not.
+impl<P: ?Sized> Clone for Placement<'_, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<P: ?Sized> Copy for Placement<'_, P> {}
+
+impl<P: ?Sized> std::fmt::Debug for Placement<'_, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Paged {
+                rows_per_unit,
+                unit_bytes,
+                ..
+            } => write!(
+                f,
+                "Paged {{ rows_per_unit: {rows_per_unit}, unit_bytes: {unit_bytes} }}"
+            ),
+            Self::Ring { rows } => write!(f, "Ring {{ rows: {rows} }}"),
+        }
+    }
+}
+
 /// The format and placement of one layer's rows in a pool buffer.
-#[derive(Debug, Clone, Copy)]
-pub struct RowLayout<'a> {
+#[derive(Debug)]
+pub struct RowLayout<'a, P: ?Sized = [u32]> {
     /// Byte offset of the layer's first row inside each unit (paged) or in the buffer (ring).
     pub offset: usize,
     pub row_bytes: usize,
     /// Values per row.
     pub width: usize,
     pub codec: RowCodec,
-    pub placement: Placement<'a>,
+    pub placement: Placement<'a, P>,
 }
 
-impl RowLayout<'_> {
+impl<P: ?Sized> Clone for RowLayout<'_, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<P: ?Sized> Copy for RowLayout<'_, P> {}
+
+impl<'a, P: ?Sized> RowLayout<'a, P> {
+    /// The same rows addressed through another page table `pages` (the backend's copy of the
+    /// same page ids).
+    pub fn with_pages<Q: ?Sized>(&self, pages: &'a Q) -> RowLayout<'a, Q> {
+        RowLayout {
+            offset: self.offset,
+            row_bytes: self.row_bytes,
+            width: self.width,
+            codec: self.codec,
+            placement: match self.placement {
+                Placement::Paged {
+                    rows_per_unit,
+                    unit_bytes,
+                    ..
+                } => Placement::Paged {
+                    pages,
+                    rows_per_unit,
+                    unit_bytes,
+                },
+                Placement::Ring { rows } => Placement::Ring { rows },
+            },
+        }
+    }
+}
+
+impl<P: PageTable + ?Sized> RowLayout<'_, P> {
     /// Byte offset of row `r` in the buffer.
     pub fn row_offset(&self, r: usize) -> usize {
         match self.placement {
@@ -146,7 +217,7 @@ impl RowLayout<'_> {
                 rows_per_unit,
                 unit_bytes,
             } => {
-                pages[r / rows_per_unit] as usize * unit_bytes
+                pages.page(r / rows_per_unit) * unit_bytes
                     + self.offset
                     + (r % rows_per_unit) * self.row_bytes
             }
@@ -155,10 +226,11 @@ impl RowLayout<'_> {
     }
 }
 
-/// Rows a step reads: a layout in a buffer, and how many rows are valid.
+/// Rows a step reads: a layout in a buffer (its page table the backend's index), and how many
+/// rows are valid.
 pub struct Rows<'a, B: Backend + ?Sized> {
     pub buffer: &'a B::Buffer,
-    pub layout: RowLayout<'a>,
+    pub layout: RowLayout<'a, B::Index>,
     pub count: usize,
 }
 
@@ -285,7 +357,7 @@ pub trait Backend: Send + Sync + 'static {
     fn write_rows(
         &self,
         dst: &mut Self::Buffer,
-        layout: &RowLayout<'_>,
+        layout: &RowLayout<'_, Self::Index>,
         first: usize,
         x: &Self::Tensor,
         rows: Range<usize>,
@@ -298,7 +370,7 @@ pub trait Backend: Send + Sync + 'static {
 
     // --- dense ops ----------------------------------------------------------------------
     /// Rows `ids` of `table`, as f32 `[ids.len(), cols]`.
-    fn embed(&self, table: &Self::Matrix, ids: &[u32]) -> Result<Self::Tensor>;
+    fn embed(&self, table: &Self::Matrix, ids: &Self::Index) -> Result<Self::Tensor>;
     /// `x [rows, in] @ wᵀ` → `[rows, out]`.
     fn matmul(&self, x: &Self::Tensor, rows: usize, w: &Self::Matrix) -> Result<Self::Tensor>;
     /// Block-diagonal: `x [rows, groups·in_g]`, `w [groups·out_g, in_g]` → `[rows, groups·out_g]`
@@ -329,7 +401,7 @@ pub trait Backend: Send + Sync + 'static {
         heads: usize,
         head_dim: usize,
         rope: &Self::Rope,
-        positions: &[u32],
+        positions: &Self::Index,
         inverse: bool,
     ) -> Result<()>;
     /// `a += b`.

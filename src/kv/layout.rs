@@ -260,7 +260,7 @@ impl KvLayout {
     }
 
     /// Layer `l`'s window ring in slot `slot`.
-    pub fn ring(&self, slot: u32, l: usize) -> RowLayout<'static> {
+    pub fn ring<P: ?Sized>(&self, slot: u32, l: usize) -> RowLayout<'static, P> {
         RowLayout {
             offset: slot as usize * self.unit_bytes(PoolId::Swa) + l * self.window * self.kv_row,
             row_bytes: self.kv_row,
@@ -270,13 +270,14 @@ impl KvLayout {
         }
     }
 
-    /// The pool, ratio and row layout of a compressed layer's rows addressed by `pages`.
-    pub fn rows<'a>(
+    /// The pool, ratio and row layout of a compressed layer's rows addressed by `pages` (host
+    /// page ids, or the backend's copy of them).
+    pub fn rows<'a, P: ?Sized>(
         &self,
-        pages: &'a [u32],
+        pages: &'a P,
         l: usize,
         stream: Stream,
-    ) -> Option<(PoolId, usize, RowLayout<'a>)> {
+    ) -> Option<(PoolId, usize, RowLayout<'a, P>)> {
         let slot = self.layers[l];
         let (pool, ratio, row_bytes, width, codec) = match (slot.kind, stream) {
             (AttentionKind::Csa, Stream::Main) => (

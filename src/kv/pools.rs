@@ -294,15 +294,24 @@ impl<B: Backend> KvPools<B> {
         )
     }
 
-    /// The first `count` compressed rows of layer `l` (`None` for window-only layers).
+    /// `seq`'s page table on the backend: uploaded once per step, read by every layer's row
+    /// accesses ([`Self::rows`], [`Self::write_rows`]).
+    pub fn page_table(&self, seq: &SeqKv) -> Result<B::Index> {
+        // Unit indices are far below i32::MAX (the plan caps unit counts).
+        let ids: Vec<i32> = seq.pages.iter().map(|&p| p as i32).collect();
+        self.backend.index(&ids)
+    }
+
+    /// The first `count` compressed rows of layer `l` (`None` for window-only layers), through
+    /// `table`, the sequence's [`Self::page_table`].
     pub fn rows<'a>(
         &'a self,
-        seq: &'a SeqKv,
+        table: &'a B::Index,
         l: usize,
         stream: Stream,
         count: usize,
     ) -> Option<Rows<'a, B>> {
-        let (pool, _, layout) = self.layout.rows(&seq.pages, l, stream)?;
+        let (pool, _, layout) = self.layout.rows(table, l, stream)?;
         Some(Rows {
             buffer: self.buffer(pool),
             layout,
@@ -310,10 +319,13 @@ impl<B: Backend> KvPools<B> {
         })
     }
 
-    /// Stores finished rows `first..first + count` of layer `l`.
+    /// Stores finished rows `first..first + count` of layer `l` through `table`, the
+    /// sequence's [`Self::page_table`].
+    #[allow(clippy::too_many_arguments)]
     pub fn write_rows(
         &mut self,
         seq: &SeqKv,
+        table: &B::Index,
         l: usize,
         stream: Stream,
         first: usize,
@@ -322,7 +334,7 @@ impl<B: Backend> KvPools<B> {
     ) -> Result<()> {
         let (pool, ratio, layout) = self
             .layout
-            .rows(&seq.pages, l, stream)
+            .rows(table, l, stream)
             .expect("rows written to a layer without that compressor");
         assert!(
             (first + count) * ratio <= seq.pages.len() * self.layout.page_size,

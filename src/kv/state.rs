@@ -248,7 +248,7 @@ fn regions(layout: &KvLayout, slot: u32, pages: &[u32], position: usize) -> Vec<
         push(PoolId::Swa, slot as usize * swa, swa);
     } else {
         for l in 0..layout.swa_layers() {
-            let ring = layout.ring(slot, l);
+            let ring = layout.ring::<[u32]>(slot, l);
             push(PoolId::Swa, ring.offset, position * ring.row_bytes);
         }
     }

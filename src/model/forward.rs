@@ -36,10 +36,20 @@ pub struct Chunk<'a> {
     pub logits: Logits,
 }
 
+/// What every layer of a step reads on the backend: the batch's token ids and positions,
+/// uploaded once per step.
+struct StepIndex<B: Backend> {
+    tokens: B::Index,
+    positions: B::Index,
+    rows: usize,
+}
+
 /// Where each sequence's rows sit in the batch.
-struct Segment {
+struct Segment<B: Backend> {
     rows: Range<usize>,
     start_pos: usize,
+    /// The sequence's page table on the backend, uploaded once per step.
+    pages: B::Index,
 }
 
 impl<B: Backend> Model<B> {
@@ -95,18 +105,29 @@ impl<B: Backend> Model<B> {
             let rows = ids.len()..ids.len() + chunk.tokens.len();
             ids.extend_from_slice(chunk.tokens);
             positions.extend((start_pos..start_pos + chunk.tokens.len()).map(|p| p as u32));
-            segments.push(Segment { rows, start_pos });
+            segments.push(Segment {
+                rows,
+                start_pos,
+                pages: kv.page_table(chunk.seq)?,
+            });
         }
         let n = ids.len();
         let d = c.hidden_size;
         watch.set_positions(&positions);
-        let x = b.embed(&self.embed, &ids)?;
+        // Token ids and positions go to the backend once per step: the embedding, the hash
+        // routers and every RoPE read them there. Ids are below the vocabulary size and
+        // positions below the context limit, both far below i32::MAX.
+        let as_i32 = |v: &[u32]| -> Vec<i32> { v.iter().map(|&x| x as i32).collect() };
+        let step = StepIndex {
+            tokens: b.index(&as_i32(&ids))?,
+            positions: b.index(&as_i32(&positions))?,
+            rows: n,
+        };
+        let x = b.embed(&self.embed, &step.tokens)?;
         watch.rows(b, &x, |_| Site::outside("embedding", &["embed.weight"]))?;
         let mut streams = b.hc_expand(&x, n, c.hc_mult, d)?;
         for (l, block) in self.blocks.iter().enumerate() {
-            streams = self.block(
-                l, block, &streams, &ids, &positions, &segments, kv, chunks, watch,
-            )?;
+            streams = self.block(l, block, &streams, &step, &segments, kv, chunks, watch)?;
         }
         let h = b.hc_head(&streams, n, &self.hc(&self.hc_head))?;
         watch.rows(b, &h, |_| {
@@ -174,16 +195,15 @@ impl<B: Backend> Model<B> {
         l: usize,
         block: &Block<B>,
         streams: &B::Tensor,
-        ids: &[u32],
-        positions: &[u32],
-        segments: &[Segment],
+        step: &StepIndex<B>,
+        segments: &[Segment<B>],
         kv: &mut KvPools<B>,
         chunks: &mut [Chunk<'_>],
         watch: &mut Watch,
     ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
-        let (n, d, hc) = (ids.len(), c.hidden_size, c.hc_mult);
+        let (n, d, hc) = (step.rows, c.hidden_size, c.hc_mult);
         let eps = c.rms_norm_eps as f32;
         let kind = block.kind;
         let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
@@ -200,7 +220,7 @@ impl<B: Backend> Model<B> {
             block.kind,
             &block.attn,
             &x,
-            positions,
+            step,
             segments,
             kv,
             chunks,
@@ -216,7 +236,7 @@ impl<B: Backend> Model<B> {
         })?;
         let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.ffn_norm), eps)?;
         watch.rows(b, &x, |_| site("FFN norm", &["ffn_norm.weight"]))?;
-        let m = self.moe(l, kind, &block.ffn, &x, ids, watch)?;
+        let m = self.moe(l, kind, &block.ffn, &x, step, watch)?;
         let out = b.hc_post(&m, &streams, &mix, n, hc, d)?;
         watch.rows(b, &out, |_| {
             site("FFN residual (hyper-connection post)", &HC_FFN)
@@ -231,8 +251,8 @@ impl<B: Backend> Model<B> {
         kind: AttentionKind,
         w: &Attention<B>,
         x: &B::Tensor,
-        positions: &[u32],
-        segments: &[Segment],
+        step: &StepIndex<B>,
+        segments: &[Segment<B>],
         kv_pools: &mut KvPools<B>,
         chunks: &mut [Chunk<'_>],
         watch: &mut Watch,
@@ -240,7 +260,7 @@ impl<B: Backend> Model<B> {
         let c = &self.config;
         let b = self.backend();
         let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
-        let n = positions.len();
+        let (n, positions) = (step.rows, &step.positions);
         let (heads, hd) = (c.num_heads, c.head_dim);
         let eps = c.rms_norm_eps as f32;
         let rope = match kind {
@@ -375,11 +395,10 @@ impl<B: Backend> Model<B> {
                     (c.index_head_dim as f32).powf(-0.5) * (c.index_n_heads as f32).powf(-0.5);
                 let args: Vec<IndexerArgs<'_, B>> = segments
                     .iter()
-                    .zip(chunks.iter())
-                    .map(|(seg, chunk)| {
+                    .map(|seg| {
                         let closed = (seg.start_pos + seg.rows.len()) / c.csa_ratio;
                         let keys = kv_pools
-                            .rows(chunk.seq, l, Stream::Indexer, closed)
+                            .rows(&seg.pages, l, Stream::Indexer, closed)
                             .expect("CSA layers index");
                         IndexerArgs {
                             q: qi,
@@ -412,7 +431,7 @@ impl<B: Backend> Model<B> {
                 ring: kv_pools.ring(chunk.seq, l),
                 window: c.sliding_window,
                 compressed: kv_pools.rows(
-                    chunk.seq,
+                    &seg.pages,
                     l,
                     Stream::Main,
                     (seg.start_pos + seg.rows.len()) / c.ratio(kind).max(1),
@@ -459,7 +478,7 @@ impl<B: Backend> Model<B> {
         stream: Stream,
         kv: &B::Tensor,
         gate: &B::Tensor,
-        seg: &Segment,
+        seg: &Segment<B>,
         watch: &mut Watch,
     ) -> Result<()> {
         let b = self.backend();
@@ -515,12 +534,14 @@ impl<B: Backend> Model<B> {
                 names(&["norm.weight"]),
             )
         })?;
+        // The windows' first positions: one small upload per compressor call.
+        let first_positions: Vec<i32> = starts.iter().map(|&p| p as i32).collect();
         b.rope_apply(
             &mut rows,
             1,
             comp.width,
             &self.rope_compress,
-            &starts,
+            &b.index(&first_positions)?,
             false,
         )?;
         if self.numerics == NumericsMode::Official {
@@ -530,7 +551,7 @@ impl<B: Backend> Model<B> {
                 Stream::Indexer => b.hadamard_fp4_round_trip(&mut rows, comp.width, FP4_BLOCK)?,
             }
         }
-        kv_pools.write_rows(seq, l, stream, first, &rows, count)
+        kv_pools.write_rows(seq, &seg.pages, l, stream, first, &rows, count)
     }
 
     fn moe(
@@ -539,12 +560,12 @@ impl<B: Backend> Model<B> {
         kind: AttentionKind,
         w: &Moe<B>,
         x: &B::Tensor,
-        ids: &[u32],
+        step: &StepIndex<B>,
         watch: &mut Watch,
     ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
-        let n = ids.len();
+        let n = step.rows;
         let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
         let inter_shared = c.moe_intermediate_size * c.n_shared_experts;
         let mut widths = vec![c.n_routed_experts];
@@ -559,7 +580,7 @@ impl<B: Backend> Model<B> {
         let route_kind = match &w.router {
             Router::Hash(table) => RouteKind::Hash {
                 table,
-                token_ids: ids,
+                token_ids: &step.tokens,
             },
             Router::TopK(bias) => RouteKind::TopK {
                 bias: bias.as_ref(),

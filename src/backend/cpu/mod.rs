@@ -20,7 +20,8 @@ use half::bf16;
 
 use super::{
     AttentionArgs, Backend, CompressArgs, CopyDirection, CopyRegion, Expert, HcMix, HcParams,
-    IndexerArgs, Precision, RouteArgs, Routing, RowLayout, Rows, Ticket, TierCopy, WeightData,
+    IndexerArgs, PageTable, Precision, RouteArgs, Routing, RowLayout, Rows, Ticket, TierCopy,
+    WeightData,
 };
 use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
@@ -47,6 +48,13 @@ enum MatrixData {
 /// i32 values in host memory.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CpuIndex(pub(crate) Vec<i32>);
+
+/// Page tables are uploaded as non-negative unit indices.
+impl PageTable for CpuIndex {
+    fn page(&self, i: usize) -> usize {
+        self.0[i] as usize
+    }
+}
 
 /// Inverse frequencies of one RoPE set.
 #[derive(Debug, Clone)]
@@ -215,7 +223,7 @@ impl Backend for CpuBackend {
     fn write_rows(
         &self,
         dst: &mut CpuBuffer,
-        layout: &RowLayout<'_>,
+        layout: &RowLayout<'_, CpuIndex>,
         first: usize,
         x: &CpuTensor,
         rows: Range<usize>,
@@ -297,8 +305,8 @@ impl Backend for CpuBackend {
         Ok(CpuRope(inv_freq.to_vec()))
     }
 
-    fn embed(&self, table: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
-        Ok(self.run(|| CpuTensor(ops::embed(table, ids))))
+    fn embed(&self, table: &CpuMatrix, ids: &CpuIndex) -> Result<CpuTensor> {
+        Ok(self.run(|| CpuTensor(ops::embed(table, &ids.0))))
     }
 
     fn matmul(&self, x: &CpuTensor, rows: usize, w: &CpuMatrix) -> Result<CpuTensor> {
@@ -367,10 +375,10 @@ impl Backend for CpuBackend {
         heads: usize,
         head_dim: usize,
         rope: &CpuRope,
-        positions: &[u32],
+        positions: &CpuIndex,
         inverse: bool,
     ) -> Result<()> {
-        self.run(|| ops::rope(&mut x.0, heads, head_dim, &rope.0, positions, inverse));
+        self.run(|| ops::rope(&mut x.0, heads, head_dim, &rope.0, &positions.0, inverse));
         Ok(())
     }
 

@@ -126,7 +126,7 @@ fn too_big(bytes: usize) -> Error {
 /// Encodes `rows` of `x` into rows `first..` of `layout`.
 pub(super) fn write_rows(
     dst: &mut CpuBuffer,
-    layout: &RowLayout<'_>,
+    layout: &RowLayout<'_, super::CpuIndex>,
     first: usize,
     x: &[f32],
     rows: Range<usize>,
