@@ -54,7 +54,7 @@ fn main() {
     let copy = |dir: CopyDirection| {
         let ticket = Ticket::new();
         let t = Instant::now();
-        host.copy_pages(&pools, dir, &pairs, &ticket);
+        host.copy_pages(&pools, dir, &pairs, &ticket).unwrap();
         ticket.seal();
         ticket.wait();
         t.elapsed().as_secs_f64()

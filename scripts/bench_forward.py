@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "target" / "release" / "examples" / "bench_forward"
+# Where `make bench-forward` built it: cargo's CARGO_TARGET_DIR when set (as the Makefile honours).
+EXAMPLE = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target") / "release" / "examples" / "bench_forward"
 
 
 def dsv4(model, threads, weights="f32"):

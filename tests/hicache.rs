@@ -167,7 +167,7 @@ fn a_forward_step_completes_while_a_load_back_is_in_flight() {
     let t = Instant::now();
     let c_logits = common::prefill(&model, &mut cache, &mut c, c_prompt).unwrap();
     assert!(
-        !cache.complete_load(&mut b, Duration::ZERO),
+        !cache.complete_load(&mut b, Duration::ZERO).unwrap(),
         "the load-back landed too early to show overlap"
     );
     eprintln!(
@@ -176,7 +176,9 @@ fn a_forward_step_completes_while_a_load_back_is_in_flight() {
     );
     cache.finish(c, c_prompt);
     model.backend().throttle_tier_copies(None);
-    assert!(cache.complete_load(&mut b, Duration::from_secs(30)));
+    assert!(cache
+        .complete_load(&mut b, Duration::from_secs(30))
+        .unwrap());
     assert_eq!((b.reused_tokens(), b.reused_host_tokens()), (256, 256));
     let b_logits = common::prefill(&model, &mut cache, &mut b, a).unwrap();
     cache.finish(b, a);

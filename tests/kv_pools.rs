@@ -158,3 +158,33 @@ fn eviction_under_pressure_spares_requests_in_flight() {
     cache.finish(b, &b_prompt);
     cache.check(&[]).unwrap();
 }
+
+#[test]
+fn pool_accesses_outside_a_buffer_are_errors_naming_the_access_not_panics() {
+    let backend = Arc::new(CpuBackend::new(1).unwrap());
+    let plan = plan_for(&common::fixture("pro-like/hf-f32"), json!({}));
+    let mut pools = KvPools::new(backend, &plan).unwrap();
+    let (id, bytes) = pools.allocated_bytes()[0];
+    assert_eq!(id, dsv4::kv::layout::PoolId::ALL[0]);
+    let end = bytes as usize;
+    // The last byte reads; one past it does not, and neither does a length that wraps.
+    let mut one = [0u8; 1];
+    pools.read_bytes(id, end - 1, &mut one).unwrap();
+    for (offset, len) in [(end, 1), (end - 1, 2), (usize::MAX, 1)] {
+        let mut out = vec![0u8; len];
+        let e = pools.read_bytes(id, offset, &mut out).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Internal);
+        assert!(
+            e.message().contains(&format!(
+                "{len} bytes at offset {offset} is outside the {end}-byte buffer"
+            )),
+            "{e}"
+        );
+        let e = pools.write_bytes(id, offset, &out).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
+    }
+    // A refused write changed nothing.
+    let mut last = [0u8; 1];
+    pools.read_bytes(id, end - 1, &mut last).unwrap();
+    assert_eq!(last, one);
+}

@@ -66,9 +66,9 @@ fn every_pool_publishes_one_region_of_its_planned_bytes() {
             let pattern: Vec<u8> = (0..n)
                 .map(|i| (i as u8).wrapping_mul(7) ^ (r.pool.index() as u8) ^ (offset as u8))
                 .collect();
-            pools.write_bytes(r.pool, offset, &pattern);
+            pools.write_bytes(r.pool, offset, &pattern).unwrap();
             let (mut via_backend, mut via_addr) = (vec![0; n], vec![0; n]);
-            pools.read_bytes(r.pool, offset, &mut via_backend);
+            pools.read_bytes(r.pool, offset, &mut via_backend).unwrap();
             pools
                 .read_mapped(r.addr + offset as u64, &mut via_addr)
                 .unwrap();
@@ -85,14 +85,17 @@ fn every_pool_publishes_one_region_of_its_planned_bytes() {
     // through the address.
     let page_bytes = plan.pool(PoolId::C4Kv).unwrap().shape.unit_bytes as usize;
     let pattern: Vec<u8> = (0..64).map(|i| 200 - i as u8).collect();
-    pools.write_bytes(PoolId::C4Kv, page_bytes, &pattern);
+    pools
+        .write_bytes(PoolId::C4Kv, page_bytes, &pattern)
+        .unwrap();
     let ticket = Ticket::new();
     host.copy_pages(
         &pools,
         CopyDirection::ToHost,
         &[(PageId(1), HostPageId(2))],
         &ticket,
-    );
+    )
+    .unwrap();
     ticket.seal();
     ticket.wait();
     let c4 = host_regions
@@ -121,7 +124,7 @@ fn sequence_state_regions_locate_inside_their_pool_regions() {
         let fill: Vec<u8> = (0..r.len)
             .map(|b| (b as u8) ^ (i as u8).wrapping_mul(37))
             .collect();
-        pools.write_bytes(r.pool, 0, &fill);
+        pools.write_bytes(r.pool, 0, &fill).unwrap();
     }
     seq.advance(300);
     let exported = state::export(&pools, &seq);

@@ -78,8 +78,10 @@ fn run_with(
         states: BTreeMap::new(),
     };
     if out.reused > 0 {
-        out.states
-            .insert(out.reused, cache.pools().fixed_state_bytes(req.kv()));
+        out.states.insert(
+            out.reused,
+            cache.pools().fixed_state_bytes(req.kv()).unwrap(),
+        );
     }
     let all: Vec<u32> = prompt.iter().chain(forced).copied().collect();
     while req.position() < all.len() {
@@ -98,7 +100,7 @@ fn run_with(
         cache.after_step(&mut req, &all[..end]).unwrap();
         if end.is_multiple_of(page) {
             out.states
-                .insert(end, cache.pools().fixed_state_bytes(req.kv()));
+                .insert(end, cache.pools().fixed_state_bytes(req.kv()).unwrap());
         }
     }
     cache.finish(req, &all);

@@ -47,13 +47,17 @@ struct Running {
 fn tag(pools: &KvPools<CpuBackend>, pool: PoolId, unit_index: u32) -> [u8; 16] {
     let mut out = [0u8; 16];
     let unit = pools.layout().unit_bytes(pool);
-    pools.read_bytes(pool, unit_index as usize * unit, &mut out);
+    pools
+        .read_bytes(pool, unit_index as usize * unit, &mut out)
+        .unwrap();
     out
 }
 
 fn write_tag(pools: &mut KvPools<CpuBackend>, pool: PoolId, unit_index: u32, tag: [u8; 16]) {
     let unit = pools.layout().unit_bytes(pool);
-    pools.write_bytes(pool, unit_index as usize * unit, &tag);
+    pools
+        .write_bytes(pool, unit_index as usize * unit, &tag)
+        .unwrap();
 }
 
 /// "Computes" `r` up to `end`: tags every page that fills and the slot at page boundaries.
@@ -170,7 +174,9 @@ fn property(seed: u64, ops: usize, host: Option<WritePolicy>) {
                 let i = rng.usize(..running.len());
                 let r = &mut running[i];
                 if r.req.is_loading() {
-                    assert!(cache.complete_load(&mut r.req, Duration::from_secs(10)));
+                    assert!(cache
+                        .complete_load(&mut r.req, Duration::from_secs(10))
+                        .unwrap());
                     check_hit(&cache, r);
                     if r.req.reused_tokens() > 0 {
                         hits += 1;

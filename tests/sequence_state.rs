@@ -62,7 +62,9 @@ fn uninterrupted(
 /// import fails to write shows up in the logits.
 fn poison(pools: &mut KvPools<CpuBackend>) {
     for (i, (_, bytes)) in pools.allocated_bytes().into_iter().enumerate() {
-        pools.write_bytes(PoolId::ALL[i], 0, &vec![0xff; bytes as usize]);
+        pools
+            .write_bytes(PoolId::ALL[i], 0, &vec![0xff; bytes as usize])
+            .unwrap();
     }
 }
 

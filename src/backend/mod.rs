@@ -10,12 +10,14 @@
 
 pub mod cpu;
 pub mod tier;
+pub mod weights;
 
 use std::ops::Range;
 
 use crate::error::Result;
 use crate::formats::rows::RowCodec;
 pub use tier::{CopyDirection, HostPtr, Ticket, TierCopy};
+pub use weights::{WeightData, WeightFormat, WeightPart};
 
 /// Where a weight matrix keeps its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +33,8 @@ pub enum RouteKind<'a, B: Backend + ?Sized> {
     /// The fixed token-id → experts table `[vocab, k]`.
     Hash {
         table: &'a B::Index,
-        token_ids: &'a [u32],
+        /// The step's token ids (uploaded once per step).
+        token_ids: &'a B::Index,
     },
 }
 
@@ -109,13 +112,25 @@ pub struct CompressArgs<'a, B: Backend + ?Sized> {
     pub overlap: bool,
 }
 
-/// Where the rows of one layer live inside a pool buffer.
-#[derive(Debug, Clone, Copy)]
-pub enum Placement<'a> {
+/// A sequence's page table as a host-side op reads it: page `i`'s unit index. A backend whose
+/// index lives in device memory reads it in its kernels instead and need not implement this.
+pub trait PageTable {
+    fn page(&self, i: usize) -> usize;
+}
+
+impl PageTable for [u32] {
+    fn page(&self, i: usize) -> usize {
+        self[i] as usize
+    }
+}
+
+/// Where the rows of one layer live inside a pool buffer. `P` is the page table: a backend
+/// index uploaded once per step (`B::Index`) for the ops, host page ids for host-side code.
+pub enum Placement<'a, P: ?Sized = [u32]> {
     /// Growing rows: row r is row `r % rows_per_unit` of unit `pages[r / rows_per_unit]`,
     /// units being `unit_bytes` apart.
     Paged {
-        pages: &'a [u32],
+        pages: &'a P,
         rows_per_unit: usize,
         unit_bytes: usize,
     },
@@ -123,19 +138,77 @@ pub enum Placement<'a> {
     Ring { rows: usize },
 }
 
+// By hand: a derive would require `P: Clone`, which an unsized page table is not.
+impl<P: ?Sized> Clone for Placement<'_, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<P: ?Sized> Copy for Placement<'_, P> {}
+
+impl<P: ?Sized> std::fmt::Debug for Placement<'_, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Paged {
+                rows_per_unit,
+                unit_bytes,
+                ..
+            } => write!(
+                f,
+                "Paged {{ rows_per_unit: {rows_per_unit}, unit_bytes: {unit_bytes} }}"
+            ),
+            Self::Ring { rows } => write!(f, "Ring {{ rows: {rows} }}"),
+        }
+    }
+}
+
 /// The format and placement of one layer's rows in a pool buffer.
-#[derive(Debug, Clone, Copy)]
-pub struct RowLayout<'a> {
+#[derive(Debug)]
+pub struct RowLayout<'a, P: ?Sized = [u32]> {
     /// Byte offset of the layer's first row inside each unit (paged) or in the buffer (ring).
     pub offset: usize,
     pub row_bytes: usize,
     /// Values per row.
     pub width: usize,
     pub codec: RowCodec,
-    pub placement: Placement<'a>,
+    pub placement: Placement<'a, P>,
 }
 
-impl RowLayout<'_> {
+impl<P: ?Sized> Clone for RowLayout<'_, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<P: ?Sized> Copy for RowLayout<'_, P> {}
+
+impl<'a, P: ?Sized> RowLayout<'a, P> {
+    /// The same rows addressed through another page table `pages` (the backend's copy of the
+    /// same page ids).
+    pub fn with_pages<Q: ?Sized>(&self, pages: &'a Q) -> RowLayout<'a, Q> {
+        RowLayout {
+            offset: self.offset,
+            row_bytes: self.row_bytes,
+            width: self.width,
+            codec: self.codec,
+            placement: match self.placement {
+                Placement::Paged {
+                    rows_per_unit,
+                    unit_bytes,
+                    ..
+                } => Placement::Paged {
+                    pages,
+                    rows_per_unit,
+                    unit_bytes,
+                },
+                Placement::Ring { rows } => Placement::Ring { rows },
+            },
+        }
+    }
+}
+
+impl<P: PageTable + ?Sized> RowLayout<'_, P> {
     /// Byte offset of row `r` in the buffer.
     pub fn row_offset(&self, r: usize) -> usize {
         match self.placement {
@@ -144,7 +217,7 @@ impl RowLayout<'_> {
                 rows_per_unit,
                 unit_bytes,
             } => {
-                pages[r / rows_per_unit] as usize * unit_bytes
+                pages.page(r / rows_per_unit) * unit_bytes
                     + self.offset
                     + (r % rows_per_unit) * self.row_bytes
             }
@@ -153,10 +226,11 @@ impl RowLayout<'_> {
     }
 }
 
-/// Rows a step reads: a layout in a buffer, and how many rows are valid.
+/// Rows a step reads: a layout in a buffer (its page table the backend's index), and how many
+/// rows are valid.
 pub struct Rows<'a, B: Backend + ?Sized> {
     pub buffer: &'a B::Buffer,
-    pub layout: RowLayout<'a>,
+    pub layout: RowLayout<'a, B::Index>,
     pub count: usize,
 }
 
@@ -231,27 +305,23 @@ pub trait Backend: Send + Sync + 'static {
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
 
     // --- memory -------------------------------------------------------------------------
-    fn tensor(&self, data: &[f32]) -> Self::Tensor;
-    fn zeros(&self, len: usize) -> Self::Tensor;
+    fn tensor(&self, data: &[f32]) -> Result<Self::Tensor>;
+    fn zeros(&self, len: usize) -> Result<Self::Tensor>;
     fn len(&self, t: &Self::Tensor) -> usize;
     /// Copies a tensor back to the host (outputs such as logits).
-    fn read(&self, t: &Self::Tensor) -> Vec<f32>;
-    /// A `[rows, cols]` matrix from host f32 values, stored at `precision`.
-    fn matrix(
-        &self,
-        rows: usize,
-        cols: usize,
-        data: Vec<f32>,
-        precision: Precision,
-    ) -> Result<Self::Matrix>;
+    fn read(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// A weight matrix from its checkpoint bytes ([`WeightData`]: F32, BF16, F16, FP8 e4m3 with
+    /// block scales, packed FP4 e2m1 with row scales), stored at `precision` or, where the
+    /// backend supports it, in the checkpoint's own format.
+    fn matrix(&self, weight: &WeightData<'_>, precision: Precision) -> Result<Self::Matrix>;
     /// `(rows, cols)` of a matrix.
     fn matrix_shape(&self, m: &Self::Matrix) -> (usize, usize);
     /// Bytes a matrix occupies.
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
-    fn index(&self, data: &[i32]) -> Self::Index;
-    fn read_index(&self, i: &Self::Index) -> Vec<i32>;
+    fn index(&self, data: &[i32]) -> Result<Self::Index>;
+    fn read_index(&self, i: &Self::Index) -> Result<Vec<i32>>;
     /// A RoPE frequency set from its inverse frequencies (one per rotated pair).
-    fn rope(&self, inv_freq: &[f32]) -> Self::Rope;
+    fn rope(&self, inv_freq: &[f32]) -> Result<Self::Rope>;
 
     // --- pool memory ---------------------------------------------------------------------
     /// A zeroed buffer of exactly `bytes` bytes; an allocation failure is a capacity error.
@@ -263,9 +333,9 @@ pub trait Backend: Send + Sync + 'static {
     /// buffer lives; a device address on a GPU backend, a host address on the CPU backend.
     fn buffer_region(&self, b: &Self::Buffer) -> (u64, usize);
     /// Copies `out.len()` bytes at `offset` to the host.
-    fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]);
+    fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]) -> Result<()>;
     /// Copies host bytes into the buffer at `offset`.
-    fn write_bytes(&self, b: &mut Self::Buffer, offset: usize, data: &[u8]);
+    fn write_bytes(&self, b: &mut Self::Buffer, offset: usize, data: &[u8]) -> Result<()>;
     /// Starts asynchronous copies between pool `buffer` and host memory and adds one part to
     /// `ticket`, completed once every byte has landed. Until then the caller keeps the host
     /// memory alive and does not touch the ranges being copied (the pools pin the pages).
@@ -275,33 +345,38 @@ pub trait Backend: Send + Sync + 'static {
         direction: CopyDirection,
         copies: Vec<TierCopy>,
         ticket: &std::sync::Arc<Ticket>,
-    );
+    ) -> Result<()>;
     /// Prepares host memory for fast tier copies (CUDA: `cudaHostRegister`; CPU: nothing).
     fn register_host(&self, _ptr: HostPtr, _len: usize) -> Result<()> {
         Ok(())
     }
     /// Copies regions from one buffer to another (snapshots, restores, transfers).
-    fn copy_regions(&self, src: &Self::Buffer, dst: &mut Self::Buffer, regions: &[CopyRegion]);
+    fn copy_regions(
+        &self,
+        src: &Self::Buffer,
+        dst: &mut Self::Buffer,
+        regions: &[CopyRegion],
+    ) -> Result<()>;
     /// Encodes rows `rows` of `x` (`[_, layout.width]`) into rows `first..` of the layout.
     fn write_rows(
         &self,
         dst: &mut Self::Buffer,
-        layout: &RowLayout<'_>,
+        layout: &RowLayout<'_, Self::Index>,
         first: usize,
         x: &Self::Tensor,
         rows: Range<usize>,
-    );
+    ) -> Result<()>;
     /// Decodes rows `range` to f32 `[range.len(), width]`.
-    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> Self::Tensor;
+    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> Result<Self::Tensor>;
     /// Replaces every `width`-wide row of `x` by its value after a trip through `codec`, so
     /// rows used straight from a step equal the stored ones.
-    fn codec_round_trip(&self, x: &mut Self::Tensor, width: usize, codec: RowCodec);
+    fn codec_round_trip(&self, x: &mut Self::Tensor, width: usize, codec: RowCodec) -> Result<()>;
 
     // --- dense ops ----------------------------------------------------------------------
     /// Rows `ids` of `table`, as f32 `[ids.len(), cols]`.
-    fn embed(&self, table: &Self::Matrix, ids: &[u32]) -> Self::Tensor;
+    fn embed(&self, table: &Self::Matrix, ids: &Self::Index) -> Result<Self::Tensor>;
     /// `x [rows, in] @ wᵀ` → `[rows, out]`.
-    fn matmul(&self, x: &Self::Tensor, rows: usize, w: &Self::Matrix) -> Self::Tensor;
+    fn matmul(&self, x: &Self::Tensor, rows: usize, w: &Self::Matrix) -> Result<Self::Tensor>;
     /// Block-diagonal: `x [rows, groups·in_g]`, `w [groups·out_g, in_g]` → `[rows, groups·out_g]`
     /// where group g multiplies `x[:, g·in_g..]` by `w[g·out_g..]`.
     fn matmul_grouped(
@@ -310,7 +385,7 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         w: &Self::Matrix,
         groups: usize,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// RMS-normalises every `dim`-wide vector of `x` (`vectors` of them), times `weight` when
     /// given: `x / sqrt(mean(x²) + eps) · w`.
     fn rms_norm(
@@ -320,7 +395,7 @@ pub trait Backend: Send + Sync + 'static {
         dim: usize,
         weight: Option<&Self::Tensor>,
         eps: f32,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// Interleaved RoPE on the last `2 · pairs` channels of every head: row r (one per entry of
     /// `positions`), head h rotates pairs `(x[2i], x[2i+1])` by `positions[r] · θ_i` (by its
     /// negation when `inverse`).
@@ -330,31 +405,43 @@ pub trait Backend: Send + Sync + 'static {
         heads: usize,
         head_dim: usize,
         rope: &Self::Rope,
-        positions: &[u32],
+        positions: &Self::Index,
         inverse: bool,
-    );
+    ) -> Result<()>;
     /// `a += b`.
-    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor);
+    fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor) -> Result<()>;
     /// Splits `[rows, Σ widths]` by columns into one `[rows, width]` tensor per width.
-    fn split(&self, x: &Self::Tensor, rows: usize, widths: &[usize]) -> Vec<Self::Tensor>;
+    fn split(&self, x: &Self::Tensor, rows: usize, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
     /// Rows `rows` of a `[_, cols]` tensor.
-    fn take_rows(&self, x: &Self::Tensor, cols: usize, rows: &[usize]) -> Self::Tensor;
+    fn take_rows(&self, x: &Self::Tensor, cols: usize, rows: &[usize]) -> Result<Self::Tensor>;
     /// SwiGLU with DeepSeek's clamp: `silu(min(gate, limit)) · clamp(up, ±limit)` for a
     /// `[rows, 2·inter]` input holding gate then up (limit 0 = no clamp).
-    fn swiglu(&self, gate_up: &Self::Tensor, rows: usize, inter: usize, limit: f32)
-        -> Self::Tensor;
+    fn swiglu(
+        &self,
+        gate_up: &Self::Tensor,
+        rows: usize,
+        inter: usize,
+        limit: f32,
+    ) -> Result<Self::Tensor>;
 
     // --- official numerics (emulating the release's FP8/FP4 kernels) ---------------------
     /// FP8 round trip of channels `[0, channels)` of every `width`-wide row, in blocks of
     /// `block` channels with ue8m0 scales (`crate::formats::fp8_round_trip`).
-    fn fp8_round_trip(&self, x: &mut Self::Tensor, width: usize, channels: usize, block: usize);
+    fn fp8_round_trip(
+        &self,
+        x: &mut Self::Tensor,
+        width: usize,
+        channels: usize,
+        block: usize,
+    ) -> Result<()>;
     /// Normalised Hadamard transform of every `dim`-wide vector, then an FP4 round trip in
     /// blocks of `block` (`crate::formats::fp4_round_trip`).
-    fn hadamard_fp4_round_trip(&self, x: &mut Self::Tensor, dim: usize, block: usize);
+    fn hadamard_fp4_round_trip(&self, x: &mut Self::Tensor, dim: usize, block: usize)
+        -> Result<()>;
 
     // --- hyper-connections --------------------------------------------------------------
     /// Collapses `x [rows, hc·dim]` with the mixing weights of one block input.
-    fn hc_pre(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> HcMix<Self>;
+    fn hc_pre(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> Result<HcMix<Self>>;
     /// `x'[k] = post[k] · out + Σ_j comb[j, k] · x[j]` per row.
     fn hc_post(
         &self,
@@ -364,11 +451,22 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         hc: usize,
         dim: usize,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// The final collapse (no Sinkhorn): `Σ_i (sigmoid(mix_i·scale + base_i) + eps) · x[i]`.
-    fn hc_head(&self, x: &Self::Tensor, rows: usize, p: &HcParams<'_, Self>) -> Self::Tensor;
+    fn hc_head(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        p: &HcParams<'_, Self>,
+    ) -> Result<Self::Tensor>;
     /// `x [rows, dim]` repeated into `hc` identical streams `[rows, hc·dim]`.
-    fn hc_expand(&self, x: &Self::Tensor, rows: usize, hc: usize, dim: usize) -> Self::Tensor;
+    fn hc_expand(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        hc: usize,
+        dim: usize,
+    ) -> Result<Self::Tensor>;
 
     // --- attention state ----------------------------------------------------------------
     /// Advances a compressor frontier — f32 `[coff·ratio, 2·coff·width]` (rows of kv ‖ score,
@@ -380,15 +478,15 @@ pub trait Backend: Send + Sync + 'static {
         state: &mut Self::Buffer,
         frontier: usize,
         args: &CompressArgs<'_, Self>,
-    ) -> (Self::Tensor, usize);
+    ) -> Result<(Self::Tensor, usize)>;
     /// For each sequence: scores every causally visible indexer key for each new token and
     /// keeps the top k: `[new_rows, k]`, k = `min(top_k, n_keys)`, ascending, −1 where fewer
     /// are visible. Sequences may run in parallel.
-    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Vec<(Self::Index, usize)>;
+    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Result<Vec<(Self::Index, usize)>>;
     /// Attention with sinks over each new token's window plus its compressed rows, for every
     /// sequence of the batch (in parallel); each writes its rows of `out`
     /// (`[batch_rows, heads·head_dim]`).
-    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut Self::Tensor);
+    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut Self::Tensor) -> Result<()>;
 
     // --- mixture of experts -------------------------------------------------------------
     fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>>;
@@ -401,5 +499,5 @@ pub trait Backend: Send + Sync + 'static {
         experts: &[Expert<Self>],
         inter: usize,
         limit: f32,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
 }

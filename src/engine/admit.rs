@@ -121,12 +121,23 @@ impl<B: Backend> Worker<B> {
         let mut i = 0;
         while i < self.sched.running.len() {
             let r = &mut self.sched.running[i];
-            if r.phase() != Phase::LoadingBack
-                || !self.cache.complete_load(&mut r.req, Duration::ZERO)
-            {
+            if r.phase() != Phase::LoadingBack {
                 i += 1;
                 continue;
             }
+            match self.cache.complete_load(&mut r.req, Duration::ZERO) {
+                Ok(true) => {}
+                Ok(false) => {
+                    i += 1;
+                    continue;
+                }
+                Err(e) => {
+                    log::error!("request {}: its load-back failed: {e}", r.id);
+                    self.end_running(i, End::Failed(e), false);
+                    continue;
+                }
+            }
+            let r = &mut self.sched.running[i];
             match self.cache.reserve(&mut r.req, r.prefill_len) {
                 Ok(()) => {
                     r.set_phase(Phase::Prefilling);

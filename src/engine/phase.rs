@@ -45,6 +45,17 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Every phase, in the order a request meets them.
+    pub const ALL: [Phase; 7] = [
+        Self::Waiting,
+        Self::Imported,
+        Self::Retracted,
+        Self::LoadingBack,
+        Self::Prefilling,
+        Self::Decoding,
+        Self::Finished,
+    ];
+
     /// In the queue (holds no pool units).
     pub fn is_queued(self) -> bool {
         matches!(self, Self::Waiting | Self::Imported | Self::Retracted)
@@ -85,15 +96,7 @@ impl Phase {
 mod tests {
     use super::Phase::{self, *};
 
-    const ALL: [Phase; 7] = [
-        Waiting,
-        Imported,
-        Retracted,
-        LoadingBack,
-        Prefilling,
-        Decoding,
-        Finished,
-    ];
+    const ALL: [Phase; 7] = Phase::ALL;
 
     #[test]
     fn transitions_are_exactly_the_diagram() {

@@ -121,10 +121,10 @@ impl<B: Backend> Worker<B> {
             if self.sched.running.iter().any(|r| r.reserved()) {
                 self.make_room_for_decode();
                 self.stalled = !self.step();
-            } else if let Some(r) = self.sched.running.iter_mut().find(|r| r.req.is_loading()) {
-                // Only load-backs in flight: wait for one instead of spinning.
-                self.cache
-                    .complete_load(&mut r.req, Duration::from_millis(2));
+            } else if let Some(r) = self.sched.running.iter().find(|r| r.req.is_loading()) {
+                // Only load-backs in flight: wait for one instead of spinning (the next
+                // `finish_loads` completes it).
+                self.cache.wait_load(&r.req, Duration::from_millis(2));
             }
             self.publish();
         }

@@ -3,8 +3,8 @@
 //! (a host page id into a device page table, a snapshot unit as a page) a compile error instead
 //! of silent corruption of another request's KV.
 //!
-//! The ids are `#[repr(transparent)]` over `u32`, so a page table (`&[PageId]`) can be handed to
-//! the backend's row layouts, which take raw `&[u32]`, without copying ([`PageId::raw_slice`]).
+//! The backend sees page ids only as the raw indices of a sequence's page table, uploaded once
+//! per step by `KvPools::page_table`: the one place they stop being typed.
 //!
 //! ```compile_fail
 //! use dsv4::kv::{HostPageId, PageId};
@@ -94,31 +94,17 @@ impl UnitId for u32 {
     }
 }
 
-impl PageId {
-    /// A page table as the raw ids the backend's row layouts take
-    /// (`backend::Placement::Paged { pages }`), without copying.
-    pub fn raw_slice(pages: &[PageId]) -> &[u32] {
-        // SAFETY: `PageId` is `#[repr(transparent)]` over `u32`, so `[PageId]` and `[u32]` have
-        // the same size, alignment and layout, and every bit pattern is valid for both; the
-        // returned slice borrows `pages` for the same lifetime and length.
-        unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u32>(), pages.len()) }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn ids_serialize_as_plain_numbers_and_page_tables_cast_in_place() {
+    fn ids_serialize_as_plain_numbers() {
         assert_eq!(serde_json::to_string(&PageId(7)).unwrap(), "7");
         assert_eq!(
             serde_json::from_str::<SnapshotId>("3").unwrap(),
             SnapshotId(3)
         );
-        let pages = [PageId(4), PageId(9), PageId(1)];
-        assert_eq!(PageId::raw_slice(&pages), &[4, 9, 1]);
-        assert_eq!(PageId::raw_slice(&pages).as_ptr(), pages.as_ptr().cast());
         assert_eq!(PageId::from_index(5).to_string(), "5");
     }
 }

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
 use crate::plan::{self, Plan};
 
-use super::ids::{PageId, SnapshotId, UnitId};
+use super::ids::{SnapshotId, UnitId};
 use super::state::LayoutFingerprint;
 
 /// The pools: the plan owns the vocabulary; re-exported here for `kv::layout::PoolId` users.
@@ -219,7 +219,7 @@ impl KvLayout {
     }
 
     /// Layer `l`'s window ring in slot `slot`.
-    pub fn ring(&self, slot: u32, l: usize) -> RowLayout<'static> {
+    pub fn ring<P: ?Sized>(&self, slot: u32, l: usize) -> RowLayout<'static, P> {
         RowLayout {
             offset: slot as usize * self.unit_bytes(PoolId::Swa) + l * self.window * self.kv_row,
             row_bytes: self.kv_row,
@@ -229,13 +229,14 @@ impl KvLayout {
         }
     }
 
-    /// The pool, ratio and row layout of a compressed layer's rows addressed by `pages`.
-    pub fn rows<'a>(
+    /// The pool, ratio and row layout of a compressed layer's rows addressed by `pages` (host
+    /// page ids, or the backend's copy of them).
+    pub fn rows<'a, P: ?Sized>(
         &self,
-        pages: &'a [PageId],
+        pages: &'a P,
         l: usize,
         stream: Stream,
-    ) -> Option<(PoolId, usize, RowLayout<'a>)> {
+    ) -> Option<(PoolId, usize, RowLayout<'a, P>)> {
         let slot = self.layers[l];
         let (pool, ratio, row_bytes, width, codec) = match (slot.kind, stream) {
             (AttentionKind::Csa, Stream::Main) => (
@@ -271,8 +272,7 @@ impl KvLayout {
                 width,
                 codec,
                 placement: Placement::Paged {
-                    // The backend takes raw ids: converted here, at the boundary.
-                    pages: PageId::raw_slice(pages),
+                    pages,
                     rows_per_unit: per_page,
                     unit_bytes: self.unit_bytes(pool),
                 },

@@ -128,14 +128,14 @@ impl<B: Backend> KvPools<B> {
     }
 
     /// Copies `out.len()` bytes of pool `id` at `offset` to the host.
-    pub fn read_bytes(&self, id: PoolId, offset: usize, out: &mut [u8]) {
-        self.backend.read_bytes(self.buffer(id), offset, out);
+    pub fn read_bytes(&self, id: PoolId, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.backend.read_bytes(self.buffer(id), offset, out)
     }
 
     /// Copies host bytes into pool `id` at `offset`.
-    pub fn write_bytes(&mut self, id: PoolId, offset: usize, data: &[u8]) {
+    pub fn write_bytes(&mut self, id: PoolId, offset: usize, data: &[u8]) -> Result<()> {
         let b = Arc::clone(&self.backend);
-        b.write_bytes(self.buffer_mut(id), offset, data);
+        b.write_bytes(self.buffer_mut(id), offset, data)
     }
 
     pub fn page_allocator(&self) -> &UnitAllocator<PageId> {
@@ -281,7 +281,7 @@ impl<B: Backend> KvPools<B> {
         kv: &B::Tensor,
         rows: Range<usize>,
         start: usize,
-    ) {
+    ) -> Result<()> {
         // Only the last `window` tokens survive; earlier ones would be overwritten anyway.
         let skip = rows.len().saturating_sub(self.layout.window);
         let layout = self.layout.ring(seq.slot, l);
@@ -292,18 +292,28 @@ impl<B: Backend> KvPools<B> {
             start + skip,
             kv,
             rows.start + skip..rows.end,
-        );
+        )
     }
 
-    /// The first `count` compressed rows of layer `l` (`None` for window-only layers).
+    /// `seq`'s page table on the backend: uploaded once per step, read by every layer's row
+    /// accesses ([`Self::rows`], [`Self::write_rows`]).
+    pub fn page_table(&self, seq: &SeqKv) -> Result<B::Index> {
+        // The one place page ids become the backend's raw indices. Unit indices are far below
+        // i32::MAX (the plan caps unit counts).
+        let ids: Vec<i32> = seq.pages.iter().map(|&p| p.get() as i32).collect();
+        self.backend.index(&ids)
+    }
+
+    /// The first `count` compressed rows of layer `l` (`None` for window-only layers), through
+    /// `table`, the sequence's [`Self::page_table`].
     pub fn rows<'a>(
         &'a self,
-        seq: &'a SeqKv,
+        table: &'a B::Index,
         l: usize,
         stream: Stream,
         count: usize,
     ) -> Option<Rows<'a, B>> {
-        let (pool, _, layout) = self.layout.rows(&seq.pages, l, stream)?;
+        let (pool, _, layout) = self.layout.rows(table, l, stream)?;
         Some(Rows {
             buffer: self.buffer(pool),
             layout,
@@ -311,26 +321,29 @@ impl<B: Backend> KvPools<B> {
         })
     }
 
-    /// Stores finished rows `first..first + count` of layer `l`.
+    /// Stores finished rows `first..first + count` of layer `l` through `table`, the
+    /// sequence's [`Self::page_table`].
+    #[allow(clippy::too_many_arguments)]
     pub fn write_rows(
         &mut self,
         seq: &SeqKv,
+        table: &B::Index,
         l: usize,
         stream: Stream,
         first: usize,
         x: &B::Tensor,
         count: usize,
-    ) {
+    ) -> Result<()> {
         let (pool, ratio, layout) = self
             .layout
-            .rows(&seq.pages, l, stream)
+            .rows(table, l, stream)
             .expect("rows written to a layer without that compressor");
         assert!(
             (first + count) * ratio <= seq.pages.len() * self.layout.page_size,
             "rows written past the reserved pages"
         );
         let b = Arc::clone(&self.backend);
-        b.write_rows(&mut self.buffers[pool.index()], &layout, first, x, 0..count);
+        b.write_rows(&mut self.buffers[pool.index()], &layout, first, x, 0..count)
     }
 
     /// Advances a compressor of layer `l` by the step's rows; returns the pooled rows of the
@@ -341,15 +354,15 @@ impl<B: Backend> KvPools<B> {
         l: usize,
         stream: Stream,
         args: &CompressArgs<'_, B>,
-    ) -> (B::Tensor, usize, usize) {
+    ) -> Result<(B::Tensor, usize, usize)> {
         let f = self
             .layout
             .frontier(seq.slot, l, stream)
             .expect("compress called on a layer without that compressor");
         let first = args.start_pos / f.ratio;
         let b = Arc::clone(&self.backend);
-        let (rows, count) = b.compress(&mut self.buffers[f.pool.index()], f.offset, args);
-        (rows, count, first)
+        let (rows, count) = b.compress(&mut self.buffers[f.pool.index()], f.offset, args)?;
+        Ok((rows, count, first))
     }
 
     // --- snapshots -------------------------------------------------------------------------
@@ -388,14 +401,14 @@ impl<B: Backend> KvPools<B> {
                 .map(|&(_, src, dst, len)| CopyRegion { src, dst, len })
                 .collect();
             if !list.is_empty() {
-                b.copy_regions(&srcs[id.index()], dst, &list);
+                b.copy_regions(&srcs[id.index()], dst, &list)?;
             }
         }
         Ok(())
     }
 
     /// Puts snapshot `snap` into `seq`'s slot.
-    pub fn restore(&mut self, seq: &SeqKv, snap: SnapshotId) {
+    pub fn restore(&mut self, seq: &SeqKv, snap: SnapshotId) -> Result<()> {
         let regions = self.layout.snapshot_regions(seq.slot, snap);
         let b = Arc::clone(&self.backend);
         let (snapshots, slots) = split_snapshots(&mut self.buffers);
@@ -410,9 +423,10 @@ impl<B: Backend> KvPools<B> {
                 })
                 .collect();
             if !list.is_empty() {
-                b.copy_regions(snapshots, &mut slots[id.index()], &list);
+                b.copy_regions(snapshots, &mut slots[id.index()], &list)?;
             }
         }
+        Ok(())
     }
 
     pub fn alloc_snapshot(&mut self) -> Option<SnapshotId> {
@@ -428,26 +442,26 @@ impl<B: Backend> KvPools<B> {
     }
 
     /// The bytes of snapshot `snap`.
-    pub fn snapshot_bytes(&self, snap: SnapshotId) -> Vec<u8> {
+    pub fn snapshot_bytes(&self, snap: SnapshotId) -> Result<Vec<u8>> {
         let unit = self.layout.unit_bytes(PoolId::Snapshots);
         let mut out = vec![0; unit];
         self.backend.read_bytes(
             self.buffer(PoolId::Snapshots),
             snap.index() * unit,
             &mut out,
-        );
-        out
+        )?;
+        Ok(out)
     }
 
     /// The bytes a snapshot of `seq` would hold now, read straight from its slot.
-    pub fn fixed_state_bytes(&self, seq: &SeqKv) -> Vec<u8> {
+    pub fn fixed_state_bytes(&self, seq: &SeqKv) -> Result<Vec<u8>> {
         let regions = self.layout.snapshot_regions(seq.slot, SnapshotId(0));
         let mut out = vec![0; self.layout.unit_bytes(PoolId::Snapshots)];
         for (pool, src, dst, len) in regions {
             self.backend
-                .read_bytes(self.buffer(pool), src, &mut out[dst..dst + len]);
+                .read_bytes(self.buffer(pool), src, &mut out[dst..dst + len])?;
         }
-        out
+        Ok(out)
     }
 
     /// Checks every allocator's books (for tests and debug builds).

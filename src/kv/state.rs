@@ -249,7 +249,7 @@ fn regions(layout: &KvLayout, slot: u32, pages: &[PageId], position: usize) -> V
         push(PoolId::Swa, slot as usize * swa, swa);
     } else {
         for l in 0..layout.swa_layers() {
-            let ring = layout.ring(slot, l);
+            let ring = layout.ring::<[u32]>(slot, l);
             push(PoolId::Swa, ring.offset, position * ring.row_bytes);
         }
     }
@@ -344,7 +344,7 @@ pub fn read_into<B: Backend>(
     }
     let mut at = 0;
     for r in &state.regions {
-        pools.read_bytes(r.pool, r.offset, &mut out[at..at + r.len]);
+        pools.read_bytes(r.pool, r.offset, &mut out[at..at + r.len])?;
         at += r.len;
     }
     Ok(())
@@ -377,7 +377,11 @@ pub fn import<B: Backend>(
     let dest = regions(pools.layout(), seq.slot(), seq.pages(), seq.position());
     let mut at = 0;
     for r in &dest {
-        pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len]);
+        if let Err(e) = pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len]) {
+            // Refused: nothing taken.
+            pools.close(seq);
+            return Err(e);
+        }
         at += r.len;
     }
     debug_assert_eq!(at, bytes.len());

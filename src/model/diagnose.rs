@@ -148,13 +148,22 @@ impl Watch {
     /// Checks `t`, one row per batch row (any width); `site` gets the row of the first
     /// non-finite value.
     #[inline]
-    pub fn rows<B: Backend>(&mut self, b: &B, t: &B::Tensor, site: impl FnOnce(usize) -> Site) {
+    pub fn rows<B: Backend>(
+        &mut self,
+        b: &B,
+        t: &B::Tensor,
+        site: impl FnOnce(usize) -> Site,
+    ) -> Result<()> {
         if !self.active() {
-            return;
+            return Ok(());
         }
         let positions = std::mem::take(&mut self.positions);
-        self.record(&b.read(t), &positions, site);
+        let values = b.read(t);
+        if let Ok(v) = &values {
+            self.record(v, &positions, site);
+        }
         self.positions = positions;
+        values.map(drop)
     }
 
     /// Checks `t` whose rows sit at `positions` (compressed rows, logits rows).
@@ -165,10 +174,11 @@ impl Watch {
         t: &B::Tensor,
         positions: &[u32],
         site: impl FnOnce(usize) -> Site,
-    ) {
+    ) -> Result<()> {
         if self.active() {
-            self.record(&b.read(t), positions, site);
+            self.record(&b.read(t)?, positions, site);
         }
+        Ok(())
     }
 
     /// Checks values already on the host (the logits).

@@ -36,10 +36,20 @@ pub struct Chunk<'a> {
     pub logits: Logits,
 }
 
+/// What every layer of a step reads on the backend: the batch's token ids and positions,
+/// uploaded once per step.
+struct StepIndex<B: Backend> {
+    tokens: B::Index,
+    positions: B::Index,
+    rows: usize,
+}
+
 /// Where each sequence's rows sit in the batch.
-struct Segment {
+struct Segment<B: Backend> {
     rows: Range<usize>,
     start_pos: usize,
+    /// The sequence's page table on the backend, uploaded once per step.
+    pages: B::Index,
 }
 
 impl<B: Backend> Model<B> {
@@ -95,28 +105,39 @@ impl<B: Backend> Model<B> {
             let rows = ids.len()..ids.len() + chunk.tokens.len();
             ids.extend_from_slice(chunk.tokens);
             positions.extend((start_pos..start_pos + chunk.tokens.len()).map(|p| p as u32));
-            segments.push(Segment { rows, start_pos });
+            segments.push(Segment {
+                rows,
+                start_pos,
+                pages: kv.page_table(chunk.seq)?,
+            });
         }
         let n = ids.len();
         let d = c.hidden_size;
         watch.set_positions(&positions);
-        let x = b.embed(&self.embed, &ids);
-        watch.rows(b, &x, |_| Site::outside("embedding", &["embed.weight"]));
-        let mut streams = b.hc_expand(&x, n, c.hc_mult, d);
+        // Token ids and positions go to the backend once per step: the embedding, the hash
+        // routers and every RoPE read them there. Ids are below the vocabulary size and
+        // positions below the context limit, both far below i32::MAX.
+        let as_i32 = |v: &[u32]| -> Vec<i32> { v.iter().map(|&x| x as i32).collect() };
+        let step = StepIndex {
+            tokens: b.index(&as_i32(&ids))?,
+            positions: b.index(&as_i32(&positions))?,
+            rows: n,
+        };
+        let x = b.embed(&self.embed, &step.tokens)?;
+        watch.rows(b, &x, |_| Site::outside("embedding", &["embed.weight"]))?;
+        let mut streams = b.hc_expand(&x, n, c.hc_mult, d)?;
         for (l, block) in self.blocks.iter().enumerate() {
-            streams = self.block(
-                l, block, &streams, &ids, &positions, &segments, kv, chunks, watch,
-            )?;
+            streams = self.block(l, block, &streams, &step, &segments, kv, chunks, watch)?;
         }
-        let h = b.hc_head(&streams, n, &self.hc(&self.hc_head));
+        let h = b.hc_head(&streams, n, &self.hc(&self.hc_head))?;
         watch.rows(b, &h, |_| {
             Site::outside(
                 "final hyper-connection head",
                 &["hc_head_fn", "hc_head_base", "hc_head_scale"],
             )
-        });
-        let h = b.rms_norm(&h, n, d, Some(&self.norm), c.rms_norm_eps as f32);
-        watch.rows(b, &h, |_| Site::outside("final norm", &["norm.weight"]));
+        })?;
+        let h = b.rms_norm(&h, n, d, Some(&self.norm), c.rms_norm_eps as f32)?;
+        watch.rows(b, &h, |_| Site::outside("final norm", &["norm.weight"]))?;
         let mut wanted = Vec::new();
         for (chunk, seg) in chunks.iter().zip(&segments) {
             match chunk.logits {
@@ -128,8 +149,8 @@ impl<B: Backend> Model<B> {
         let logits = if wanted.is_empty() {
             Vec::new()
         } else {
-            let h = b.take_rows(&h, d, &wanted);
-            let logits = b.read(&b.matmul(&h, wanted.len(), &self.head));
+            let h = b.take_rows(&h, d, &wanted)?;
+            let logits = b.read(&b.matmul(&h, wanted.len(), &self.head)?)?;
             if watch.active() {
                 let at: Vec<u32> = wanted.iter().map(|&r| positions[r]).collect();
                 watch.values(&logits, &at, |_| {
@@ -174,53 +195,52 @@ impl<B: Backend> Model<B> {
         l: usize,
         block: &Block<B>,
         streams: &B::Tensor,
-        ids: &[u32],
-        positions: &[u32],
-        segments: &[Segment],
+        step: &StepIndex<B>,
+        segments: &[Segment<B>],
         kv: &mut KvPools<B>,
         chunks: &mut [Chunk<'_>],
         watch: &mut Watch,
     ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
-        let (n, d, hc) = (ids.len(), c.hidden_size, c.hc_mult);
+        let (n, d, hc) = (step.rows, c.hidden_size, c.hc_mult);
         let eps = c.rms_norm_eps as f32;
         let kind = block.kind;
         let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
         const HC_ATTN: [&str; 3] = ["hc_attn_fn", "hc_attn_base", "hc_attn_scale"];
         const HC_FFN: [&str; 3] = ["hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"];
-        let mix = b.hc_pre(streams, n, &self.hc(&block.attn_hc));
+        let mix = b.hc_pre(streams, n, &self.hc(&block.attn_hc))?;
         watch.rows(b, &mix.collapsed, |_| {
             site("attention hyper-connection mix", &HC_ATTN)
-        });
-        let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.attn_norm), eps);
-        watch.rows(b, &x, |_| site("attention norm", &["attn_norm.weight"]));
+        })?;
+        let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.attn_norm), eps)?;
+        watch.rows(b, &x, |_| site("attention norm", &["attn_norm.weight"]))?;
         let a = self.attention(
             l,
             block.kind,
             &block.attn,
             &x,
-            positions,
+            step,
             segments,
             kv,
             chunks,
             watch,
-        );
-        let streams = b.hc_post(&a, streams, &mix, n, hc, d);
+        )?;
+        let streams = b.hc_post(&a, streams, &mix, n, hc, d)?;
         watch.rows(b, &streams, |_| {
             site("attention residual (hyper-connection post)", &HC_ATTN)
-        });
-        let mix = b.hc_pre(&streams, n, &self.hc(&block.ffn_hc));
+        })?;
+        let mix = b.hc_pre(&streams, n, &self.hc(&block.ffn_hc))?;
         watch.rows(b, &mix.collapsed, |_| {
             site("FFN hyper-connection mix", &HC_FFN)
-        });
-        let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.ffn_norm), eps);
-        watch.rows(b, &x, |_| site("FFN norm", &["ffn_norm.weight"]));
-        let m = self.moe(l, kind, &block.ffn, &x, ids, watch)?;
-        let out = b.hc_post(&m, &streams, &mix, n, hc, d);
+        })?;
+        let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.ffn_norm), eps)?;
+        watch.rows(b, &x, |_| site("FFN norm", &["ffn_norm.weight"]))?;
+        let m = self.moe(l, kind, &block.ffn, &x, step, watch)?;
+        let out = b.hc_post(&m, &streams, &mix, n, hc, d)?;
         watch.rows(b, &out, |_| {
             site("FFN residual (hyper-connection post)", &HC_FFN)
-        });
+        })?;
         Ok(out)
     }
 
@@ -231,16 +251,16 @@ impl<B: Backend> Model<B> {
         kind: AttentionKind,
         w: &Attention<B>,
         x: &B::Tensor,
-        positions: &[u32],
-        segments: &[Segment],
+        step: &StepIndex<B>,
+        segments: &[Segment<B>],
         kv_pools: &mut KvPools<B>,
         chunks: &mut [Chunk<'_>],
         watch: &mut Watch,
-    ) -> B::Tensor {
+    ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
         let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
-        let n = positions.len();
+        let (n, positions) = (step.rows, &step.positions);
         let (heads, hd) = (c.num_heads, c.head_dim);
         let eps = c.rms_norm_eps as f32;
         let rope = match kind {
@@ -262,7 +282,7 @@ impl<B: Backend> Model<B> {
             x_widths.extend([2 * id, 2 * id, ih]);
         }
         let mut x_parts = b
-            .split(&b.matmul(x, n, &w.x_proj), n, &x_widths)
+            .split(&b.matmul(x, n, &w.x_proj)?, n, &x_widths)?
             .into_iter();
         // Each part is checked against the weight that produced it (the parts come in this
         // order; a layer without a compressor or indexer stops early).
@@ -276,58 +296,67 @@ impl<B: Backend> Model<B> {
             "attn.indexer.weights_proj.weight",
         ];
         let mut x_names = X_NAMES.iter();
-        let mut take = || {
+        let mut take = || -> Result<B::Tensor> {
             let part = x_parts.next().expect("one part per width");
             let name = x_names.next().copied().unwrap_or("attn");
-            watch.rows(b, &part, |_| site("input projection", &[name]));
-            part
+            watch.rows(b, &part, |_| site("input projection", &[name]))?;
+            Ok(part)
         };
-        let qr_raw = take();
-        let kv_raw = take();
-        let comp_proj = w.compressor.as_ref().map(|_| (take(), take()));
-        let index_x = w.indexer.as_ref().map(|_| ((take(), take()), take()));
-        let qr = b.rms_norm(&qr_raw, n, c.q_lora_rank, Some(&w.q_norm), eps);
+        let qr_raw = take()?;
+        let kv_raw = take()?;
+        let comp_proj = match &w.compressor {
+            Some(_) => Some((take()?, take()?)),
+            None => None,
+        };
+        let index_x = match &w.indexer {
+            Some(_) => Some(((take()?, take()?), take()?)),
+            None => None,
+        };
+        let qr = b.rms_norm(&qr_raw, n, c.q_lora_rank, Some(&w.q_norm), eps)?;
         watch.rows(b, &qr, |_| {
             site("query latent norm", &["attn.q_norm.weight"])
-        });
-        let mut kv = b.rms_norm(&kv_raw, n, hd, Some(&w.kv_norm), eps);
-        watch.rows(b, &kv, |_| site("kv norm", &["attn.kv_norm.weight"]));
+        })?;
+        let mut kv = b.rms_norm(&kv_raw, n, hd, Some(&w.kv_norm), eps)?;
+        watch.rows(b, &kv, |_| site("kv norm", &["attn.kv_norm.weight"]))?;
         let mut qr_widths = vec![heads * hd];
         if w.indexer.is_some() {
             qr_widths.push(ih * id);
         }
         let mut qr_parts = b
-            .split(&b.matmul(&qr, n, &w.qr_proj), n, &qr_widths)
+            .split(&b.matmul(&qr, n, &w.qr_proj)?, n, &qr_widths)?
             .into_iter();
         let q_raw = qr_parts.next().expect("queries");
         watch.rows(b, &q_raw, |_| {
             site("query up-projection", &["attn.wq_b.weight"])
-        });
-        let mut q = b.rms_norm(&q_raw, n * heads, hd, None, eps);
-        b.rope_apply(&mut q, heads, hd, rope, positions, false);
-        b.rope_apply(&mut kv, 1, hd, rope, positions, false);
+        })?;
+        let mut q = b.rms_norm(&q_raw, n * heads, hd, None, eps)?;
+        b.rope_apply(&mut q, heads, hd, rope, positions, false)?;
+        b.rope_apply(&mut kv, 1, hd, rope, positions, false)?;
         let official = self.numerics == NumericsMode::Official;
         if official {
-            b.fp8_round_trip(&mut kv, hd, c.nope_head_dim(), FP8_KV_BLOCK);
+            b.fp8_round_trip(&mut kv, hd, c.nope_head_dim(), FP8_KV_BLOCK)?;
         }
         // The step's own keys go through the pool's row format too, so a token sees the same
         // keys whether they come from this step or from the pools (chunking and prefix hits
         // stay exact at every kv dtype).
         let kv_codec = kv_pools.layout().kv_codec;
         if kv_codec != RowCodec::F32 {
-            b.codec_round_trip(&mut kv, hd, kv_codec);
+            b.codec_round_trip(&mut kv, hd, kv_codec)?;
         }
-        let index_proj = index_x.map(|(kv_gate, weights)| {
-            let mut qi = qr_parts.next().expect("indexer queries");
-            watch.rows(b, &qi, |_| {
-                site("indexer query projection", &["attn.indexer.wq_b.weight"])
-            });
-            b.rope_apply(&mut qi, ih, id, &self.rope_compress, positions, false);
-            if official {
-                b.hadamard_fp4_round_trip(&mut qi, id, FP4_BLOCK);
+        let index_proj = match index_x {
+            Some((kv_gate, weights)) => {
+                let mut qi = qr_parts.next().expect("indexer queries");
+                watch.rows(b, &qi, |_| {
+                    site("indexer query projection", &["attn.indexer.wq_b.weight"])
+                })?;
+                b.rope_apply(&mut qi, ih, id, &self.rope_compress, positions, false)?;
+                if official {
+                    b.hadamard_fp4_round_trip(&mut qi, id, FP4_BLOCK)?;
+                }
+                Some((kv_gate, qi, weights))
             }
-            (kv_gate, qi, weights)
-        });
+            None => None,
+        };
 
         // State updates run per sequence; the searches and attention then run for all
         // sequences at once.
@@ -344,7 +373,7 @@ impl<B: Backend> Model<B> {
                     gate_c,
                     seg,
                     watch,
-                );
+                )?;
             }
             if let (Some(ix), Some(((kv_i, gate_i), _, _))) = (&w.indexer, &index_proj) {
                 self.advance_compressor(
@@ -357,7 +386,7 @@ impl<B: Backend> Model<B> {
                     gate_i,
                     seg,
                     watch,
-                );
+                )?;
             }
         }
         let selections: Vec<Option<(B::Index, usize)>> = match &index_proj {
@@ -366,11 +395,10 @@ impl<B: Backend> Model<B> {
                     (c.index_head_dim as f32).powf(-0.5) * (c.index_n_heads as f32).powf(-0.5);
                 let args: Vec<IndexerArgs<'_, B>> = segments
                     .iter()
-                    .zip(chunks.iter())
-                    .map(|(seg, chunk)| {
+                    .map(|seg| {
                         let closed = (seg.start_pos + seg.rows.len()) / c.csa_ratio;
                         let keys = kv_pools
-                            .rows(chunk.seq, l, Stream::Indexer, closed)
+                            .rows(&seg.pages, l, Stream::Indexer, closed)
                             .expect("CSA layers index");
                         IndexerArgs {
                             q: qi,
@@ -386,11 +414,11 @@ impl<B: Backend> Model<B> {
                         }
                     })
                     .collect();
-                b.indexer_top_k(&args).into_iter().map(Some).collect()
+                b.indexer_top_k(&args)?.into_iter().map(Some).collect()
             }
             None => segments.iter().map(|_| None).collect(),
         };
-        let mut o = b.zeros(n * heads * hd);
+        let mut o = b.zeros(n * heads * hd)?;
         let args: Vec<AttentionArgs<'_, B>> = segments
             .iter()
             .zip(chunks.iter())
@@ -403,7 +431,7 @@ impl<B: Backend> Model<B> {
                 ring: kv_pools.ring(chunk.seq, l),
                 window: c.sliding_window,
                 compressed: kv_pools.rows(
-                    chunk.seq,
+                    &seg.pages,
                     l,
                     Stream::Main,
                     (seg.start_pos + seg.rows.len()) / c.ratio(kind).max(1),
@@ -416,26 +444,26 @@ impl<B: Backend> Model<B> {
                 scale: (hd as f32).powf(-0.5),
             })
             .collect();
-        b.attention(&args, &mut o);
+        b.attention(&args, &mut o)?;
         drop(args);
         watch.rows(b, &o, |_| {
             site(
                 "attention core (scores over cached keys)",
                 &["attn.attn_sink"],
             )
-        });
+        })?;
         for (seg, chunk) in segments.iter().zip(chunks.iter()) {
-            kv_pools.write_window(chunk.seq, l, &kv, seg.rows.clone(), seg.start_pos);
+            kv_pools.write_window(chunk.seq, l, &kv, seg.rows.clone(), seg.start_pos)?;
         }
         // Undo the values' rotation so each contributes relative to the query position.
-        b.rope_apply(&mut o, heads, hd, rope, positions, true);
-        let grouped = b.matmul_grouped(&o, n, &w.wo_a, c.o_groups);
+        b.rope_apply(&mut o, heads, hd, rope, positions, true)?;
+        let grouped = b.matmul_grouped(&o, n, &w.wo_a, c.o_groups)?;
         watch.rows(b, &grouped, |_| {
             site("grouped output projection", &["attn.wo_a.weight"])
-        });
-        let out = b.matmul(&grouped, n, &w.wo_b);
-        watch.rows(b, &out, |_| site("attention output", &["attn.wo_b.weight"]));
-        out
+        })?;
+        let out = b.matmul(&grouped, n, &w.wo_b)?;
+        watch.rows(b, &out, |_| site("attention output", &["attn.wo_b.weight"]))?;
+        Ok(out)
     }
 
     /// Feeds a sequence's new rows to a compressor; rows of windows they close are normed,
@@ -450,9 +478,9 @@ impl<B: Backend> Model<B> {
         stream: Stream,
         kv: &B::Tensor,
         gate: &B::Tensor,
-        seg: &Segment,
+        seg: &Segment<B>,
         watch: &mut Watch,
-    ) {
+    ) -> Result<()> {
         let b = self.backend();
         let args = CompressArgs {
             kv,
@@ -464,9 +492,9 @@ impl<B: Backend> Model<B> {
             width: comp.width,
             overlap: comp.overlap,
         };
-        let (rows, count, first) = kv_pools.compress(seq, l, stream, &args);
+        let (rows, count, first) = kv_pools.compress(seq, l, stream, &args)?;
         if count == 0 {
-            return;
+            return Ok(());
         }
         let eps = self.config.rms_norm_eps as f32;
         let starts: Vec<u32> = (first..first + count)
@@ -495,8 +523,8 @@ impl<B: Backend> Model<B> {
                 },
                 names(&["wkv.weight", "wgate.weight", "ape"]),
             )
-        });
-        let mut rows = b.rms_norm(&rows, count, comp.width, Some(&comp.norm), eps);
+        })?;
+        let mut rows = b.rms_norm(&rows, count, comp.width, Some(&comp.norm), eps)?;
         watch.rows_at(b, &rows, &starts, |_| {
             site(
                 match stream {
@@ -505,23 +533,25 @@ impl<B: Backend> Model<B> {
                 },
                 names(&["norm.weight"]),
             )
-        });
+        })?;
+        // The windows' first positions: one small upload per compressor call.
+        let first_positions: Vec<i32> = starts.iter().map(|&p| p as i32).collect();
         b.rope_apply(
             &mut rows,
             1,
             comp.width,
             &self.rope_compress,
-            &starts,
+            &b.index(&first_positions)?,
             false,
-        );
+        )?;
         if self.numerics == NumericsMode::Official {
             let nope = self.config.nope_head_dim();
             match stream {
-                Stream::Main => b.fp8_round_trip(&mut rows, comp.width, nope, FP8_KV_BLOCK),
-                Stream::Indexer => b.hadamard_fp4_round_trip(&mut rows, comp.width, FP4_BLOCK),
+                Stream::Main => b.fp8_round_trip(&mut rows, comp.width, nope, FP8_KV_BLOCK)?,
+                Stream::Indexer => b.hadamard_fp4_round_trip(&mut rows, comp.width, FP4_BLOCK)?,
             }
         }
-        kv_pools.write_rows(seq, l, stream, first, &rows, count);
+        kv_pools.write_rows(seq, &seg.pages, l, stream, first, &rows, count)
     }
 
     fn moe(
@@ -530,25 +560,27 @@ impl<B: Backend> Model<B> {
         kind: AttentionKind,
         w: &Moe<B>,
         x: &B::Tensor,
-        ids: &[u32],
+        step: &StepIndex<B>,
         watch: &mut Watch,
     ) -> Result<B::Tensor> {
         let c = &self.config;
         let b = self.backend();
-        let n = ids.len();
+        let n = step.rows;
         let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
         let inter_shared = c.moe_intermediate_size * c.n_shared_experts;
         let mut widths = vec![c.n_routed_experts];
         if w.shared_w2.is_some() {
             widths.push(2 * inter_shared);
         }
-        let mut parts = b.split(&b.matmul(x, n, &w.x_proj), n, &widths).into_iter();
+        let mut parts = b
+            .split(&b.matmul(x, n, &w.x_proj)?, n, &widths)?
+            .into_iter();
         let logits = parts.next().expect("router logits");
-        watch.rows(b, &logits, |_| site("router logits", &["ffn.gate.weight"]));
+        watch.rows(b, &logits, |_| site("router logits", &["ffn.gate.weight"]))?;
         let route_kind = match &w.router {
             Router::Hash(table) => RouteKind::Hash {
                 table,
-                token_ids: ids,
+                token_ids: &step.tokens,
             },
             Router::TopK(bias) => RouteKind::TopK {
                 bias: bias.as_ref(),
@@ -567,11 +599,12 @@ impl<B: Backend> Model<B> {
         let limit = c.swiglu_limit as f32;
         watch.rows(b, &routing.weights, |_| {
             site("router weights", &["ffn.gate.weight", "ffn.gate.bias"])
-        });
-        let mut y = b.moe(x, n, &routing, &w.experts, c.moe_intermediate_size, limit);
+        })?;
+        let mut y = b.moe(x, n, &routing, &w.experts, c.moe_intermediate_size, limit)?;
         watch.rows(b, &y, |row| {
             // Name the experts this token was routed to.
-            let chosen = b.read_index(&routing.experts);
+            // (An unreadable routing table leaves the names out; the layer is still named.)
+            let chosen = b.read_index(&routing.experts).unwrap_or_default();
             let k = routing.top_k.max(1);
             let names: Vec<String> = chosen
                 .iter()
@@ -586,7 +619,7 @@ impl<B: Backend> Model<B> {
                 step: "routed experts",
                 weights: names,
             }
-        });
+        })?;
         if let (Some(w2), Some(gate_up)) = (&w.shared_w2, parts.next()) {
             watch.rows(b, &gate_up, |_| {
                 site(
@@ -596,16 +629,16 @@ impl<B: Backend> Model<B> {
                         "ffn.shared_experts.w3.weight",
                     ],
                 )
-            });
-            let h = b.swiglu(&gate_up, n, inter_shared, limit);
-            let shared = b.matmul(&h, n, w2);
+            })?;
+            let h = b.swiglu(&gate_up, n, inter_shared, limit)?;
+            let shared = b.matmul(&h, n, w2)?;
             watch.rows(b, &shared, |_| {
                 site(
                     "shared expert down projection",
                     &["ffn.shared_experts.w2.weight"],
                 )
-            });
-            b.add_assign(&mut y, &shared);
+            })?;
+            b.add_assign(&mut y, &shared)?;
         }
         Ok(y)
     }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
-use crate::backend::{Backend, Expert, Precision};
+use crate::backend::{Backend, Expert, Precision, WeightData, WeightFormat, WeightPart};
 use crate::config::model::ScoringFunc;
 use crate::config::params::{NumericsMode, WeightDtype};
 use crate::config::tensors::{checkpoint_tensors, TensorSpec};
@@ -145,20 +145,25 @@ impl<B: Backend> Model<B> {
             bytes: BTreeMap::new(),
             parameters: 0,
             failed: false,
+            backend_error: None,
         };
         let model = builder.model(&config);
         let mtp = builder.mtp(&config);
         let (bytes, parameters) = (builder.bytes.clone(), builder.parameters);
         let naming = builder.loader.naming;
         // MTP tensors never make loading fail: a broken or absent MTP block only disables it.
+        let backend_error = builder.backend_error.take();
         builder.loader.finish(&["mtp.", "model.mtp."])?;
+        if let Some(e) = backend_error {
+            return Err(e);
+        }
         let Some(parts) = model else {
             return Err(Error::internal("checkpoint problems were not reported"));
         };
         let c = &config;
         let result = Self {
-            rope_main: backend.rope(&rope::inv_freq(&c.main_rope, c.rope_head_dim)),
-            rope_compress: backend.rope(&rope::inv_freq(&c.compress_rope, c.rope_head_dim)),
+            rope_main: backend.rope(&rope::inv_freq(&c.main_rope, c.rope_head_dim))?,
+            rope_compress: backend.rope(&rope::inv_freq(&c.compress_rope, c.rope_head_dim))?,
             embed: parts.0,
             head: parts.1,
             norm: parts.2,
@@ -251,15 +256,14 @@ struct Builder<'a, B: Backend> {
     bytes: BTreeMap<&'static str, u64>,
     parameters: u64,
     failed: bool,
+    /// The first error the backend returned while building (an allocation, a format it
+    /// refuses): reported as it is, not as a checkpoint problem.
+    backend_error: Option<Error>,
 }
 
-impl<B: Backend> Builder<'_, B> {
+impl<'a, B: Backend> Builder<'a, B> {
     fn spec(&self, name: &str) -> Option<&TensorSpec> {
         self.specs.get(name)
-    }
-
-    fn floats(&mut self, name: &str) -> Option<(Vec<f32>, Vec<usize>)> {
-        self.read(name, false)
     }
 
     /// Reads a tensor; `scan` also refuses NaN and infinite values (small tensors only).
@@ -289,18 +293,40 @@ impl<B: Backend> Builder<'_, B> {
         self.matrix_read(name, precision, false)
     }
 
+    /// A tensor as stored (checkpoint format and raw bytes) with its column count.
+    fn part(&mut self, name: &str) -> Option<(WeightPart<'a>, usize)> {
+        let Some(spec) = self.spec(name).cloned() else {
+            self.failed = true;
+            return None;
+        };
+        match self.loader.part(&spec) {
+            Some(p) if !self.failed => {
+                self.parameters += spec.elements();
+                Some(p)
+            }
+            _ => {
+                self.failed = true;
+                None
+            }
+        }
+    }
+
+    /// A matrix handed to the backend in its checkpoint format; `scan` (small matrices only)
+    /// first refuses NaN and infinite values.
     fn matrix_read(&mut self, name: &str, precision: Precision, scan: bool) -> Option<B::Matrix> {
-        let (values, shape) = self.read(name, scan)?;
-        let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
-        let m = self.backend.matrix(rows, cols, values, precision).ok()?;
-        *self
-            .bytes
-            .entry(match precision {
-                Precision::F32 => "f32",
-                Precision::Bf16 => "bf16",
-            })
-            .or_insert(0) += self.backend.matrix_bytes(&m) as u64;
-        Some(m)
+        if scan {
+            let (values, shape) = self.read(name, true)?;
+            let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
+            let bytes: &[u8] = bytemuck::cast_slice(&values);
+            let data = WeightData::whole(WeightFormat::F32, bytes, Vec::new(), rows, cols);
+            return self.build(name, &data, precision);
+        }
+        let (part, cols) = self.part(name)?;
+        let data = WeightData {
+            cols,
+            parts: vec![part],
+        };
+        self.build(name, &data, precision)
     }
 
     fn matrix(&mut self, name: &str) -> Option<B::Matrix> {
@@ -309,28 +335,56 @@ impl<B: Backend> Builder<'_, B> {
 
     /// Matrices with the same number of columns stacked by rows: `[a; b; …]`.
     fn stack(&mut self, names: &[String]) -> Option<B::Matrix> {
-        let parts: Vec<Option<(Vec<f32>, Vec<usize>)>> =
-            names.iter().map(|n| self.floats(n)).collect();
-        let parts: Vec<(Vec<f32>, Vec<usize>)> = parts.into_iter().collect::<Option<_>>()?;
-        let cols = parts.first()?.1[1];
-        if parts.iter().any(|(_, shape)| shape[1] != cols) {
+        let parts: Vec<Option<(WeightPart<'a>, usize)>> =
+            names.iter().map(|n| self.part(n)).collect();
+        let parts: Vec<(WeightPart<'a>, usize)> = parts.into_iter().collect::<Option<_>>()?;
+        let cols = parts.first()?.1;
+        if parts.iter().any(|(_, c)| *c != cols) {
             self.failed = true;
             return None;
         }
-        let rows = parts.iter().map(|(_, shape)| shape[0]).sum();
-        let values: Vec<f32> = parts.into_iter().flat_map(|(v, _)| v).collect();
-        let m = self
-            .backend
-            .matrix(rows, cols, values, self.precision)
-            .ok()?;
-        *self
-            .bytes
-            .entry(match self.precision {
-                Precision::F32 => "f32",
-                Precision::Bf16 => "bf16",
-            })
-            .or_insert(0) += self.backend.matrix_bytes(&m) as u64;
-        Some(m)
+        let data = WeightData {
+            cols,
+            parts: parts.into_iter().map(|(p, _)| p).collect(),
+        };
+        self.build(&names[0], &data, self.precision)
+    }
+
+    /// The backend's matrix for `data` stored at `precision`, its bytes counted; a backend
+    /// error is kept (the first one) and returned by `Model::load` with its message.
+    fn build(
+        &mut self,
+        name: &str,
+        data: &WeightData<'_>,
+        precision: Precision,
+    ) -> Option<B::Matrix> {
+        match self.backend.matrix(data, precision) {
+            Ok(m) => {
+                *self
+                    .bytes
+                    .entry(match precision {
+                        Precision::F32 => "f32",
+                        Precision::Bf16 => "bf16",
+                    })
+                    .or_insert(0) += self.backend.matrix_bytes(&m) as u64;
+                Some(m)
+            }
+            Err(e) => {
+                self.backend_failed(name, e);
+                None
+            }
+        }
+    }
+
+    /// Records the first backend error (with the tensor it was building) and fails the load.
+    fn backend_failed(&mut self, name: &str, e: Error) {
+        self.failed = true;
+        if self.backend_error.is_none() {
+            self.backend_error = Some(Error::new(
+                e.kind(),
+                format!("loading `{name}`: {}", e.message()),
+            ));
+        }
     }
 
     /// A small per-channel tensor (norm weight, bias, sink, position bias, hyper-connection
@@ -338,7 +392,13 @@ impl<B: Backend> Builder<'_, B> {
     fn vector(&mut self, name: &str) -> Option<B::Tensor> {
         let (values, _) = self.read(name, true)?;
         *self.bytes.entry("f32").or_insert(0) += 4 * values.len() as u64;
-        Some(self.backend.tensor(&values))
+        match self.backend.tensor(&values) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.backend_failed(name, e);
+                None
+            }
+        }
     }
 
     fn hc(&mut self, fn_: &str, base: &str, scale: &str) -> Option<Hc<B>> {
@@ -445,9 +505,15 @@ impl<B: Backend> Builder<'_, B> {
             if table.is_none() {
                 self.failed = true;
             }
-            table.map(|t| {
+            table.and_then(|t| {
                 *self.bytes.entry("i32").or_insert(0) += 4 * t.len() as u64;
-                Router::Hash(self.backend.index(&t))
+                match self.backend.index(&t) {
+                    Ok(i) => Some(Router::Hash(i)),
+                    Err(e) => {
+                        self.backend_failed(&name, e);
+                        None
+                    }
+                }
             })
         } else {
             self.vector(&format!("{f}gate.bias"))

@@ -357,7 +357,7 @@ fn fnv1a(text: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::weights::dequant;
+    use crate::backend::{WeightData, WeightFormat};
 
     #[test]
     fn quantised_blocks_decode_close_to_their_values() {
@@ -366,7 +366,10 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32() - 0.5).collect();
         let (q, s) = fp8_blocks(&w, rows, cols);
         let scales: Vec<f32> = s.iter().map(|&b| e8m0_decode(b)).collect();
-        let back = dequant::fp8_block(&q, &scales, rows, cols, [FP8_BLOCK, FP8_BLOCK]);
+        let fp8 = WeightFormat::Fp8E4m3 {
+            block: [FP8_BLOCK, FP8_BLOCK],
+        };
+        let back = WeightData::whole(fp8, &q, scales, rows, cols).to_f32();
         let worst = w
             .iter()
             .zip(&back)
@@ -375,7 +378,8 @@ mod tests {
         assert!(worst <= 0.5 / 16.0, "fp8 error {worst}");
         let (packed, s) = fp4_rows(&w, rows, cols);
         let scales: Vec<f32> = s.iter().map(|&b| e8m0_decode(b)).collect();
-        let back = dequant::fp4_packed(&packed, &scales, rows, cols, FP4_BLOCK);
+        let fp4 = WeightFormat::Fp4E2m1 { block: FP4_BLOCK };
+        let back = WeightData::whole(fp4, &packed, scales, rows, cols).to_f32();
         let worst = w
             .iter()
             .zip(&back)

@@ -20,7 +20,8 @@ use half::bf16;
 
 use super::{
     AttentionArgs, Backend, CompressArgs, CopyDirection, CopyRegion, Expert, HcMix, HcParams,
-    IndexerArgs, Precision, RouteArgs, Routing, RowLayout, Rows, Ticket, TierCopy,
+    IndexerArgs, PageTable, Precision, RouteArgs, Routing, RowLayout, Rows, Ticket, TierCopy,
+    WeightData,
 };
 use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
@@ -47,6 +48,13 @@ enum MatrixData {
 /// i32 values in host memory.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CpuIndex(pub(crate) Vec<i32>);
+
+/// Page tables are uploaded as non-negative unit indices.
+impl PageTable for CpuIndex {
+    fn page(&self, i: usize) -> usize {
+        self.0[i] as usize
+    }
+}
 
 /// Inverse frequencies of one RoPE set.
 #[derive(Debug, Clone)]
@@ -180,12 +188,14 @@ impl Backend for CpuBackend {
         (b.base().expose_provenance() as u64, b.len())
     }
 
-    fn read_bytes(&self, b: &CpuBuffer, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(b.range(offset, out.len()));
+    fn read_bytes(&self, b: &CpuBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        out.copy_from_slice(b.get(offset, out.len())?);
+        Ok(())
     }
 
-    fn write_bytes(&self, b: &mut CpuBuffer, offset: usize, data: &[u8]) {
-        b.range_mut(offset, data.len()).copy_from_slice(data);
+    fn write_bytes(&self, b: &mut CpuBuffer, offset: usize, data: &[u8]) -> Result<()> {
+        b.get_mut(offset, data.len())?.copy_from_slice(data);
+        Ok(())
     }
 
     fn copy_tier(
@@ -194,44 +204,47 @@ impl Backend for CpuBackend {
         direction: CopyDirection,
         copies: Vec<TierCopy>,
         ticket: &Arc<Ticket>,
-    ) {
+    ) -> Result<()> {
         for c in &copies {
-            assert!(
-                c.pool_offset
-                    .checked_add(c.len)
-                    .is_some_and(|end| end <= buffer.len()),
-                "tier copy outside its pool"
-            );
+            buffer.check(c.pool_offset, c.len)?;
         }
         self.copier.submit(buffer.base(), direction, copies, ticket);
+        Ok(())
     }
 
-    fn copy_regions(&self, src: &CpuBuffer, dst: &mut CpuBuffer, regions: &[CopyRegion]) {
+    fn copy_regions(
+        &self,
+        src: &CpuBuffer,
+        dst: &mut CpuBuffer,
+        regions: &[CopyRegion],
+    ) -> Result<()> {
         for r in regions {
-            dst.range_mut(r.dst, r.len)
-                .copy_from_slice(src.range(r.src, r.len));
+            dst.get_mut(r.dst, r.len)?
+                .copy_from_slice(src.get(r.src, r.len)?);
         }
+        Ok(())
     }
 
     fn write_rows(
         &self,
         dst: &mut CpuBuffer,
-        layout: &RowLayout<'_>,
+        layout: &RowLayout<'_, CpuIndex>,
         first: usize,
         x: &CpuTensor,
         rows: Range<usize>,
-    ) {
+    ) -> Result<()> {
         pool::write_rows(dst, layout, first, &x.0, rows);
+        Ok(())
     }
 
-    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> CpuTensor {
-        CpuTensor(pool::gather(rows, range))
+    fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> Result<CpuTensor> {
+        Ok(CpuTensor(pool::gather(rows, range)))
     }
 
-    fn codec_round_trip(&self, x: &mut CpuTensor, width: usize, codec: RowCodec) {
+    fn codec_round_trip(&self, x: &mut CpuTensor, width: usize, codec: RowCodec) -> Result<()> {
         use rayon::prelude::*;
         if codec == RowCodec::F32 {
-            return;
+            return Ok(());
         }
         let row_bytes = codec.row_bytes(width);
         self.run(|| {
@@ -243,37 +256,30 @@ impl Backend for CpuBackend {
                 },
             )
         });
+        Ok(())
     }
 
-    fn tensor(&self, data: &[f32]) -> CpuTensor {
-        CpuTensor(data.to_vec())
+    fn tensor(&self, data: &[f32]) -> Result<CpuTensor> {
+        Ok(CpuTensor(data.to_vec()))
     }
 
-    fn zeros(&self, len: usize) -> CpuTensor {
-        CpuTensor(vec![0.0; len])
+    fn zeros(&self, len: usize) -> Result<CpuTensor> {
+        Ok(CpuTensor(vec![0.0; len]))
     }
 
     fn len(&self, t: &CpuTensor) -> usize {
         t.0.len()
     }
 
-    fn read(&self, t: &CpuTensor) -> Vec<f32> {
-        t.0.clone()
+    fn read(&self, t: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(t.0.clone())
     }
 
-    fn matrix(
-        &self,
-        rows: usize,
-        cols: usize,
-        data: Vec<f32>,
-        precision: Precision,
-    ) -> Result<CpuMatrix> {
-        if data.len() != rows * cols {
-            return Err(Error::internal(format!(
-                "matrix [{rows}, {cols}] built from {} values",
-                data.len()
-            )));
-        }
+    fn matrix(&self, weight: &WeightData<'_>, precision: Precision) -> Result<CpuMatrix> {
+        // The CPU backend widens every format at load ("CPU speed" keeps FP8/FP4 native).
+        weight.check().map_err(Error::internal)?;
+        let (rows, cols) = (weight.rows(), weight.cols);
+        let data = weight.to_f32();
         let data = match precision {
             Precision::F32 => MatrixData::F32(data),
             Precision::Bf16 => MatrixData::Bf16(ops::to_bf16(&data)),
@@ -292,30 +298,30 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn index(&self, data: &[i32]) -> CpuIndex {
-        CpuIndex(data.to_vec())
+    fn index(&self, data: &[i32]) -> Result<CpuIndex> {
+        Ok(CpuIndex(data.to_vec()))
     }
 
-    fn read_index(&self, i: &CpuIndex) -> Vec<i32> {
-        i.0.clone()
+    fn read_index(&self, i: &CpuIndex) -> Result<Vec<i32>> {
+        Ok(i.0.clone())
     }
 
-    fn rope(&self, inv_freq: &[f32]) -> CpuRope {
-        CpuRope(inv_freq.to_vec())
+    fn rope(&self, inv_freq: &[f32]) -> Result<CpuRope> {
+        Ok(CpuRope(inv_freq.to_vec()))
     }
 
-    fn embed(&self, table: &CpuMatrix, ids: &[u32]) -> CpuTensor {
-        self.run(|| CpuTensor(ops::embed(table, ids)))
+    fn embed(&self, table: &CpuMatrix, ids: &CpuIndex) -> Result<CpuTensor> {
+        Ok(self.run(|| CpuTensor(ops::embed(table, &ids.0))))
     }
 
-    fn matmul(&self, x: &CpuTensor, rows: usize, w: &CpuMatrix) -> CpuTensor {
+    fn matmul(&self, x: &CpuTensor, rows: usize, w: &CpuMatrix) -> Result<CpuTensor> {
         let mut out = vec![0.0; rows * w.rows];
         let at = |stride| gemm::Strided {
             offset: 0,
             row_stride: stride,
         };
         self.run(|| gemm::gemm_into(&x.0, at(w.cols), rows, w, 0..w.rows, &mut out, at(w.rows)));
-        CpuTensor(out)
+        Ok(CpuTensor(out))
     }
 
     fn matmul_grouped(
@@ -324,7 +330,7 @@ impl Backend for CpuBackend {
         rows: usize,
         w: &CpuMatrix,
         groups: usize,
-    ) -> CpuTensor {
+    ) -> Result<CpuTensor> {
         let (in_g, out_g) = (w.cols, w.rows / groups);
         let mut out = vec![0.0; rows * w.rows];
         self.run(|| {
@@ -346,7 +352,7 @@ impl Backend for CpuBackend {
                 );
             }
         });
-        CpuTensor(out)
+        Ok(CpuTensor(out))
     }
 
     fn rms_norm(
@@ -356,16 +362,16 @@ impl Backend for CpuBackend {
         dim: usize,
         weight: Option<&CpuTensor>,
         eps: f32,
-    ) -> CpuTensor {
+    ) -> Result<CpuTensor> {
         debug_assert_eq!(x.0.len(), vectors * dim);
-        self.run(|| {
+        Ok(self.run(|| {
             CpuTensor(ops::rms_norm(
                 &x.0,
                 dim,
                 weight.map(|w| w.0.as_slice()),
                 eps,
             ))
-        })
+        }))
     }
 
     fn rope_apply(
@@ -374,17 +380,19 @@ impl Backend for CpuBackend {
         heads: usize,
         head_dim: usize,
         rope: &CpuRope,
-        positions: &[u32],
+        positions: &CpuIndex,
         inverse: bool,
-    ) {
-        self.run(|| ops::rope(&mut x.0, heads, head_dim, &rope.0, positions, inverse));
+    ) -> Result<()> {
+        self.run(|| ops::rope(&mut x.0, heads, head_dim, &rope.0, &positions.0, inverse));
+        Ok(())
     }
 
-    fn add_assign(&self, a: &mut CpuTensor, b: &CpuTensor) {
+    fn add_assign(&self, a: &mut CpuTensor, b: &CpuTensor) -> Result<()> {
         a.0.iter_mut().zip(&b.0).for_each(|(x, y)| *x += y);
+        Ok(())
     }
 
-    fn split(&self, x: &CpuTensor, rows: usize, widths: &[usize]) -> Vec<CpuTensor> {
+    fn split(&self, x: &CpuTensor, rows: usize, widths: &[usize]) -> Result<Vec<CpuTensor>> {
         let total: usize = widths.iter().sum();
         debug_assert_eq!(x.0.len(), rows * total);
         let mut parts: Vec<Vec<f32>> = widths
@@ -398,27 +406,41 @@ impl Backend for CpuBackend {
                 at += w;
             }
         }
-        parts.into_iter().map(CpuTensor).collect()
+        Ok(parts.into_iter().map(CpuTensor).collect())
     }
 
-    fn take_rows(&self, x: &CpuTensor, cols: usize, rows: &[usize]) -> CpuTensor {
-        CpuTensor(ops::take_rows(&x.0, cols, rows))
+    fn take_rows(&self, x: &CpuTensor, cols: usize, rows: &[usize]) -> Result<CpuTensor> {
+        Ok(CpuTensor(ops::take_rows(&x.0, cols, rows)))
     }
 
-    fn swiglu(&self, gate_up: &CpuTensor, _rows: usize, inter: usize, limit: f32) -> CpuTensor {
-        self.run(|| CpuTensor(ops::swiglu(&gate_up.0, inter, limit)))
+    fn swiglu(
+        &self,
+        gate_up: &CpuTensor,
+        _rows: usize,
+        inter: usize,
+        limit: f32,
+    ) -> Result<CpuTensor> {
+        Ok(self.run(|| CpuTensor(ops::swiglu(&gate_up.0, inter, limit))))
     }
 
-    fn fp8_round_trip(&self, x: &mut CpuTensor, width: usize, channels: usize, block: usize) {
+    fn fp8_round_trip(
+        &self,
+        x: &mut CpuTensor,
+        width: usize,
+        channels: usize,
+        block: usize,
+    ) -> Result<()> {
         self.run(|| ops::fp8_round_trip(&mut x.0, width, channels, block));
+        Ok(())
     }
 
-    fn hadamard_fp4_round_trip(&self, x: &mut CpuTensor, dim: usize, block: usize) {
+    fn hadamard_fp4_round_trip(&self, x: &mut CpuTensor, dim: usize, block: usize) -> Result<()> {
         self.run(|| ops::hadamard_fp4_round_trip(&mut x.0, dim, block));
+        Ok(())
     }
 
-    fn hc_pre(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> HcMix<Self> {
-        self.run(|| hc::pre(self, &x.0, rows, p))
+    fn hc_pre(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> Result<HcMix<Self>> {
+        Ok(self.run(|| hc::pre(self, &x.0, rows, p)))
     }
 
     fn hc_post(
@@ -429,16 +451,16 @@ impl Backend for CpuBackend {
         _rows: usize,
         hc: usize,
         dim: usize,
-    ) -> CpuTensor {
-        self.run(|| CpuTensor(hc::post(&out.0, &x.0, mix, hc, dim)))
+    ) -> Result<CpuTensor> {
+        Ok(self.run(|| CpuTensor(hc::post(&out.0, &x.0, mix, hc, dim))))
     }
 
-    fn hc_head(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> CpuTensor {
-        self.run(|| CpuTensor(hc::head(&x.0, rows, p)))
+    fn hc_head(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> Result<CpuTensor> {
+        Ok(self.run(|| CpuTensor(hc::head(&x.0, rows, p))))
     }
 
-    fn hc_expand(&self, x: &CpuTensor, _rows: usize, hc: usize, dim: usize) -> CpuTensor {
-        hc::expand(self, &x.0, hc, dim)
+    fn hc_expand(&self, x: &CpuTensor, _rows: usize, hc: usize, dim: usize) -> Result<CpuTensor> {
+        Ok(hc::expand(self, &x.0, hc, dim))
     }
 
     fn compress(
@@ -446,28 +468,29 @@ impl Backend for CpuBackend {
         state: &mut CpuBuffer,
         frontier: usize,
         args: &CompressArgs<'_, Self>,
-    ) -> (CpuTensor, usize) {
+    ) -> Result<(CpuTensor, usize)> {
         let coff = if args.overlap { 2 } else { 1 };
         let len = coff * args.ratio * 2 * coff * args.width * 4;
         let values: &mut [f32] = bytemuck::cast_slice_mut(state.range_mut(frontier, len));
         let (rows, n) = attention::compress(values, args);
-        (CpuTensor(rows), n)
+        Ok((CpuTensor(rows), n))
     }
 
-    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Vec<(CpuIndex, usize)> {
+    fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Result<Vec<(CpuIndex, usize)>> {
         use rayon::prelude::*;
-        self.run(|| {
+        Ok(self.run(|| {
             seqs.par_iter()
                 .map(|args| {
                     let (sel, k) = attention::indexer_top_k(args);
                     (CpuIndex(sel), k)
                 })
                 .collect()
-        })
+        }))
     }
 
-    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut CpuTensor) {
+    fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut CpuTensor) -> Result<()> {
         self.run(|| attention::attention(seqs, out));
+        Ok(())
     }
 
     fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>> {
@@ -482,7 +505,7 @@ impl Backend for CpuBackend {
         experts: &[Expert<Self>],
         inter: usize,
         limit: f32,
-    ) -> CpuTensor {
-        self.run(|| CpuTensor(moe::moe(&x.0, rows, routing, experts, inter, limit)))
+    ) -> Result<CpuTensor> {
+        Ok(self.run(|| CpuTensor(moe::moe(&x.0, rows, routing, experts, inter, limit))))
     }
 }

@@ -36,7 +36,7 @@ pub(super) fn route(b: &CpuBackend, a: &RouteArgs<'_, CpuBackend>) -> Result<Rou
         }
         let chosen: Vec<usize> = match &a.kind {
             RouteKind::Hash { table, token_ids } => {
-                let id = token_ids[r] as usize;
+                let id = token_ids.0[r] as usize;
                 table.0[id * k..(id + 1) * k]
                     .iter()
                     .map(|&x| x as usize)
@@ -54,7 +54,7 @@ pub(super) fn route(b: &CpuBackend, a: &RouteArgs<'_, CpuBackend>) -> Result<Rou
             return Err(Error::model_format(format!(
                 "the hash router sends token {} to expert {bad}, but the layer has {e} experts",
                 match &a.kind {
-                    RouteKind::Hash { token_ids, .. } => token_ids[r],
+                    RouteKind::Hash { token_ids, .. } => token_ids.0[r],
                     RouteKind::TopK { .. } => 0,
                 }
             )));

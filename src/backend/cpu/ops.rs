@@ -8,7 +8,7 @@ use super::{CpuMatrix, MatrixData};
 /// Rows below this many values are processed without splitting across threads.
 const PAR_MIN: usize = 1 << 14;
 
-pub(super) fn embed(table: &CpuMatrix, ids: &[u32]) -> Vec<f32> {
+pub(super) fn embed(table: &CpuMatrix, ids: &[i32]) -> Vec<f32> {
     let d = table.cols;
     let mut out = vec![0.0; ids.len() * d];
     out.par_chunks_mut(d).zip(ids).for_each(|(row, &id)| {
@@ -55,13 +55,13 @@ pub(super) fn rope(
     heads: usize,
     head_dim: usize,
     inv_freq: &[f32],
-    positions: &[u32],
+    positions: &[i32],
     inverse: bool,
 ) {
     let width = heads * head_dim;
     let pairs = inv_freq.len();
     let start = head_dim - 2 * pairs;
-    let rotate_row = |(row, &pos): (&mut [f32], &u32)| {
+    let rotate_row = |(row, &pos): (&mut [f32], &i32)| {
         // cos/sin of pos·θ in f32, as transformers computes them.
         let (sin, cos): (Vec<f32>, Vec<f32>) =
             inv_freq.iter().map(|&f| (pos as f32 * f).sin_cos()).unzip();

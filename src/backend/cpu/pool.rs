@@ -74,6 +74,30 @@ impl CpuBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) }
     }
 
+    /// `range`, or an error naming the access when it falls outside the buffer.
+    pub fn get(&self, offset: usize, len: usize) -> Result<&[u8]> {
+        self.check(offset, len)?;
+        Ok(self.range(offset, len))
+    }
+
+    /// `range_mut`, or an error naming the access when it falls outside the buffer.
+    pub fn get_mut(&mut self, offset: usize, len: usize) -> Result<&mut [u8]> {
+        self.check(offset, len)?;
+        Ok(self.range_mut(offset, len))
+    }
+
+    /// Whether `offset..offset + len` lies inside the buffer.
+    pub fn check(&self, offset: usize, len: usize) -> Result<()> {
+        if offset <= self.len && len <= self.len - offset {
+            Ok(())
+        } else {
+            Err(Error::internal(format!(
+                "pool access of {len} bytes at offset {offset} is outside the {}-byte buffer",
+                self.len
+            )))
+        }
+    }
+
     /// The first byte, for asynchronous tier copies (see `range`).
     pub(super) fn base(&self) -> *mut u8 {
         self.ptr.as_ptr()
@@ -102,7 +126,7 @@ fn too_big(bytes: usize) -> Error {
 /// Encodes `rows` of `x` into rows `first..` of `layout`.
 pub(super) fn write_rows(
     dst: &mut CpuBuffer,
-    layout: &RowLayout<'_>,
+    layout: &RowLayout<'_, super::CpuIndex>,
     first: usize,
     x: &[f32],
     rows: Range<usize>,

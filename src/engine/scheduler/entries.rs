@@ -55,17 +55,16 @@ pub struct Waiting {
 }
 
 impl Waiting {
-    /// A request as submitted (or requeued before it ran).
+    /// A request as submitted (or requeued before it ran); an import uses [`Self::imported`].
     pub fn new(pending: Box<Pending>) -> Self {
-        let phase = if pending.import.is_some() {
-            Phase::Imported
-        } else {
-            Phase::Waiting
-        };
+        debug_assert!(
+            pending.import.is_none(),
+            "an import waits with its progress"
+        );
         Self {
             pending,
             progress: None,
-            phase,
+            phase: Phase::Waiting,
         }
     }
 
@@ -80,8 +79,10 @@ impl Waiting {
     }
 
     /// A running request sent back to the queue from `from`: retracted once it has run (it
-    /// keeps its progress), else waiting again as submitted.
+    /// keeps its progress), else waiting again as submitted. Only a request still loading back
+    /// can be uncounted: a request is counted when its prefill's pages are reserved.
     pub fn requeued(pending: Box<Pending>, progress: Progress, from: Phase) -> Self {
+        debug_assert!(from == Phase::LoadingBack || progress.counted);
         if progress.counted {
             Self {
                 pending,

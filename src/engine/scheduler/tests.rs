@@ -10,7 +10,9 @@ use crate::config::params::SchedulerPolicy;
 use crate::engine::phase::Phase;
 use crate::engine::request::RequestSpec;
 use crate::engine::sampling::{Sampler, SamplingParams};
-use crate::engine::shared::Pending;
+use crate::engine::shared::{ExportedSequence, Pending};
+use crate::kv::state::LayoutFingerprint;
+use crate::kv::SequenceState;
 
 /// Tokens per page in every table.
 const PAGE: usize = 64;
@@ -108,6 +110,42 @@ fn retracted(id: u64, len: usize, first: u32, priority: i32, generated: usize) -
     Waiting::requeued(w.pending, progress(tokens, generated), Phase::Decoding)
 }
 
+/// A queued import: a sequence exported after `generated` tokens of a `len`-token prompt.
+fn imported(id: u64, len: usize, priority: i32, generated: usize) -> Waiting {
+    let mut w = queued(id, len, 1, priority, 100);
+    let tokens = vec![1; len + generated];
+    let state = SequenceState {
+        layout: LayoutFingerprint {
+            model: "table".into(),
+            layers: "SCH".into(),
+            mtp_layers: 0,
+            head_dim: 64,
+            index_dim: 32,
+            window: 128,
+            csa_ratio: 4,
+            hca_ratio: 128,
+            page_size: PAGE,
+            kv_rows: "f32".into(),
+            index_rows: "f32".into(),
+            unit_bytes: Vec::new(),
+        },
+        position: tokens.len() - 1,
+        last_token: Some(1),
+        rng: Some(7),
+        pages: (tokens.len() - 1).div_ceil(PAGE),
+        source_slot: 0,
+        source_pages: Vec::new(),
+        regions: Vec::new(),
+    };
+    w.pending.import = Some(Box::new(ExportedSequence {
+        state,
+        bytes: Vec::new(),
+        tokens: tokens.clone(),
+        generated,
+    }));
+    Waiting::imported(w.pending, Box::new(progress(tokens, generated)))
+}
+
 /// A running request in `phase` at `position` of a `prefill`-token prefill, holding `pages`.
 struct R {
     id: u64,
@@ -124,7 +162,7 @@ impl Default for R {
     fn default() -> Self {
         Self {
             id: 0,
-            phase: Phase::Decoding,
+            phase: Phase::Prefilling,
             position: 0,
             prefill: 0,
             pages: 0,
@@ -194,7 +232,7 @@ fn prefilling(id: u64, position: usize, prefill: usize) -> R {
 
 /// A step as (request id, positions, samples).
 type Want = Vec<(u64, std::ops::Range<usize>, bool)>;
-/// (what, batch_tokens, chunk_tokens, snapshot, running, paused ids, the batch)
+/// (what, batch_tokens, chunk_tokens, snapshot, running, paused ids, (the batch, its decodes))
 type StepCase = (
     &'static str,
     usize,
@@ -202,7 +240,7 @@ type StepCase = (
     usize,
     Vec<R>,
     Vec<u64>,
-    Option<Want>,
+    Option<(Want, usize)>,
 );
 /// (what, policy, lpm_max_waiting, cached prefixes by first token, queue, the id started next)
 type OrderCase = (
@@ -227,7 +265,7 @@ fn step_plans() {
             0,
             vec![prefilling(1, 0, 300), decoding(2, 110, 2), decoding(3, 120, 2)],
             vec![],
-            Some(vec![(2, 110..111, true), (3, 120..121, true), (1, 0..128, false)]),
+            Some((vec![(2, 110..111, true), (3, 120..121, true), (1, 0..128, false)], 2)),
         ),
         (
             "the last chunk of a prefill samples",
@@ -236,7 +274,7 @@ fn step_plans() {
             0,
             vec![prefilling(1, 256, 300)],
             vec![],
-            Some(vec![(1, 256..300, true)]),
+            Some((vec![(1, 256..300, true)], 0)),
         ),
         (
             "max_batch_tokens cuts the prefill after the decodes took theirs",
@@ -245,7 +283,7 @@ fn step_plans() {
             0,
             vec![decoding(2, 110, 2), decoding(3, 120, 2), prefilling(1, 0, 300)],
             vec![],
-            Some(vec![(2, 110..111, true), (3, 120..121, true), (1, 0..98, false)]),
+            Some((vec![(2, 110..111, true), (3, 120..121, true), (1, 0..98, false)], 2)),
         ),
         (
             "two prefills share the budget; the second gets what is left",
@@ -254,7 +292,7 @@ fn step_plans() {
             0,
             vec![prefilling(1, 0, 300), prefilling(2, 0, 300)],
             vec![],
-            Some(vec![(1, 0..128, false), (2, 0..72, false)]),
+            Some((vec![(1, 0..128, false), (2, 0..72, false)], 0)),
         ),
         (
             "a prefill chunk stops at the next snapshot point",
@@ -263,7 +301,7 @@ fn step_plans() {
             64,
             vec![prefilling(1, 10, 300)],
             vec![],
-            Some(vec![(1, 10..64, false)]),
+            Some((vec![(1, 10..64, false)], 0)),
         ),
         (
             "a decode whose next token needs a page it does not hold waits (token 128 needs page 3)",
@@ -272,7 +310,7 @@ fn step_plans() {
             0,
             vec![decoding(1, 128, 2), decoding(2, 127, 2)],
             vec![],
-            Some(vec![(2, 127..128, true)]),
+            Some((vec![(2, 127..128, true)], 1)),
         ),
         (
             "requests paused for unpolled events sit the step out",
@@ -281,7 +319,7 @@ fn step_plans() {
             0,
             vec![decoding(1, 110, 2), prefilling(2, 0, 300), decoding(3, 110, 2)],
             vec![1, 2],
-            Some(vec![(3, 110..111, true)]),
+            Some((vec![(3, 110..111, true)], 1)),
         ),
         (
             "a request loading back does not run; nothing else can: no step",
@@ -298,13 +336,22 @@ fn step_plans() {
             None,
         ),
         (
+            "a prefill that computed its last chunk but has not sampled is not planned again",
+            512,
+            128,
+            0,
+            vec![prefilling(1, 300, 300), decoding(2, 110, 2)],
+            vec![],
+            Some((vec![(2, 110..111, true)], 1)),
+        ),
+        (
             "a budget spent on decodes leaves no prefill",
             2,
             128,
             0,
             vec![decoding(1, 110, 2), decoding(2, 110, 2), prefilling(3, 0, 300)],
             vec![],
-            Some(vec![(1, 110..111, true), (2, 110..111, true)]),
+            Some((vec![(1, 110..111, true), (2, 110..111, true)], 2)),
         ),
     ];
     for (what, batch_tokens, chunk_tokens, snapshot, run, paused, want) in cases {
@@ -323,17 +370,11 @@ fn step_plans() {
         };
         let paused: HashSet<u64> = paused.into_iter().collect();
         let plan = s.plan_step(&kv, &paused);
-        assert_eq!(plan.as_ref().map(|p| batch(&s, p)), want, "{what}");
-        if let Some(p) = plan {
-            assert_eq!(
-                p.decodes,
-                p.items
-                    .iter()
-                    .take_while(|i| i.tokens.len() == 1 && i.sample)
-                    .count(),
-                "{what}: decodes"
-            );
-        }
+        assert_eq!(
+            plan.as_ref().map(|p| (batch(&s, p), p.decodes)),
+            want,
+            "{what}"
+        );
     }
 }
 
@@ -363,6 +404,14 @@ fn queue_order() {
             128,
             vec![],
             vec![queued(3, 100, 1, 9, 10), retracted(8, 100, 1, -1, 4)],
+            8,
+        ),
+        (
+            "an imported request before any fresh one",
+            SchedulerPolicy::Fcfs,
+            128,
+            vec![],
+            vec![queued(3, 100, 1, 9, 10), imported(8, 100, -1, 4)],
             8,
         ),
         (
@@ -563,13 +612,19 @@ fn decode_pages_are_handed_out_oldest_first() {
 fn queue_timeouts_apply_to_fresh_requests_only() {
     let s = scheduler(
         limits(),
-        vec![queued(1, 10, 1, 0, 10), retracted(2, 10, 1, 0, 3)],
+        vec![
+            queued(1, 10, 1, 0, 10),
+            retracted(2, 10, 1, 0, 3),
+            imported(3, 10, 0, 3),
+        ],
         vec![],
     );
     let later = Instant::now() + Duration::from_secs(11);
     assert!(s.waiting_expired(&s.waiting[0], later));
     assert!(!s.waiting_expired(&s.waiting[1], later));
+    assert!(!s.waiting_expired(&s.waiting[2], later));
     assert_eq!(s.waiting[1].phase(), Phase::Retracted);
+    assert_eq!(s.waiting[2].phase(), Phase::Imported);
     // The next deadline is the fresh one's queue timeout.
     let next = s.next_deadline().expect("a deadline");
     assert_eq!(
@@ -587,6 +642,11 @@ fn requeueing_keeps_what_a_request_did_only_once_it_ran() {
     assert_eq!(again.phase(), Phase::Waiting);
     assert!(again.progress.is_none());
     assert_eq!(again.tokens().len(), 10);
+    // Retracted earlier, then requeued again while loading back: still retracted.
+    let w = queued(4, 10, 1, 0, 10);
+    let again = Waiting::requeued(w.pending, progress(vec![1; 12], 2), Phase::LoadingBack);
+    assert_eq!(again.phase(), Phase::Retracted);
+    assert_eq!((again.tokens().len(), again.generated()), (12, 2));
     let back = retracted(2, 10, 1, 0, 3);
     assert_eq!(back.phase(), Phase::Retracted);
     assert_eq!((back.tokens().len(), back.generated()), (13, 3));

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Backend, CopyDirection, Ticket};
+use crate::error::Result;
 
 use super::{Backup, Loading, PrefixCache, Request};
 use crate::kv::ids::{HostPageId, HostSnapshotId, PageId, SnapshotId};
@@ -52,21 +53,38 @@ impl<B: Backend> PrefixCache<B> {
         for (node, host_pages) in &m.load {
             let device: Vec<PageId> = next.by_ref().take(host_pages.len()).collect();
             pairs.extend(device.iter().copied().zip(host_pages.iter().copied()));
-            self.tree.set_loading(*node);
             nodes.push((*node, device));
         }
-        host.pools
-            .copy_pages(&self.pools, CopyDirection::FromHost, &pairs, &ticket);
-        if snap_unit.1 {
+        let mut queued =
+            host.pools
+                .copy_pages(&self.pools, CopyDirection::FromHost, &pairs, &ticket);
+        if queued.is_ok() && snap_unit.1 {
             let host_unit = snap
                 .host
                 .expect("a host snapshot when there is no device copy");
-            host.pools.copy_snapshots(
+            queued = host.pools.copy_snapshots(
                 &self.pools,
                 CopyDirection::FromHost,
                 &[(snap_unit.0, host_unit)],
                 &ticket,
             );
+        }
+        if let Err(e) = queued {
+            // The parts already queued write into the pages taken above: let them land
+            // before those pages go back, then serve the request as a cold start.
+            ticket.seal();
+            ticket.wait();
+            log::error!("a load-back could not be queued ({e}); the request starts cold");
+            for p in pages {
+                self.pools.release_page(p);
+            }
+            if snap_unit.1 {
+                self.pools.release_snapshot(snap_unit.0);
+            }
+            return None;
+        }
+        for (node, _) in &nodes {
+            self.tree.set_loading(*node);
         }
         ticket.seal();
         self.host
@@ -86,14 +104,22 @@ impl<B: Backend> PrefixCache<B> {
         })
     }
 
+    /// Waits up to `wait` for `req`'s load-back to land (without completing it).
+    pub fn wait_load(&self, req: &Request, wait: Duration) {
+        if let Some(loading) = &req.loading {
+            loading.ticket.wait_timeout(wait);
+        }
+    }
+
     /// Finishes `req`'s load-back if it has landed (waiting up to `wait`); returns whether the
-    /// request can run.
-    pub fn complete_load(&mut self, req: &mut Request, wait: Duration) -> bool {
+    /// request can run. An error (the backend could not restore the loaded snapshot into the
+    /// request's slot) leaves the request's references consistent: end it with `abort`.
+    pub fn complete_load(&mut self, req: &mut Request, wait: Duration) -> Result<bool> {
         let Some(loading) = &req.loading else {
-            return true;
+            return Ok(true);
         };
         if !loading.ticket.is_done() && !loading.ticket.wait_timeout(wait) {
-            return false;
+            return Ok(false);
         }
         let l = req.loading.take().expect("checked");
         // The allocation references of the loaded pages and snapshot move to the tree.
@@ -102,10 +128,11 @@ impl<B: Backend> PrefixCache<B> {
         }
         self.pools.share_pages(&mut req.kv, &l.pages);
         let (node, end, unit, loaded) = l.snap;
-        self.pools.restore(&req.kv, unit);
+        let restored = self.pools.restore(&req.kv, unit);
         if loaded && !self.tree.set_snap_device(node, end, unit) {
             self.pools.release_snapshot(unit);
         }
+        restored?;
         self.pools.set_position(&mut req.kv, l.resume);
         req.reused = l.resume;
         req.reused_host = l.host_tokens;
@@ -119,7 +146,7 @@ impl<B: Backend> PrefixCache<B> {
         self.stats.loadback_tokens += l.host_tokens as u64;
         self.stats.loadback_bytes += bytes;
         self.stats.loadback_seconds += l.ticket.seconds();
-        true
+        Ok(true)
     }
 
     /// Copies what `node` has on the device and not on the host (pages, snapshots) to the
@@ -158,11 +185,27 @@ impl<B: Backend> PrefixCache<B> {
             .map(|s| s.1)
             .zip(host_snaps.iter().copied())
             .collect();
-        host.pools
-            .copy_pages(&self.pools, CopyDirection::ToHost, &page_pairs, &ticket);
-        host.pools
-            .copy_snapshots(&self.pools, CopyDirection::ToHost, &snap_pairs, &ticket);
+        let queued = host
+            .pools
+            .copy_pages(&self.pools, CopyDirection::ToHost, &page_pairs, &ticket)
+            .and_then(|()| {
+                host.pools
+                    .copy_snapshots(&self.pools, CopyDirection::ToHost, &snap_pairs, &ticket)
+            });
         ticket.seal();
+        if let Err(e) = queued {
+            // Let the parts already queued land before their host units go back.
+            ticket.wait();
+            log::error!("a backup to the host tier could not be queued ({e}); skipped");
+            for u in host_pages.into_iter() {
+                host.pools.page_allocator_mut().release(u);
+            }
+            for u in host_snaps.into_iter() {
+                host.pools.snapshot_allocator_mut().release(u);
+            }
+            self.stats.backups_skipped += 1;
+            return None;
+        }
         for &p in &pages {
             self.pools.retain_page(p);
         }

@@ -55,7 +55,10 @@ impl<B: Backend> PrefixCache<B> {
         };
         if let (true, Some(unit)) = (m.load.is_empty(), snap.device) {
             self.pools.share_pages(&mut req.kv, &m.pages);
-            self.pools.restore(&req.kv, unit);
+            if let Err(e) = self.pools.restore(&req.kv, unit) {
+                self.release(req);
+                return Err(e);
+            }
             self.pools.set_position(&mut req.kv, m.reusable_tokens);
             req.reused = m.reusable_tokens;
             self.stats.hits += 1;
@@ -172,7 +175,7 @@ impl<B: Backend> PrefixCache<B> {
     /// Ends a finished request: its sequence up to the latest captured page boundary goes into
     /// the cache, then every reference it held is released.
     pub fn finish(&mut self, mut req: Request, tokens: &[u32]) {
-        self.complete_load(&mut req, Duration::MAX);
+        self.settle_load(&mut req);
         if let Some((at, snap)) = req.latest.take() {
             if at <= tokens.len() {
                 self.insert(&req, &tokens[..at], Some(snap));
@@ -185,11 +188,19 @@ impl<B: Backend> PrefixCache<B> {
     /// Ends a request without caching anything more (abort, error). A load-back in flight is
     /// waited for (its pages are then the tree's).
     pub fn abort(&mut self, mut req: Request) {
-        self.complete_load(&mut req, Duration::MAX);
+        self.settle_load(&mut req);
         if let Some((_, snap)) = req.latest.take() {
             self.pools.release_snapshot(snap);
         }
         self.release(req);
+    }
+
+    /// Waits for a load-back in flight and hands its units to the tree, so `req` can be
+    /// released (a failed restore only matters to a request that would run).
+    fn settle_load(&mut self, req: &mut Request) {
+        if let Err(e) = self.complete_load(req, Duration::MAX) {
+            log::error!("ending a request whose load-back could not be restored: {e}");
+        }
     }
 
     fn release(&mut self, req: Request) {

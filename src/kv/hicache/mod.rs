@@ -155,12 +155,13 @@ impl HostPools {
         direction: CopyDirection,
         pairs: &[(PageId, HostPageId)],
         ticket: &Arc<Ticket>,
-    ) {
+    ) -> Result<()> {
         let pairs: Vec<(usize, usize)> =
             pairs.iter().map(|(d, h)| (d.index(), h.index())).collect();
         for id in [PoolId::C4Kv, PoolId::C4Indexer, PoolId::C128Kv] {
-            self.copy_units(pools, id, direction, &pairs, ticket);
+            self.copy_units(pools, id, direction, &pairs, ticket)?;
         }
+        Ok(())
     }
 
     /// Queues snapshot copies (`(device unit, host unit)` pairs) onto `ticket`.
@@ -170,10 +171,10 @@ impl HostPools {
         direction: CopyDirection,
         pairs: &[(SnapshotId, HostSnapshotId)],
         ticket: &Arc<Ticket>,
-    ) {
+    ) -> Result<()> {
         let pairs: Vec<(usize, usize)> =
             pairs.iter().map(|(d, h)| (d.index(), h.index())).collect();
-        self.copy_units(pools, PoolId::Snapshots, direction, &pairs, ticket);
+        self.copy_units(pools, PoolId::Snapshots, direction, &pairs, ticket)
     }
 
     /// One copy part for pool `id`: whole units, `(device unit, host unit)` index pairs.
@@ -184,11 +185,11 @@ impl HostPools {
         direction: CopyDirection,
         pairs: &[(usize, usize)],
         ticket: &Arc<Ticket>,
-    ) {
+    ) -> Result<()> {
         let i = Self::index(id);
         let unit = self.unit_bytes[i];
         if pairs.is_empty() || unit == 0 {
-            return;
+            return Ok(());
         }
         let copies = pairs
             .iter()
@@ -200,7 +201,7 @@ impl HostPools {
             .collect();
         pools
             .backend()
-            .copy_tier(pools.buffer(id), direction, copies, ticket);
+            .copy_tier(pools.buffer(id), direction, copies, ticket)
     }
 
     /// The first bytes of host unit `unit` of pool `id` (tests).

@@ -8,8 +8,8 @@ use half::{bf16, f16};
 use safetensors::tensor::Dtype as StDtype;
 
 use super::checkpoint::{Checkpoint, RawTensor};
-use super::dequant;
 use super::names::{locate, Location, Naming};
+use crate::backend::{WeightData, WeightFormat, WeightPart};
 use crate::config::model::{DenseFormat, ExpertFormat};
 use crate::config::tensors::{Storage, TensorSpec};
 use crate::config::ModelConfig;
@@ -38,6 +38,18 @@ impl<'a> Loader<'a> {
     /// The tensor's values in f32 (logical shape), or `None` after recording why not.
     pub fn floats(&mut self, spec: &TensorSpec) -> Option<Vec<f32>> {
         match self.read_floats(spec) {
+            Ok(v) => Some(v),
+            Err(problem) => {
+                self.problems.push(problem);
+                None
+            }
+        }
+    }
+
+    /// The tensor as stored (raw bytes in its checkpoint format) and its column count, or
+    /// `None` after recording why not: for matrices the backend may keep in their format.
+    pub fn part(&mut self, spec: &TensorSpec) -> Option<(WeightPart<'a>, usize)> {
+        match self.read_part(spec) {
             Ok(v) => Some(v),
             Err(problem) => {
                 self.problems.push(problem);
@@ -230,6 +242,17 @@ impl<'a> Loader<'a> {
     }
 
     fn read_floats(&mut self, spec: &TensorSpec) -> Result<Vec<f32>, String> {
+        let (part, cols) = self.read_part(spec)?;
+        Ok(WeightData {
+            cols,
+            parts: vec![part],
+        }
+        .to_f32())
+    }
+
+    /// The tensor as stored (raw bytes in its checkpoint format, scales decoded), checked, with
+    /// its column count: a matrix `[rows, cols]`, anything else as `[elements, 1]`.
+    fn read_part(&mut self, spec: &TensorSpec) -> Result<(WeightPart<'a>, usize), String> {
         let loc = self.location(spec)?;
         let raw = self.fetch(spec, &loc.name)?;
         let (rows, cols) = match spec.shape.as_slice() {
@@ -267,18 +290,24 @@ impl<'a> Loader<'a> {
         } else {
             spec.shape.clone()
         };
-        let per_expert = |len: usize| -> usize { len / self.config.n_routed_experts.max(1) };
-        let matrix: Vec<f32> = match raw.dtype {
+        let part = |format, bytes, scales| WeightPart {
+            format,
+            bytes,
+            scales,
+            stored_rows: matrix_rows,
+            rows: row_range.clone(),
+        };
+        let experts = self.config.n_routed_experts;
+        let part = match raw.dtype {
             StDtype::F32 | StDtype::BF16 | StDtype::F16 => {
                 self.expect_shape(spec, &raw, &float_shape)?;
-                let all = floats(&raw);
-                match expert {
-                    Some(e) => {
-                        let n = per_expert(all.len());
-                        all[e * n..(e + 1) * n].to_vec()
-                    }
-                    None => all,
-                }
+                let format = match raw.dtype {
+                    StDtype::F32 => WeightFormat::F32,
+                    StDtype::BF16 => WeightFormat::Bf16,
+                    _ => WeightFormat::F16,
+                };
+                let (values, _, _) = expert_part(expert, experts, raw.bytes, Vec::new());
+                part(format, values, Vec::new())
             }
             StDtype::F8_E4M3 if matches!(spec.storage, Storage::Linear | Storage::Expert) => {
                 self.expect_shape(spec, &raw, &float_shape)?;
@@ -291,8 +320,7 @@ impl<'a> Loader<'a> {
                     cols.div_ceil(block[1]),
                 ]);
                 let scales = self.scales(spec, &loc.scale, &scale_shape)?;
-                let (values, scales, offset) =
-                    expert_part(expert, self.config.n_routed_experts, raw.bytes, scales);
+                let (values, scales, offset) = expert_part(expert, experts, raw.bytes, scales);
                 let block_rows =
                     row_range.start / block[0]..(row_range.end.max(1) - 1) / block[0] + 1;
                 self.check_scales(
@@ -304,7 +332,7 @@ impl<'a> Loader<'a> {
                     block_rows,
                     cols.div_ceil(block[1]),
                 )?;
-                dequant::fp8_block(values, &scales, matrix_rows, cols, block)
+                part(WeightFormat::Fp8E4m3 { block }, values, scales)
             }
             StDtype::I8 | StDtype::U8 if spec.storage == Storage::Expert => {
                 let block = match self.config.expert_format {
@@ -321,8 +349,7 @@ impl<'a> Loader<'a> {
                 self.expect_shape(spec, &raw, &stack(vec![matrix_rows, cols / 2]))?;
                 let scale_shape = stack(vec![matrix_rows, cols / block]);
                 let scales = self.scales(spec, &loc.scale, &scale_shape)?;
-                let (values, scales, offset) =
-                    expert_part(expert, self.config.n_routed_experts, raw.bytes, scales);
+                let (values, scales, offset) = expert_part(expert, experts, raw.bytes, scales);
                 // One scale row per weight row.
                 self.check_scales(
                     spec,
@@ -333,7 +360,7 @@ impl<'a> Loader<'a> {
                     row_range.clone(),
                     cols / block,
                 )?;
-                dequant::fp4_packed(values, &scales, matrix_rows, cols, block)
+                part(WeightFormat::Fp4E2m1 { block }, values, scales)
             }
             other => {
                 let expected = match spec.storage {
@@ -347,11 +374,14 @@ impl<'a> Loader<'a> {
                 return Err(self.wrong_dtype(spec, &raw, other, expected));
             }
         };
-        Ok(if row_range == (0..matrix_rows) {
-            matrix
-        } else {
-            matrix[row_range.start * cols..row_range.end * cols].to_vec()
-        })
+        // The checks above tie bytes and scales to the shapes; this guards the arithmetic.
+        WeightData {
+            cols,
+            parts: vec![part.clone()],
+        }
+        .check()
+        .map_err(|e| format!("{}: {e}", self.shown(spec, raw.name)))?;
+        Ok((part, cols))
     }
 
     /// The scale tensor of a quantised weight, decoded to f32 multipliers.

@@ -1,8 +1,8 @@
 //! Checkpoint reading: safetensors files ([`checkpoint`]), the official and Hugging Face naming
-//! schemes ([`names`]), FP8/FP4 decoding ([`dequant`]) and validated loading ([`load`]).
+//! schemes ([`names`]) and validated loading ([`load`]) into [`crate::backend::WeightData`]
+//! (raw bytes in their checkpoint format; FP8/FP4 decoding lives with it in `backend::weights`).
 
 pub mod checkpoint;
-pub mod dequant;
 pub mod load;
 pub mod names;
 
