@@ -38,7 +38,9 @@ pub enum RegionTier {
     Host,
 }
 
-/// `len` bytes at byte `offset` of pool `pool`'s buffer in tier `tier`.
+/// `len` bytes at byte `offset` of pool `pool`'s buffer in tier `tier`: an offset into that
+/// pool's [`PoolRegion`](super::regions::PoolRegion) (`KvPools::regions`, `HostPools::regions`),
+/// which [`Region::locate`] turns into an absolute `(addr, len)`, bounds-checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Region {
     pub pool: PoolId,
