@@ -17,7 +17,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload fuzz
+.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-compare fuzz
 
 all: lib
 
@@ -127,6 +127,13 @@ bench-prefix: deps
 # latency, queue length and RSS over time.
 bench-overload: deps
 	$(CARGO) run --release --example bench_overload
+
+# Speed across commits on this machine: builds each commit in REVS and runs bench_forward,
+# bench_prefix and bench_overload round-robin ROUNDS times (3), printing medians and ratios to the
+# first commit, e.g. `make bench-compare REVS="e40b8d0 main"`. Run it on an idle machine.
+REVS ?= HEAD
+bench-compare: deps
+	scripts/bench_compare.sh $(REVS)
 
 # Fuzzes the params JSON, config.json and safetensors header parsers with AFL++ (cargo-afl, on
 # stable Rust; installed on first use) for FUZZ_SECONDS each, from fuzz/corpus/. Not part of
