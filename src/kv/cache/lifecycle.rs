@@ -123,7 +123,11 @@ impl<B: Backend> PrefixCache<B> {
                 self.insert(req, tokens, None);
                 return Ok(());
             };
-            self.pools.capture_into(&req.kv, snap)?;
+            if let Err(e) = self.pools.capture_into(&req.kv, snap) {
+                // The unit is ours alone: give it back with the error.
+                self.pools.release_snapshot(snap);
+                return Err(e);
+            }
             self.stats.snapshots_taken += 1;
             self.insert(req, tokens, Some(snap));
             // The tree took its own reference if it adopted the snapshot.
@@ -140,7 +144,11 @@ impl<B: Backend> PrefixCache<B> {
                     }
                 },
             };
-            self.pools.capture_into(&req.kv, snap)?;
+            if let Err(e) = self.pools.capture_into(&req.kv, snap) {
+                // Taken out of `latest` (or fresh): nobody else holds it.
+                self.pools.release_snapshot(snap);
+                return Err(e);
+            }
             self.stats.snapshots_taken += 1;
             req.latest = Some((pos, snap));
         }
