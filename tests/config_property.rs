@@ -166,6 +166,23 @@ fn valid_value(spec: &KeySpec) -> BoxedStrategy<Value> {
         Kind::NumaNode => {
             prop_oneof![Just(json!("auto")), (0u64..=4096).prop_map(Value::from)].boxed()
         }
+        Kind::Endpoint {
+            nullable,
+            connectable,
+        } => {
+            let mut endpoints = vec![
+                json!("tcp://10.0.0.5:7000"),
+                json!("tcp://[::1]:7001"),
+                json!("tcp://prefill-0.example:65535"),
+            ];
+            if !connectable {
+                endpoints.push(json!("tcp://0.0.0.0:0"));
+            }
+            if nullable {
+                endpoints.push(Value::Null);
+            }
+            select(endpoints).boxed()
+        }
     }
 }
 
@@ -246,6 +263,22 @@ fn repair(doc: &mut Map<String, Value>) {
         && get_path(doc, "devices").is_some_and(|d| d == &json!([]))
     {
         set_path(doc, "devices", json!([0]));
+    }
+    // A dead peer must be noticed before a transfer times out: shorten the heartbeat.
+    let misses = int(doc, "pd.heartbeat_misses", 3);
+    let timeout = int(doc, "pd.transfer_timeout_ms", 30000);
+    if int(doc, "pd.heartbeat_interval_ms", 1000) * misses >= timeout {
+        if timeout > misses {
+            set_path(
+                doc,
+                "pd.heartbeat_interval_ms",
+                json!((timeout - 1) / misses),
+            );
+        } else {
+            set_path(doc, "pd.heartbeat_interval_ms", json!(1));
+            set_path(doc, "pd.heartbeat_misses", json!(1));
+            set_path(doc, "pd.transfer_timeout_ms", json!(timeout.max(2)));
+        }
     }
 }
 

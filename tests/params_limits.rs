@@ -134,7 +134,7 @@ fn a_flood_of_problems_lists_the_first_fifty_and_counts_the_rest() {
     let lines: Vec<&str> = err.message().lines().collect();
     assert_eq!(lines[0], "100000 problems in params, the first 50 listed:");
     assert_eq!(lines.len(), 1 + MAX_PROBLEMS + 1);
-    assert_eq!(lines[1], "  - unknown key `unknown_0`: the keys of the top level are model_path, backend, devices, threads, role, parallel, model, kv, hicache, admission, scheduler, numerics, metrics (docs/params.md lists them all)");
+    assert_eq!(lines[1], "  - unknown key `unknown_0`: the keys of the top level are model_path, backend, devices, threads, role, parallel, model, kv, hicache, admission, scheduler, numerics, metrics, pd (docs/params.md lists them all)");
     assert_eq!(
         *lines.last().unwrap(),
         "  … and 99950 more: fix these and validate again"

@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 
 use crate::config::json::{parse_strict, JsonError};
 use crate::config::problems_error;
-use crate::config::size::{describe, parse_size};
+use crate::config::size::{describe, parse_size, shorten};
 use crate::error::{Error, ErrorKind, Result};
 use schema::KEYS;
 use validate::Problems;
@@ -209,6 +209,80 @@ pub struct MetricsParams {
     pub labels: BTreeMap<String, String>,
 }
 
+/// Prefill/decode disaggregation (read in the `prefill` and `decode` roles).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PdParams {
+    /// `tcp://host:port` to bind (port 0 picks one).
+    pub listen: String,
+    /// `tcp://host:port` peers connect to; `None`: the bound listen address.
+    pub advertise: Option<String>,
+    pub transport: PdTransport,
+    pub bootstrap_timeout_ms: u32,
+    /// One deadline from claim to done: waiting for data and transferring.
+    pub transfer_timeout_ms: u32,
+    pub heartbeat_interval_ms: u32,
+    /// A peer silent for this many intervals is dead.
+    pub heartbeat_misses: u32,
+    /// Rooms in flight per engine.
+    pub max_rooms: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PdTransport {
+    Tcp,
+}
+
+/// A PD endpoint, `tcp://host:port`: the host (a name, an IPv4 address or a bracketed IPv6
+/// address) and the port. Checked when params are validated; resolved when an engine binds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// Parses `tcp://host:port`, or says what is wrong and what a valid one looks like.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let example = "use tcp://HOST:PORT, e.g. tcp://10.0.0.5:7000 or tcp://[::1]:7000";
+        let Some(rest) = text.strip_prefix("tcp://") else {
+            return Err(format!(
+                "{} does not start with tcp:// (the only transport so far): {example}",
+                shorten(text)
+            ));
+        };
+        let Some((host, port)) = rest.rsplit_once(':') else {
+            return Err(format!("{} has no port: {example}", shorten(text)));
+        };
+        let port: u16 = port.parse().map_err(|_| {
+            format!(
+                "{} has port {port:?}, not 0–65535: {example}",
+                shorten(text)
+            )
+        })?;
+        let bare = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let name_ok = !bare.is_empty()
+            && bare
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'));
+        let ip_ok = bare.parse::<std::net::IpAddr>().is_ok();
+        if !(name_ok || ip_ok) || (bare.contains(':') && !host.starts_with('[')) {
+            return Err(format!(
+                "{} has host {host:?}, which is not a name or an IP address (IPv6 in brackets): \
+                 {example}",
+                shorten(text)
+            ));
+        }
+        Ok(Self {
+            host: bare.to_string(),
+            port,
+        })
+    }
+}
+
 /// Validated engine parameters. docs/params.md describes every field.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Params {
@@ -225,6 +299,7 @@ pub struct Params {
     pub scheduler: SchedulerParams,
     pub numerics: NumericsParams,
     pub metrics: MetricsParams,
+    pub pd: PdParams,
 }
 
 impl Default for Params {
@@ -398,6 +473,21 @@ fn check_cross_keys(doc: &Map<String, Value>, problems: &mut Problems) {
                 "`scheduler.chunked_prefill_tokens` = {chunk} exceeds \
                  `scheduler.max_batch_tokens` = {batch}: a prefill chunk must fit in one batch; \
                  lower the first or raise the second"
+            ));
+        }
+    }
+    if let (Some(interval), Some(misses), Some(transfer)) = (
+        uint("pd.heartbeat_interval_ms"),
+        uint("pd.heartbeat_misses"),
+        uint("pd.transfer_timeout_ms"),
+    ) {
+        if interval * misses >= transfer {
+            problems.push(format!(
+                "`pd.heartbeat_interval_ms` × `pd.heartbeat_misses` = {} ms is not below \
+                 `pd.transfer_timeout_ms` = {transfer} ms: a dead peer would only be noticed after \
+                 every transfer on it timed out; lower the interval or the misses, or raise the \
+                 timeout",
+                interval * misses
             ));
         }
     }
@@ -582,5 +672,69 @@ mod tests {
     fn choices_suggest_the_closest_value() {
         let m = err(json!({"hicache": {"write_policy": "write_trough"}})).to_string();
         assert!(m.contains("did you mean \"write_through\"?"), "{m}");
+    }
+
+    #[test]
+    fn pd_endpoints_are_tcp_host_port() {
+        for good in [
+            "tcp://127.0.0.1:0",
+            "tcp://prefill-3.example:7000",
+            "tcp://0.0.0.0:65535",
+        ] {
+            Endpoint::parse(good).unwrap();
+        }
+        assert_eq!(
+            Endpoint::parse("tcp://[::1]:7000").unwrap(),
+            Endpoint {
+                host: "::1".into(),
+                port: 7000
+            }
+        );
+        for (bad, says) in [
+            ("10.0.0.5:7000", "does not start with tcp://"),
+            ("tcp://prefill", "has no port"),
+            ("tcp://prefill:70000", "not 0–65535"),
+            ("tcp://::1:7000", "IPv6 in brackets"),
+            ("tcp://a b:1", "not a name or an IP address"),
+            ("tcp://:7000", "not a name or an IP address"),
+        ] {
+            let e = Endpoint::parse(bad).unwrap_err();
+            assert!(
+                e.contains(says) && e.contains("tcp://HOST:PORT"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn pd_keys_are_checked_in_every_role_with_the_fix_named() {
+        let m = err(json!({"pd": {"listen": "10.0.0.5:7000", "advertise": "tcp://0.0.0.0:7000"}}))
+            .to_string();
+        assert!(
+            m.contains("`pd.listen` = 10.0.0.5:7000 does not start with tcp://"),
+            "{m}"
+        );
+        assert!(
+            m.contains(
+                "`pd.advertise` = tcp://0.0.0.0:7000 is not an address a peer can connect to"
+            ),
+            "{m}"
+        );
+        let m = err(json!({"pd": {"heartbeat_interval_ms": 10000}})).to_string();
+        assert!(
+            m.contains("= 30000 ms is not below `pd.transfer_timeout_ms` = 30000 ms"),
+            "{m}"
+        );
+        let m = err(json!({"pd": {"transport": "ucx"}})).to_string();
+        assert!(m.contains("pd.transport"), "{m}");
+        let p = Params::from_value(
+            &json!({"role": "decode", "pd": {"advertise": "tcp://10.0.0.5:7000"}}),
+        )
+        .unwrap();
+        assert_eq!(p.pd.advertise.as_deref(), Some("tcp://10.0.0.5:7000"));
+        assert_eq!(
+            (p.pd.listen.as_str(), p.pd.max_rooms, p.pd.heartbeat_misses),
+            ("tcp://127.0.0.1:0", 256, 3)
+        );
     }
 }

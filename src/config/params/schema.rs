@@ -36,6 +36,12 @@ pub enum Kind {
     Labels,
     /// `"auto"` or a node index.
     NumaNode,
+    /// A PD endpoint `tcp://host:port` (or null when `nullable`); `connectable` refuses port 0
+    /// and the wildcard hosts (an address peers are told to use, not one to bind).
+    Endpoint {
+        nullable: bool,
+        connectable: bool,
+    },
 }
 
 /// One parameter.
@@ -116,6 +122,7 @@ pub const SECTIONS: &[&str] = &[
     "scheduler",
     "numerics",
     "metrics",
+    "pd",
 ];
 
 const U32: u64 = u32::MAX as u64;
@@ -213,6 +220,28 @@ pub const KEYS: &[KeySpec] = &[
         .hint("above this many waiting requests lpm orders them first come first served"),
     key("numerics.mode", Kind::Choice(&["exact", "official"]), "\"exact\""),
     key("metrics.labels", Kind::Labels, "{}"),
+    key(
+        "pd.listen",
+        Kind::Endpoint {
+            nullable: false,
+            connectable: false,
+        },
+        "\"tcp://127.0.0.1:0\"",
+    ),
+    key(
+        "pd.advertise",
+        Kind::Endpoint {
+            nullable: true,
+            connectable: true,
+        },
+        "null",
+    ),
+    key("pd.transport", Kind::Choice(&["tcp"]), "\"tcp\""),
+    key("pd.bootstrap_timeout_ms", int(1, U32), "30000").unit("ms"),
+    key("pd.transfer_timeout_ms", int(1, U32), "30000").unit("ms"),
+    key("pd.heartbeat_interval_ms", int(1, U32), "1000").unit("ms"),
+    key("pd.heartbeat_misses", int(1, 1000), "3").unit("heartbeats"),
+    key("pd.max_rooms", int(1, 1 << 20), "256").unit("rooms"),
 ];
 
 /// Names other engines use for our keys, so their users get pointed at the right one.

@@ -229,6 +229,30 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
             }
             Ok(())
         }
+        Kind::Endpoint {
+            nullable,
+            connectable,
+        } => {
+            let text = match value {
+                Value::Null if nullable => return Ok(()),
+                Value::String(s) => s,
+                _ => {
+                    return Err(format!(
+                        "`{path}` must be a string such as \"tcp://10.0.0.5:7000\", got {shown}"
+                    ))
+                }
+            };
+            let e = super::Endpoint::parse(text).map_err(|e| format!("`{path}` = {e}"))?;
+            if connectable && (e.port == 0 || e.host == "0.0.0.0" || e.host == "::") {
+                return Err(format!(
+                    "`{path}` = {} is not an address a peer can connect to: give the host and \
+                     port peers should use (port 0 and the wildcard host only make sense in \
+                     `pd.listen`)",
+                    shorten(text)
+                ));
+            }
+            Ok(())
+        }
         Kind::Labels => {
             let Some(labels) = value.as_object() else {
                 return Err(format!(
