@@ -111,42 +111,42 @@ impl<'a> WeightData<'a> {
     /// backend checks before reading them.
     pub fn check(&self) -> Result<(), String> {
         for (i, p) in self.parts.iter().enumerate() {
-            let cols = self.cols;
-            let want = p.format.row_bytes(cols) * p.stored_rows;
-            let scales = match p.format {
-                WeightFormat::Fp8E4m3 { block } => {
-                    p.stored_rows.div_ceil(block[0].max(1)) * cols.div_ceil(block[1].max(1))
-                }
-                WeightFormat::Fp4E2m1 { block } => p.stored_rows * cols.div_ceil(block.max(1)),
-                _ => 0,
-            };
-            let problem = if p.bytes.len() != want {
-                Some(format!("{} bytes where {want} are needed", p.bytes.len()))
-            } else if p.scales.len() != scales {
-                Some(format!(
-                    "{} scales where {scales} are needed",
-                    p.scales.len()
-                ))
-            } else if p.rows.end > p.stored_rows || p.rows.start > p.rows.end {
-                Some(format!("rows {:?} of {}", p.rows, p.stored_rows))
-            } else if matches!(p.format, WeightFormat::Fp4E2m1 { .. }) && !cols.is_multiple_of(2) {
-                Some(format!("an odd width {cols} for packed FP4"))
-            } else {
-                None
-            };
-            if let Some(problem) = problem {
-                return Err(format!(
-                    "weight part {i} ({} [{}, {cols}]): {problem}",
-                    p.format.name(),
-                    p.stored_rows
-                ));
-            }
+            p.check(self.cols)
+                .map_err(|problem| format!("weight part {i} {problem}"))?;
         }
         Ok(())
     }
 }
 
 impl WeightPart<'_> {
+    /// Whether this part's byte and scale lengths match its format and shape, `cols` wide.
+    pub fn check(&self, cols: usize) -> Result<(), String> {
+        let want = self.format.row_bytes(cols) * self.stored_rows;
+        let scales = match self.format {
+            WeightFormat::Fp8E4m3 { block } => {
+                self.stored_rows.div_ceil(block[0].max(1)) * cols.div_ceil(block[1].max(1))
+            }
+            WeightFormat::Fp4E2m1 { block } => self.stored_rows * cols.div_ceil(block.max(1)),
+            _ => 0,
+        };
+        let problem = if self.bytes.len() != want {
+            format!("{} bytes where {want} are needed", self.bytes.len())
+        } else if self.scales.len() != scales {
+            format!("{} scales where {scales} are needed", self.scales.len())
+        } else if self.rows.end > self.stored_rows || self.rows.start > self.rows.end {
+            format!("rows {:?} of {}", self.rows, self.stored_rows)
+        } else if matches!(self.format, WeightFormat::Fp4E2m1 { .. }) && !cols.is_multiple_of(2) {
+            format!("an odd width {cols} for packed FP4")
+        } else {
+            return Ok(());
+        };
+        Err(format!(
+            "({} [{}, {cols}]): {problem}",
+            self.format.name(),
+            self.stored_rows
+        ))
+    }
+
     /// Appends rows `self.rows` decoded to f32.
     fn decode_into(&self, cols: usize, out: &mut Vec<f32>) {
         let row_bytes = self.format.row_bytes(cols);

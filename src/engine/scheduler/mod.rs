@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 pub use entries::{Progress, Running, Waiting};
 pub use view::{KvView, SeqView};
 
+use super::phase::Phase;
 use crate::config::params::SchedulerPolicy;
 
 /// Scheduling limits from the params.
@@ -127,7 +128,7 @@ impl<S: SeqView> Scheduler<S> {
                 0
             };
             (
-                w.phase() == super::phase::Phase::Waiting,
+                w.phase() == Phase::Waiting,
                 std::cmp::Reverse(cached),
                 std::cmp::Reverse(p.spec.priority),
                 p.id,
@@ -174,7 +175,7 @@ impl<S: SeqView> Scheduler<S> {
     /// their deadline applies).
     pub fn queue_deadline(&self, w: &Waiting) -> Option<Instant> {
         match (w.phase(), self.limits.queue_timeout) {
-            (super::phase::Phase::Waiting, Some(q)) => Some(w.pending.submitted + q),
+            (Phase::Waiting, Some(q)) => Some(w.pending.submitted + q),
             _ => None,
         }
     }
@@ -226,7 +227,7 @@ impl<S: SeqView> Scheduler<S> {
         let decodes = items.len();
         for (i, r) in self.running.iter().enumerate() {
             let pos = r.req.position();
-            if r.phase() != super::phase::Phase::Prefilling
+            if r.phase() != Phase::Prefilling
                 || pos >= r.prefill_len
                 || budget == 0
                 || paused.contains(&r.id)

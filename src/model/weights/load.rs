@@ -375,12 +375,8 @@ impl<'a> Loader<'a> {
             }
         };
         // The checks above tie bytes and scales to the shapes; this guards the arithmetic.
-        WeightData {
-            cols,
-            parts: vec![part.clone()],
-        }
-        .check()
-        .map_err(|e| format!("{}: {e}", self.shown(spec, raw.name)))?;
+        part.check(cols)
+            .map_err(|e| format!("{}: weight {e}", self.shown(spec, raw.name)))?;
         Ok((part, cols))
     }
 
