@@ -150,6 +150,12 @@
 #define DSV4_FINISH_TIMEOUT 4
 
 /**
+ * Prefill role: the decode engine confirmed it received the request's KV and state; it
+ * continues the request (its TOKEN events come from the decode engine).
+ */
+#define DSV4_FINISH_TRANSFERRED 5
+
+/**
  * Shutdown: every accepted request runs to its end.
  */
 #define DSV4_SHUTDOWN_DRAIN 0
@@ -308,7 +314,8 @@ typedef struct {
 } dsv4_metrics;
 
 /**
- * A generation request (version 1: 128 bytes). Initialise with `dsv4_request_init`, then set
+ * A generation request (version 1: 128 bytes, up to `logprobs`; version 2 appends `pd_room` and
+ * `pd_peer`: 144 bytes). Initialise with `dsv4_request_init`, then set
  * fields. Fields are only appended in later versions; `struct_size` tells the library which
  * you have, and a field your version lacks takes its default (which is not always zero).
  * Every pointer is read during `dsv4_submit` only.
@@ -378,6 +385,18 @@ typedef struct {
      * Non-zero: fill `dsv4_event.logprob`.
      */
     uint8_t logprobs;
+    /**
+     * PD roles (`role` = prefill or decode): the room the host's router gave this request on
+     * both engines; required and non-zero there, unique among one engine's live requests
+     * (a second live request with the same room is `DSV4_ERR_INVALID_ARGUMENT`). Must be 0 in
+     * the unified role. (Appended after version 1.)
+     */
+    uint64_t pd_room;
+    /**
+     * Decode role: the prefill engine's endpoint, NUL-terminated (`tcp://host:port`, what
+     * `dsv4_pd_endpoint` returned there); NULL elsewhere. (Appended after version 1.)
+     */
+    const char *pd_peer;
 } dsv4_request;
 
 /**
@@ -676,6 +695,19 @@ dsv4_status dsv4_metrics_prometheus(const dsv4_engine *engine,
                                     char *buf,
                                     size_t cap,
                                     size_t *needed);
+
+/**
+ * Writes the address PD peers reach this engine at, NUL-terminated: `tcp://host:port` from
+ * `pd.advertise`, else the address `pd.listen` bound (its port filled in when it was 0). The
+ * host's router hands a prefill engine's endpoint to decode engines as `dsv4_request.pd_peer`.
+ * `(buf, cap, needed)` convention; thread-safe, does not block. `DSV4_ERR_INVALID_ARGUMENT` in
+ * the unified role (it has no endpoint).
+ *
+ * # Safety
+ * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
+ * for one `size_t`.
+ */
+dsv4_status dsv4_pd_endpoint(const dsv4_engine *engine, char *buf, size_t cap, size_t *needed);
 
 /**
  * Writes the full default params document (JSON, every key documented in docs/params.md).

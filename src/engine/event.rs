@@ -22,6 +22,9 @@ pub enum FinishReason {
     Stop,
     Aborted,
     Timeout,
+    /// A prefill engine's request whose KV and state a decode engine confirmed it received
+    /// (the decode engine continues it).
+    Transferred,
 }
 
 /// The request an event belongs to: every event carries both.

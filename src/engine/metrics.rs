@@ -129,15 +129,17 @@ pub enum Outcome {
     Aborted,
     Timeout,
     Error,
+    Transferred,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::Stop,
         Outcome::Length,
         Outcome::Aborted,
         Outcome::Timeout,
         Outcome::Error,
+        Outcome::Transferred,
     ];
 
     /// A FINISHED event's outcome.
@@ -147,6 +149,7 @@ impl Outcome {
             FinishReason::Aborted => Self::Aborted,
             FinishReason::Timeout => Self::Timeout,
             FinishReason::Length => Self::Length,
+            FinishReason::Transferred => Self::Transferred,
         }
     }
 
@@ -157,6 +160,7 @@ impl Outcome {
             Self::Aborted => "aborted",
             Self::Timeout => "timeout",
             Self::Error => "error",
+            Self::Transferred => "transferred",
         }
     }
 }

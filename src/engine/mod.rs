@@ -266,6 +266,7 @@ impl Engine {
             return Err(shutting_down());
         }
         spec.validate(self.vocab_size())?;
+        self.check_pd_fields(&spec)?;
         let prompt = spec.prompt.len();
         // Admission counts the tokens the request brings: its prompt, or an import's all.
         let queued = import.as_ref().map_or(prompt, |x| x.tokens.len());
@@ -330,6 +331,26 @@ impl Engine {
                 Err(shutting_down())
             }
         }
+    }
+
+    /// The PD fields of a request against this engine's role.
+    fn check_pd_fields(&self, spec: &RequestSpec) -> Result<()> {
+        if self.params.role == Role::Unified && (spec.pd_room != 0 || spec.pd_peer.is_some()) {
+            return Err(Error::invalid_argument(format!(
+                "pd_room = {} / pd_peer = {:?} are for PD engines (role = prefill or decode), but                  this engine's role is unified: leave them unset, or create prefill and decode                  engines",
+                spec.pd_room, spec.pd_peer
+            )));
+        }
+        Ok(())
+    }
+
+    /// The address PD peers reach this engine at (`pd.advertise`, else the bound `pd.listen`),
+    /// as `tcp://host:port`. `InvalidArgument` in the unified role (it has none).
+    pub fn pd_endpoint(&self) -> Result<String> {
+        Err(Error::invalid_argument(format!(
+            "this engine's role is {}: only prefill and decode engines have a PD endpoint",
+            format!("{:?}", self.params.role).to_lowercase()
+        )))
     }
 
     /// Up to `max` events; waits up to `timeout` for the first (`None` = until one arrives or

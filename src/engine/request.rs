@@ -28,6 +28,12 @@ pub struct RequestSpec {
     pub user_tag: u64,
     /// Fill `Event::logprob`.
     pub logprobs: bool,
+    /// PD roles: the room the host's router gave this request on both engines (required,
+    /// non-zero, unique among one engine's live requests); 0 in the unified role.
+    pub pd_room: u64,
+    /// Decode role: the prefill engine's endpoint (`tcp://host:port`, what its
+    /// `Engine::pd_endpoint` returned).
+    pub pd_peer: Option<String>,
 }
 
 impl Default for RequestSpec {
@@ -43,6 +49,8 @@ impl Default for RequestSpec {
             cache_salt: None,
             user_tag: 0,
             logprobs: false,
+            pd_room: 0,
+            pd_peer: None,
         }
     }
 }

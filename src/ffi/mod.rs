@@ -8,6 +8,7 @@ mod cache;
 mod engine;
 mod log_bridge;
 mod metrics;
+mod pd;
 mod planning;
 mod requests;
 mod status;
@@ -21,6 +22,7 @@ pub use engine::{
 };
 pub use log_bridge::{dsv4_log_fn, dsv4_set_log_callback};
 pub use metrics::{dsv4_metrics, dsv4_metrics_get, dsv4_metrics_prometheus, dsv4_units};
+pub use pd::dsv4_pd_endpoint;
 pub use planning::{dsv4_params_default, dsv4_params_validate, dsv4_plan, dsv4_plan_text};
 pub use requests::*;
 pub use status::*;

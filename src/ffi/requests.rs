@@ -29,13 +29,17 @@ pub const DSV4_FINISH_STOP: i32 = 2;
 pub const DSV4_FINISH_ABORTED: i32 = 3;
 /// `deadline_ms` or `admission.queue_timeout_ms` passed.
 pub const DSV4_FINISH_TIMEOUT: i32 = 4;
+/// Prefill role: the decode engine confirmed it received the request's KV and state; it
+/// continues the request (its TOKEN events come from the decode engine).
+pub const DSV4_FINISH_TRANSFERRED: i32 = 5;
 
 /// Shutdown: every accepted request runs to its end.
 pub const DSV4_SHUTDOWN_DRAIN: i32 = 0;
 /// Shutdown: every accepted request ends now with FINISHED / ABORTED.
 pub const DSV4_SHUTDOWN_ABORT: i32 = 1;
 
-/// A generation request (version 1: 128 bytes). Initialise with `dsv4_request_init`, then set
+/// A generation request (version 1: 128 bytes, up to `logprobs`; version 2 appends `pd_room` and
+/// `pd_peer`: 144 bytes). Initialise with `dsv4_request_init`, then set
 /// fields. Fields are only appended in later versions; `struct_size` tells the library which
 /// you have, and a field your version lacks takes its default (which is not always zero).
 /// Every pointer is read during `dsv4_submit` only.
@@ -76,6 +80,14 @@ pub struct dsv4_request {
     pub user_tag: u64,
     /// Non-zero: fill `dsv4_event.logprob`.
     pub logprobs: u8,
+    /// PD roles (`role` = prefill or decode): the room the host's router gave this request on
+    /// both engines; required and non-zero there, unique among one engine's live requests
+    /// (a second live request with the same room is `DSV4_ERR_INVALID_ARGUMENT`). Must be 0 in
+    /// the unified role. (Appended after version 1.)
+    pub pd_room: u64,
+    /// Decode role: the prefill engine's endpoint, NUL-terminated (`tcp://host:port`, what
+    /// `dsv4_pd_endpoint` returned there); NULL elsewhere. (Appended after version 1.)
+    pub pd_peer: *const c_char,
 }
 
 /// One event (version 1: 88 bytes, up to `elapsed_us`). Fields are only appended in later
@@ -157,10 +169,13 @@ assert_offsets!(dsv4_request {
     user_tag: 112,
     logprobs: 120,
 });
-// A field appended to dsv4_request starts at or after REQUEST_V1 (assert its offset here, the
-// way `message` is for dsv4_event), and `request_defaults` gives its default: callers of
-// version 1 do not have it.
-const _: () = assert!(std::mem::size_of::<dsv4_request>() == REQUEST_V1);
+// A field appended to dsv4_request starts at or after REQUEST_V1 (its offset asserted here),
+// and `request_defaults` gives its default: callers of version 1 do not have it.
+assert_offsets!(dsv4_request {
+    pd_room: REQUEST_V1,
+    pd_peer: 136,
+});
+const _: () = assert!(std::mem::size_of::<dsv4_request>() == 144);
 const REQUEST: Layout = Layout {
     name: "dsv4_request",
     v1: REQUEST_V1,
@@ -232,6 +247,7 @@ fn to_c(e: &Event, message: *const c_char) -> dsv4_event {
             Some(FinishReason::Stop) => DSV4_FINISH_STOP,
             Some(FinishReason::Aborted) => DSV4_FINISH_ABORTED,
             Some(FinishReason::Timeout) => DSV4_FINISH_TIMEOUT,
+            Some(FinishReason::Transferred) => DSV4_FINISH_TRANSFERRED,
         },
         status: e.error_kind().map_or(DSV4_OK, status_of),
         prompt_tokens: s.prompt_tokens,
@@ -268,6 +284,8 @@ fn request_defaults(struct_size: u32) -> dsv4_request {
         cache_salt: std::ptr::null(),
         user_tag: 0,
         logprobs: 0,
+        pd_room: 0,
+        pd_peer: std::ptr::null(),
     }
 }
 
@@ -358,6 +376,17 @@ unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
                 .to_owned(),
         )
     };
+    let pd_peer = if r.pd_peer.is_null() {
+        None
+    } else {
+        // SAFETY: a NUL-terminated string per the contract.
+        let s = unsafe { CStr::from_ptr(r.pd_peer) };
+        Some(
+            s.to_str()
+                .map_err(|_| Error::invalid_argument("pd_peer is not valid UTF-8"))?
+                .to_owned(),
+        )
+    };
     if r.top_k < 0 {
         return Err(Error::invalid_argument(format!(
             "top_k = {} must be ≥ 0 (0 = off)",
@@ -384,6 +413,8 @@ unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
         cache_salt,
         user_tag: r.user_tag,
         logprobs: r.logprobs != 0,
+        pd_room: r.pd_room,
+        pd_peer,
     })
 }
 
