@@ -77,6 +77,9 @@ def test_cache_salt_with_a_nul_is_not_cut_short(engine):
             cache_salt="a\0b")
     refused(engine, dsv4.InvalidArgument, "cache_salt .* NUL at byte 0", cache_salt=b"\0")
     refused(engine, TypeError, "cache_salt must be a str, not int", cache_salt=7)
+    refused(engine, dsv4.InvalidArgument, r"pd_peer = 'tcp://h:1\\x00' contains a NUL at byte 9",
+            pd_peer="tcp://h:1\0")
+    refused(engine, TypeError, "pd_peer must be a str, not int", pd_peer=7)
 
 
 def test_huge_shutdown_timeout_is_refused_not_1_ms():
@@ -107,6 +110,8 @@ def test_negative_ids(engine):
     for field in ("seed", "user_tag"):
         refused(engine, dsv4.InvalidArgument, field + r" = -1 .*" + UINT64, **{field: -1})
     refused(engine, dsv4.InvalidArgument, "deadline_ms = -5 .*" + UINT32, deadline_ms=-5)
+    refused(engine, dsv4.InvalidArgument, r"pd_room = -1 .*" + UINT64, pd_room=-1)
+    refused(engine, dsv4.InvalidArgument, "pd_room = 18446744073709551616", pd_room=2**64)
     # A negative token id fits int32_t: it reaches the library, which refuses it.
     with pytest.raises(dsv4.InvalidArgument, match="prompt token id -1 at index 0 is negative"):
         engine.submit([-1, 5])
@@ -182,13 +187,15 @@ def test_the_limits_themselves_are_accepted_exactly(engine):
                          "user_tag": 2**64 - 1, "priority": -2**31, "deadline_ms": 2**32 - 1,
                          "temperature": 3.4028234663852886e38, "stop_tokens": [-2**31],
                          "logit_bias_tokens": [7], "logit_bias_values": [-math.inf],
-                         "cache_salt": "ü", "logprobs": True})
+                         "cache_salt": "ü", "logprobs": True, "pd_room": 2**64 - 1,
+                         "pd_peer": "tcp://[::1]:65535"})
     assert (req.prompt[0], req.prompt[1], req.prompt_len) == (0, 2**31 - 1, 2)
     assert (req.max_new_tokens, req.top_k, req.seed) == (2**32 - 1, 2**31 - 1, 2**64 - 1)
     assert (req.user_tag, req.priority, req.deadline_ms) == (2**64 - 1, -2**31, 2**32 - 1)
     assert req.temperature == 3.4028234663852886e38 and req.stop_tokens[0] == -2**31
     assert req.logit_bias_values[0] == -math.inf and req.logit_bias_len == 1
     assert req.cache_salt == "ü".encode() and req.logprobs == 1
+    assert (req.pd_room, req.pd_peer) == (2**64 - 1, b"tcp://[::1]:65535")
     # numpy integers of any width are accepted when they fit, refused when they do not.
     assert engine.score(np.array(PROMPT, dtype=np.int64)).shape == (len(PROMPT), 384)
     assert engine.score(np.array(PROMPT, dtype=np.uint16)).shape == (len(PROMPT), 384)

@@ -115,6 +115,17 @@ def test_event_message_is_appended_after_version_1(current):
     assert ("message", 88, ctypes.sizeof(ctypes.c_void_p)) in current["dsv4_event"]["fields"]
 
 
+def test_request_pd_fields_are_appended_after_version_1(current):
+    # Version 2 of dsv4_request: pd_room (uint64_t) at 128, pd_peer (const char *) at 136.
+    pointer = ctypes.sizeof(ctypes.c_void_p)
+    assert (_native.Request.pd_room.offset, _native.Request.pd_room.size) == (128, 8)
+    assert (_native.Request.pd_peer.offset, _native.Request.pd_peer.size) == (136, pointer)
+    assert ctypes.sizeof(_native.Request) == 144
+    fields = current["dsv4_request"]["fields"]
+    assert fields[-2:] == [("pd_room", 128, 8), ("pd_peer", 136, pointer)]
+    assert current["dsv4_request"]["size"] == 144
+
+
 def test_version_1_fields_keep_their_place_and_new_ones_follow_its_size(current, version_1):
     # Version 1's sizes as the header's preamble freezes them.
     assert {n: version_1[n]["size"] for n in ("dsv4_request", "dsv4_event", "dsv4_metrics")} \

@@ -1,5 +1,5 @@
 """The request API from Python: generate, stream, submit/poll, abort, shutdown, routing of
-events across threads, admission errors."""
+events across threads, admission errors, the PD interface on a unified engine."""
 
 import threading
 from pathlib import Path
@@ -133,3 +133,35 @@ def test_cache_stats_and_flush_with_a_host_tier():
             e.cache_flush("disk")
         e.cache_flush("all")
         assert e.cache_stats()["tree"]["host_pages"] == 0
+
+
+def test_a_unified_engine_has_no_pd_endpoint(engine):
+    with pytest.raises(dsv4.InvalidArgument, match="role") as info:
+        engine.pd_endpoint()
+    assert info.value.status == dsv4.InvalidArgument.status
+    assert dsv4.status_name(info.value.status) == "DSV4_ERR_INVALID_ARGUMENT"
+    assert "unified" in info.value.message
+
+
+def test_a_unified_engine_refuses_pd_fields(engine):
+    before = engine.metrics()
+    with pytest.raises(dsv4.InvalidArgument, match="pd_room = 7") as info:
+        engine.submit(PROMPT, pd_room=7)
+    assert info.value.status == dsv4.InvalidArgument.status and "unified" in info.value.message
+    # generate() and stream() pass the fields through the same way; pd_peer alone is refused too.
+    with pytest.raises(dsv4.InvalidArgument, match="pd_room = 7"):
+        engine.generate(PROMPT, max_new_tokens=1, pd_room=7)
+    with pytest.raises(dsv4.InvalidArgument, match="pd_peer") as info:
+        next(engine.stream(PROMPT, max_new_tokens=1, pd_peer="tcp://127.0.0.1:9"))
+    assert "tcp://127.0.0.1:9" in info.value.message
+    after = engine.metrics()
+    assert after["requests_total"] == before["requests_total"]
+    assert after["rejected_invalid_total"] == before["rejected_invalid_total"] + 3
+    # The defaults (pd_room=0, pd_peer=None) are what a unified engine takes.
+    assert len(engine.generate(PROMPT, max_new_tokens=2, pd_room=0, pd_peer=None,
+                               logit_bias_tokens=[1], logit_bias_values=[-1e3])) == 2
+
+
+def test_finish_reason_transferred():
+    assert dsv4.FinishReason(5) is dsv4.FinishReason.TRANSFERRED
+    assert dsv4.FinishReason.TRANSFERRED.name.lower() == "transferred"

@@ -16,6 +16,12 @@
         rid = engine.submit([0, 1234], user_tag=5)   # raises dsv4.QueueFull when refused
         engine.poll(timeout_s=1.0)               # events of submit()-ed requests
 
+    # Prefill/decode disaggregation (role = "prefill" / "decode"; such engines are still refused
+    # at create until the PD transport lands, so this is the interface only):
+    #   prefill.pd_endpoint()                    # "tcp://host:port"; InvalidArgument if unified
+    #   decode.submit(prompt, pd_room=7, pd_peer=endpoint)
+    #   a prefill request ends FINISHED with FinishReason.TRANSFERRED once decode has its KV
+
 Failures raise a subclass of dsv4.Error carrying `.status` and `.message`. A value that its C
 type cannot hold (a token id beyond int32_t, a negative count, a NUL inside a string, ...) is
 refused before the call with dsv4.InvalidArgument (also a ValueError), a value of the wrong kind
@@ -187,6 +193,14 @@ class Engine:
         handle = self._live()
         return json.loads(_read_text(lambda b, c, n: _lib.dsv4_model_info(handle, b, c, n)))
 
+    def pd_endpoint(self):
+        """The address PD peers reach this engine at, "tcp://host:port" (`pd.advertise`, else
+        the address `pd.listen` bound): a prefill engine's endpoint is what decode requests
+        pass as `pd_peer`. InvalidArgument in the unified role, which has none (prefill and
+        decode engines are still refused at create until the PD transport lands)."""
+        handle = self._live()
+        return _read_text(lambda b, c, n: _lib.dsv4_pd_endpoint(handle, b, c, n))
+
     def score(self, tokens):
         """Logits of every position of one fresh sequence: numpy float32 [len(tokens), vocab]."""
         import numpy as np
@@ -209,8 +223,10 @@ class Engine:
         """Submits a request; returns its id. Keyword fields are struct dsv4_request's
         (max_new_tokens, stop_tokens, temperature, top_k, top_p, min_p, seed,
         logit_bias_tokens, logit_bias_values, priority, deadline_ms, cache_salt, user_tag,
-        logprobs). Raises QueueFull, CapacityError, InvalidArgument or ShutDown when refused.
-        Its events come from poll()."""
+        logprobs, pd_room, pd_peer); generate() and stream() take the same. pd_room (default 0)
+        and pd_peer (default None; a prefill engine's pd_endpoint()) are for PD engines: a
+        unified engine refuses them with InvalidArgument. Raises QueueFull, CapacityError,
+        InvalidArgument or ShutDown when refused. Its events come from poll()."""
         self._live()
         req, keep = build_request(prompt, fields)
         rid, _ = self._router.submit(req, private=False)

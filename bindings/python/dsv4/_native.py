@@ -62,10 +62,13 @@ lib.dsv4_score.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), size
                            ctypes.POINTER(ctypes.c_float), size_t]
 lib.dsv4_model_info.restype = status_t
 lib.dsv4_model_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
+lib.dsv4_pd_endpoint.restype = status_t
+lib.dsv4_pd_endpoint.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
 
 
 class Request(ctypes.Structure):
-    """struct dsv4_request, version 1 (field order is the ABI)."""
+    """struct dsv4_request, version 2: version 1 plus the appended `pd_room` and `pd_peer`
+    (field order is the ABI)."""
 
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -87,6 +90,8 @@ class Request(ctypes.Structure):
         ("cache_salt", c_char_p),
         ("user_tag", ctypes.c_uint64),
         ("logprobs", ctypes.c_uint8),
+        ("pd_room", ctypes.c_uint64),
+        ("pd_peer", c_char_p),
     ]
 
 

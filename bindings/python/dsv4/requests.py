@@ -23,11 +23,17 @@ class EventKind(enum.IntEnum):
 
 
 class FinishReason(enum.IntEnum):
+    """DSV4_FINISH_*; `reason.name.lower()` is the name the metrics' `finish_reason` label uses
+    ("length", "stop", "aborted", "timeout", "transferred")."""
+
     NONE = 0
     LENGTH = 1
     STOP = 2
     ABORTED = 3
     TIMEOUT = 4
+    #: Prefill role: the decode engine confirmed it received the request's KV and state and
+    #: continues the request (its TOKEN events come from the decode engine).
+    TRANSFERRED = 5
 
 
 class ShutdownMode(enum.IntEnum):
@@ -74,9 +80,11 @@ class Event:
 
 
 _SCALARS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "priority",
-            "deadline_ms", "user_tag"}
-_FIELDS = _SCALARS | {"stop_tokens", "logit_bias_tokens", "logit_bias_values", "cache_salt",
-                      "logprobs"}
+            "deadline_ms", "user_tag", "pd_room"}
+# NUL-terminated strings (None: NULL, the default).
+_STRINGS = ("cache_salt", "pd_peer")
+_FIELDS = _SCALARS | set(_STRINGS) | {"stop_tokens", "logit_bias_tokens", "logit_bias_values",
+                                      "logprobs"}
 # The C type of each field, from the struct's own declaration.
 _CTYPE = dict(_native.Request._fields_)
 
@@ -113,10 +121,11 @@ def build_request(prompt, fields):
             raise ValueError("logit_bias_tokens and logit_bias_values differ in length")
         keep.append(vals)
         req.logit_bias_values, req.logit_bias_len = vals, n
-    if fields.get("cache_salt") is not None:
-        salt = _cvalues.value("cache_salt", fields["cache_salt"], ctypes.c_char_p)
-        keep.append(salt)
-        req.cache_salt = salt
+    for name in _STRINGS:
+        if fields.get(name) is not None:
+            text = _cvalues.value(name, fields[name], ctypes.c_char_p)
+            keep.append(text)
+            setattr(req, name, text)
     # A flag: a bool, or an integer that fits the uint8_t (non-zero: on).
     logprobs = fields.get("logprobs", False)
     req.logprobs = int(logprobs) if isinstance(logprobs, bool) else _cvalues.value(
