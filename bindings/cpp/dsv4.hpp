@@ -77,8 +77,10 @@ inline std::string plan_text(const std::string &params_json) {
     });
 }
 
-// A request with the library's defaults (struct_size set); fill in the fields you need. The
-// pointers it holds are read during engine::submit only.
+// A request with the library's defaults (struct_size set); fill in the fields you need
+// (sampling, stop_tokens, cache_salt, ...; pd_room and pd_peer for prefill / decode engines, see
+// engine::pd_endpoint). The pointers it holds (prompt, stop_tokens, logit biases, cache_salt,
+// pd_peer) are read during engine::submit only.
 inline dsv4_request request(const std::vector<int32_t> &prompt) {
     dsv4_request r;
     check(dsv4_request_init(&r, sizeof r));
@@ -142,6 +144,17 @@ public:
     std::string model_info() const {
         return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
             return dsv4_model_info(handle_, buf, cap, needed);
+        });
+    }
+
+    // The address PD peers reach this engine at, "tcp://host:port" (pd.advertise, else the
+    // address pd.listen bound): a prefill engine's endpoint is what decode requests carry as
+    // dsv4_request.pd_peer. Throws DSV4_ERR_INVALID_ARGUMENT in the unified role, which has
+    // none (prefill and decode engines are still refused at create until the PD transport
+    // lands).
+    std::string pd_endpoint() const {
+        return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_pd_endpoint(handle_, buf, cap, needed);
         });
     }
 

@@ -1,4 +1,5 @@
-// Greedy generation for a few prompts through the C++ wrapper: submit, poll, collect tokens.
+// Greedy generation for a few prompts through the C++ wrapper: submit, poll, collect tokens;
+// metrics; what a unified engine says to the PD calls; a submit after shutdown.
 //   generate_cpp MODEL_DIR
 #include <dsv4.hpp>
 
@@ -49,6 +50,26 @@ int main(int argc, char **argv) {
         const std::string text = engine.prometheus();
         const size_t line = text.find("\ndsv4_num_running_reqs ");
         std::cout << text.substr(line + 1, text.find('\n', line + 1) - line - 1) << '\n';
+        // Prefill/decode disaggregation: a unified engine is no PD peer. It has no endpoint, and
+        // it refuses a request's pd_room / pd_peer (set on prefill and decode engines).
+        try {
+            const std::string endpoint = engine.pd_endpoint();
+            std::cout << "pd_endpoint: " << endpoint << " (expected none)\n";
+            return 1;
+        } catch (const dsv4::error &e) {
+            if (e.status() != DSV4_ERR_INVALID_ARGUMENT) throw;
+            std::cout << "pd_endpoint: " << e.status_name() << ": " << e.what() << '\n';
+        }
+        dsv4_request pd = dsv4::request(prompts[0]);
+        pd.pd_room = 7;
+        try {
+            engine.submit(pd);
+            std::cout << "pd_room = 7: accepted (expected refused)\n";
+            return 1;
+        } catch (const dsv4::error &e) {
+            if (e.status() != DSV4_ERR_INVALID_ARGUMENT) throw;
+            std::cout << "pd_room = 7: " << e.status_name() << '\n';
+        }
         engine.shutdown();
         std::vector<int32_t> late = {5};
         engine.submit(dsv4::request(late));  // throws: the engine is shut down
