@@ -80,7 +80,8 @@ int main(int argc, char **argv) {
     printf("burst of %d: %d accepted, %d refused (4 run at once, admission.max_queued_requests = 6)\n",
            REQUESTS - 1, accepted - 1, refused);
     int finished = 1, hits = 0;
-    static const char *reasons[] = {"none", "length", "stop", "aborted", "timeout"};
+    static const char *reasons[] = {"none", "length", "stop", "aborted", "timeout",
+                                    "transferred"};
     while (finished < accepted) {
         dsv4_event ev[64];
         size_t n = 0;

@@ -117,6 +117,29 @@ static void test_generate_and_bad_input(void) {
     bad.top_p = 0.0f;
     CHECK_STATUS(dsv4_submit(engine, &bad, &id), DSV4_ERR_INVALID_ARGUMENT);
 
+    /* PD fields: dsv4_request_init leaves them unset, and a unified engine refuses them. */
+    bad = request(4);
+    CHECK(bad.pd_room == 0 && bad.pd_peer == NULL);
+    bad.pd_room = 7;
+    CHECK_STATUS(dsv4_submit(engine, &bad, &id), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(dsv4_last_error(), "pd_room = 7") != NULL);
+    CHECK(strstr(dsv4_last_error(), "unified") != NULL);
+    bad = request(4);
+    bad.pd_peer = "tcp://127.0.0.1:9";
+    CHECK_STATUS(dsv4_submit(engine, &bad, &id), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(dsv4_last_error(), "tcp://127.0.0.1:9") != NULL);
+    /* ... and has no PD endpoint (a size query included); nothing is written. */
+    char endpoint[64] = "untouched";
+    size_t endpoint_size = 0;
+    CHECK_STATUS(dsv4_pd_endpoint(engine, endpoint, sizeof endpoint, &endpoint_size),
+                 DSV4_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(dsv4_last_error(), "role") != NULL);
+    CHECK(strcmp(endpoint, "untouched") == 0);
+    CHECK_STATUS(dsv4_pd_endpoint(engine, NULL, 0, &endpoint_size), DSV4_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(dsv4_last_error(), "role") != NULL);
+    CHECK_STATUS(dsv4_pd_endpoint(NULL, endpoint, sizeof endpoint, &endpoint_size),
+                 DSV4_ERR_INVALID_ARGUMENT);
+
     /* Poll: cap 0, NULLs, a too-small element size; nothing is pending: timeout → OK, 0. */
     dsv4_event events[4];
     size_t n = 99;
