@@ -10,6 +10,7 @@ pub mod error;
 pub mod formats;
 pub mod kv;
 pub mod model;
+pub mod pd;
 pub mod plan;
 pub mod threads;
 

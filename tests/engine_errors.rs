@@ -234,14 +234,11 @@ fn a_broken_mtp_block_does_not_fail_loading() {
 #[test]
 fn valid_but_unbuilt_features_are_unsupported() {
     let mut p = params(&fixture("flash-like/hf-f32"));
-    p.role = dsv4::config::params::Role::Prefill;
+    p.backend = dsv4::config::params::Backend::Cuda;
     p.parallel.tp = 2;
     let e = err(Engine::create(p));
     assert_eq!(e.kind(), ErrorKind::Unsupported);
     assert!(e.message().contains("2 problems in this dsv4 build"), "{e}");
     assert!(e.message().contains("multi-rank engines"), "{e}");
-    assert!(
-        e.message().contains("PD disaggregation is not built yet"),
-        "{e}"
-    );
+    assert!(e.message().contains("CUDA backend is not built yet"), "{e}");
 }

@@ -28,7 +28,13 @@ impl<B: Backend> Worker<B> {
             // What admission counted for it (its tokens), and what it must compute before it
             // samples: everything, or for an import nothing past the exported position.
             let queued = w.tokens().len();
+            // A PD decode's request: its destination, for the state the prefill sends.
+            let receives = self.receives(w.pending.spec.pd_room);
             let started = match &w.pending.import {
+                _ if receives => self
+                    .cache
+                    .reserve_import(salt.as_deref(), w.pending.spec.prompt.len())
+                    .map(|r| (r, queued)),
                 Some(x) => self
                     .cache
                     .import(
@@ -59,7 +65,9 @@ impl<B: Backend> Worker<B> {
             };
             // The prefill's pages now (after its load-back, for a host hit: `finish_loads`);
             // decode pages one at a time (`make_room_for_decode`).
-            let phase = if req.is_loading() {
+            let phase = if receives {
+                Phase::Receiving
+            } else if req.is_loading() {
                 Phase::LoadingBack
             } else if let Err(e) = self.cache.reserve(&mut req, prefill_len) {
                 self.cache.abort(req);
@@ -81,9 +89,13 @@ impl<B: Backend> Worker<B> {
             w.pending.import = None;
             {
                 let mut a = self.shared.admission();
-                a.queued_requests -= 1;
+                // A decode's reservation stays counted until its state arrives.
+                if !receives {
+                    a.queued_requests -= 1;
+                }
                 a.queued_tokens -= queued as u64;
             }
+            let room = w.pending.spec.pd_room;
             let mut p = match w.progress.take() {
                 Some(p) => *p,
                 None => {
@@ -107,11 +119,28 @@ impl<B: Backend> Worker<B> {
                 .running
                 .push(Running::start(w, req, prefill_len, phase, p));
             let i = self.sched.running.len() - 1;
+            self.sched.running[i].holds_queue_slot = receives;
             self.sched.running[i].recount(&self.shared.admission);
             if phase != Phase::LoadingBack {
                 self.on_ready(i);
             }
+            if receives {
+                self.claim_room(i);
+            } else if room != 0 {
+                if let Some(node) = &self.pd {
+                    node.left_queue(room);
+                }
+            }
         }
+    }
+
+    /// Whether a request in `room` receives its state from a prefill engine (decode role).
+    fn receives(&self, room: u64) -> bool {
+        room != 0
+            && self
+                .pd
+                .as_ref()
+                .is_some_and(|n| n.side() == crate::pd::Side::Decode)
     }
 
     /// Requests whose load-back has landed get their prefill pages and become runnable; one

@@ -23,10 +23,15 @@ struct TerminalInfo {
     submitted: Instant,
     queue_us: u64,
     first_token: Option<Instant>,
+    /// The PD room (0: none).
+    pd_room: u64,
 }
 
 impl<B: Backend> Worker<B> {
     fn terminal(&self, r: TerminalInfo, end: End) {
+        if r.pd_room != 0 {
+            self.close_room(r.pd_room, &end);
+        }
         // Off the live set first: once the host sees the terminal event, abort says NOT_FOUND.
         self.shared.live().remove(&r.origin.request_id);
         let now = Instant::now();
@@ -75,6 +80,7 @@ impl<B: Backend> Worker<B> {
                 submitted: p.submitted,
                 queue_us: g.queue_us,
                 first_token: g.first_token,
+                pd_room: p.spec.pd_room,
             },
             None => TerminalInfo {
                 origin,
@@ -85,6 +91,7 @@ impl<B: Backend> Worker<B> {
                 submitted: p.submitted,
                 queue_us: micros(p.submitted.elapsed()),
                 first_token: None,
+                pd_room: p.spec.pd_room,
             },
         };
         self.terminal(info, end);
@@ -101,7 +108,13 @@ impl<B: Backend> Worker<B> {
     fn release_running(&mut self, i: usize, cache: bool) -> TerminalInfo {
         let mut r = self.sched.running.swap_remove(i);
         r.set_phase(Phase::Finished);
-        self.shared.admission().queued_tokens -= r.queued_tokens as u64;
+        {
+            let mut a = self.shared.admission();
+            a.queued_tokens -= r.queued_tokens as u64;
+            if r.holds_queue_slot {
+                a.queued_requests -= 1;
+            }
+        }
         let info = TerminalInfo {
             origin: Origin {
                 request_id: r.id,
@@ -114,6 +127,7 @@ impl<B: Backend> Worker<B> {
             submitted: r.submitted,
             queue_us: r.p.queue_us,
             first_token: r.p.first_token,
+            pd_room: r.spec.pd_room,
         };
         let position = r.req.position();
         if cache {
@@ -137,13 +151,21 @@ impl<B: Backend> Worker<B> {
                     self.end_running(i, End::Failed(e.clone()), false);
                 }
             }
-            StepOutcome::Ran(mut ended) => {
+            StepOutcome::Ran(mut ended, handed) => {
+                // Hand-overs first: they move no request, and end none here (a failed one is
+                // ended below by id, after the indices stop mattering).
+                let failed = self.hand_over(handed);
                 // Highest index first: swap_remove leaves the lower ones in place.
                 ended.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
                 for (i, end) in ended {
                     match end {
                         End::Failed(e) => self.end_nonfinite(i, e),
                         end => self.end_running(i, end, true),
+                    }
+                }
+                for (id, e) in failed {
+                    if let Some(i) = self.sched.running.iter().position(|r| r.id == id) {
+                        self.end_running(i, End::Failed(e), true);
                     }
                 }
             }

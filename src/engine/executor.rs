@@ -20,10 +20,24 @@ pub enum End {
     Failed(Error),
 }
 
+/// A prefill engine's request that sampled its first token: its state goes to the decode.
+pub struct HandOver {
+    pub index: usize,
+    /// The first token's log-probability (0 unless the request asked for logprobs).
+    pub logprob: f32,
+}
+
+/// The time before a token: since submit for the first, since the previous one after.
+pub enum Gap {
+    First(std::time::Duration),
+    Next(std::time::Duration),
+}
+
 /// What a step did.
 pub enum StepOutcome {
-    /// The forward pass ran; these running requests (by index) end.
-    Ran(Vec<(usize, End)>),
+    /// The forward pass ran; these running requests (by index) end, and these hand over
+    /// (prefill role).
+    Ran(Vec<(usize, End)>, Vec<HandOver>),
     /// The forward pass failed: every planned request ends with this error.
     Failed(Error),
 }
@@ -31,6 +45,8 @@ pub enum StepOutcome {
 pub struct Executor<B: Backend> {
     model: Arc<Model<B>>,
     eos: Vec<u32>,
+    /// A prefill engine: PD requests hand over after their first sample.
+    hands_over: bool,
 }
 
 pub fn micros(d: std::time::Duration) -> u64 {
@@ -38,9 +54,13 @@ pub fn micros(d: std::time::Duration) -> u64 {
 }
 
 impl<B: Backend> Executor<B> {
-    pub fn new(model: Arc<Model<B>>) -> Self {
+    pub fn new(model: Arc<Model<B>>, hands_over: bool) -> Self {
         let eos = model.config.eos_token_ids.clone();
-        Self { model, eos }
+        Self {
+            model,
+            eos,
+            hands_over,
+        }
     }
 
     /// Runs `plan` over `running`: one forward pass, then for each request that samples, its
@@ -94,6 +114,7 @@ impl<B: Backend> Executor<B> {
             }
         };
         let mut ended = Vec::new();
+        let mut handed = Vec::new();
         let mut itl = Vec::new();
         let mut ttft = Vec::new();
         let mut new_tokens = 0u64;
@@ -117,40 +138,25 @@ impl<B: Backend> Executor<B> {
                 continue;
             }
             let (token, logprob) = r.p.sampler.sample(&logits);
-            r.p.tokens.push(token);
-            r.p.generated += 1;
-            if !r.decoding() {
-                r.set_phase(super::phase::Phase::Decoding);
+            if self.hands_over && r.spec.pd_room != 0 {
+                // A prefill engine's request: its first token goes to the decode engine with
+                // the state; no TOKEN event here.
+                r.p.tokens.push(token);
+                r.p.generated += 1;
+                handed.push(HandOver {
+                    index: item.index,
+                    logprob: if r.spec.logprobs { logprob } else { 0.0 },
+                });
+                continue;
             }
             new_tokens += 1;
-            let now = Instant::now();
-            match r.p.last_token {
-                Some(last) => itl.push(now - last),
-                None => ttft.push(now - r.submitted),
+            let (end, timing) = self.deliver(r, token, logprob, shared);
+            match timing {
+                Gap::First(d) => ttft.push(d),
+                Gap::Next(d) => itl.push(d),
             }
-            r.p.last_token = Some(now);
-            let first = *r.p.first_token.get_or_insert(now);
-            let origin = Origin {
-                request_id: r.id,
-                user_tag: r.spec.user_tag,
-            };
-            let stats = EventStats {
-                prompt_tokens: r.spec.prompt.len() as u32,
-                cached_tokens_device: (r.p.cached - r.p.cached_host) as u32,
-                cached_tokens_host: r.p.cached_host as u32,
-                generated_tokens: r.p.generated as u32,
-                queue_us: r.p.queue_us,
-                ttft_us: micros(first - r.submitted),
-                elapsed_us: micros(now - r.submitted),
-            };
-            let logprob = if r.spec.logprobs { logprob } else { 0.0 };
-            shared
-                .sink
-                .emit(Event::token(origin, token, logprob, stats));
-            if self.eos.contains(&token) || r.spec.stop_tokens.contains(&token) {
-                ended.push((item.index, End::Finished(FinishReason::Stop)));
-            } else if r.p.generated >= r.max_gen {
-                ended.push((item.index, End::Finished(FinishReason::Length)));
+            if let Some(end) = end {
+                ended.push((item.index, end));
             }
         }
         shared.metrics.update(|m| {
@@ -162,7 +168,60 @@ impl<B: Backend> Executor<B> {
                 m.itl.observe_duration(d);
             }
         });
-        StepOutcome::Ran(ended)
+        StepOutcome::Ran(ended, handed)
+    }
+
+    /// Takes sampled `token` into running request `r`: its tokens, phase and timings, its
+    /// TOKEN event, and how it ends if this token ends it. Returns that and the time since the
+    /// previous token (or since submit, for the first) for the step's metrics.
+    pub fn deliver(
+        &self,
+        r: &mut Running<Request>,
+        token: u32,
+        logprob: f32,
+        shared: &Shared,
+    ) -> (Option<End>, Gap) {
+        r.p.tokens.push(token);
+        r.p.generated += 1;
+        if !r.decoding() {
+            r.set_phase(super::phase::Phase::Decoding);
+        }
+        let now = Instant::now();
+        let gap = match r.p.last_token {
+            Some(last) => Gap::Next(now - last),
+            None => Gap::First(now - r.submitted),
+        };
+        r.p.last_token = Some(now);
+        let first = *r.p.first_token.get_or_insert(now);
+        let origin = Origin {
+            request_id: r.id,
+            user_tag: r.spec.user_tag,
+        };
+        let stats = EventStats {
+            prompt_tokens: r.spec.prompt.len() as u32,
+            cached_tokens_device: (r.p.cached - r.p.cached_host) as u32,
+            cached_tokens_host: r.p.cached_host as u32,
+            generated_tokens: r.p.generated as u32,
+            queue_us: r.p.queue_us,
+            ttft_us: micros(first - r.submitted),
+            elapsed_us: micros(now - r.submitted),
+        };
+        let logprob = if r.spec.logprobs { logprob } else { 0.0 };
+        shared
+            .sink
+            .emit(Event::token(origin, token, logprob, stats));
+        let end = if self.eos.contains(&token) || r.spec.stop_tokens.contains(&token) {
+            Some(End::Finished(FinishReason::Stop))
+        } else if r.p.generated >= r.max_gen {
+            Some(End::Finished(FinishReason::Length))
+        } else {
+            None
+        };
+        (end, gap)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.model.config.vocab_size
     }
 
     /// Logits of every position of one fresh sequence (`dsv4_score`), cached prefixes giving

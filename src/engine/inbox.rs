@@ -18,6 +18,7 @@ use super::event::EventCallback;
 use super::shared::{ExportedSequence, Pending, PoolUsage, ShutdownMode};
 use crate::error::Result;
 use crate::kv::cache::Tier;
+use crate::pd::Notice;
 
 /// A call that waits for the engine thread's answer.
 pub enum Control {
@@ -38,10 +39,13 @@ pub struct Batch {
     pub aborts: Vec<u64>,
     pub controls: Vec<Control>,
     pub shutdown: Option<ShutdownMode>,
+    /// What the PD node reported (claims done, states arrived, rooms failed).
+    pub pd: Vec<Notice>,
 }
 
 #[derive(Default)]
 struct State {
+    pd: Vec<Notice>,
     submits: VecDeque<Pending>,
     aborts: Vec<u64>,
     aborted: HashSet<u64>,
@@ -57,7 +61,10 @@ struct State {
 
 impl State {
     fn is_empty(&self) -> bool {
-        self.submits.is_empty() && self.aborts.is_empty() && self.controls.is_empty()
+        self.submits.is_empty()
+            && self.aborts.is_empty()
+            && self.controls.is_empty()
+            && self.pd.is_empty()
     }
 }
 
@@ -106,6 +113,16 @@ impl Inbox {
         Ok(())
     }
 
+    /// Hands the engine thread a PD notice; dropped once it has stopped (its requests have
+    /// all ended).
+    pub fn pd_notice(&self, n: Notice) {
+        let mut s = self.lock();
+        if !s.closed {
+            s.pd.push(n);
+            self.ready.notify_one();
+        }
+    }
+
     /// Stops intake and asks the engine thread to stop; an abort overrides an earlier drain.
     pub fn shutdown(&self, mode: ShutdownMode) {
         let mut s = self.lock();
@@ -149,6 +166,7 @@ impl Inbox {
             aborts: std::mem::take(&mut s.aborts),
             controls: s.controls.drain(..).collect(),
             shutdown: s.shutdown,
+            pd: std::mem::take(&mut s.pd),
         }
     }
 
@@ -176,6 +194,7 @@ impl Inbox {
             aborts: Vec::new(),
             controls: s.controls.drain(..).collect(),
             shutdown: s.shutdown,
+            pd: std::mem::take(&mut s.pd),
         }
     }
 }

@@ -15,6 +15,7 @@ mod phase;
 mod prometheus;
 mod request;
 mod retract;
+mod rooms;
 mod sampling;
 mod scheduler;
 mod shared;
@@ -45,12 +46,14 @@ use worker::Worker;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
+use crate::config::params::Endpoint;
 use crate::config::params::{Backend as BackendKind, Params, Role};
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::cache::Tier;
 use crate::kv::hicache::HostPools;
 use crate::kv::{KvPools, PrefixCache};
 use crate::model::Model;
+use crate::pd::{self, Node, Side};
 use crate::plan::{self, Plan};
 
 /// A loaded engine. Thread-safe: every method takes `&self`. Not generic over the backend: the
@@ -67,6 +70,8 @@ pub struct Engine {
     /// Prompt + generated tokens one request may reach: the smaller of kv.max_context_tokens
     /// and what the device pages hold.
     context_limit: usize,
+    /// The PD node (prefill and decode roles): listener, links, rooms.
+    pd: Option<Arc<Node>>,
     /// The host memory this engine's plan requires, counted by every later engine's fit check
     /// (its pools map lazily, so free memory alone does not show them) until it is dropped.
     _reservation: plan::Reservation,
@@ -77,6 +82,7 @@ struct Started {
     thread: JoinHandle<()>,
     model_info: Value,
     vocab_size: usize,
+    pd: Option<Arc<Node>>,
 }
 
 /// The one place a backend is chosen: builds it from the params, then loads the model and the
@@ -148,7 +154,33 @@ fn start<B: Backend>(
     model_info["weight_dtype"] =
         serde_json::to_value(params.model.weight_dtype).unwrap_or_default();
     let vocab_size = model.config.vocab_size;
-    let worker = Worker::new(model, cache, shared, limits);
+    let pd = match params.role {
+        Role::Unified => None,
+        role => {
+            let p = &params.pd;
+            let endpoint = |text: &str| {
+                Endpoint::parse(text).map_err(|m| Error::config(format!("pd endpoint: {m}")))
+            };
+            let cfg = pd::Config {
+                side: if role == Role::Prefill {
+                    Side::Prefill
+                } else {
+                    Side::Decode
+                },
+                listen: endpoint(&p.listen)?,
+                advertise: p.advertise.as_deref().map(endpoint).transpose()?,
+                bootstrap_timeout: Duration::from_millis(p.bootstrap_timeout_ms.into()),
+                transfer_timeout: Duration::from_millis(p.transfer_timeout_ms.into()),
+                heartbeat_interval: Duration::from_millis(p.heartbeat_interval_ms.into()),
+                heartbeat_misses: p.heartbeat_misses,
+                max_rooms: p.max_rooms as usize,
+                layout: cache.pools().layout().fingerprint().clone(),
+            };
+            let sink: Arc<dyn pd::Sink> = shared.clone();
+            Some(Arc::new(Node::start(cfg, sink)?))
+        }
+    };
+    let worker = Worker::new(model, cache, shared, limits, pd.clone());
     let thread = std::thread::Builder::new()
         .name("dsv4-engine".into())
         .spawn(move || worker.run())
@@ -157,6 +189,7 @@ fn start<B: Backend>(
         thread,
         model_info,
         vocab_size,
+        pd,
     })
 }
 
@@ -182,6 +215,7 @@ impl Engine {
             vocab_size: started.vocab_size,
             shared,
             thread: std::sync::Mutex::new(Some(started.thread)),
+            pd: started.pd,
             context_limit,
             _reservation: reservation,
         })
@@ -286,13 +320,20 @@ impl Engine {
         let limits = &self.params.admission;
         {
             let mut a = self.shared.admission();
-            if a.queued_requests + 1 > u64::from(limits.max_queued_requests) {
+            // A prefill's rooms waiting for their claim after they left the queue still
+            // count: they hold pages until a decode engine takes them.
+            let parked = match &self.pd {
+                Some(n) if n.side() == Side::Prefill => n.unclaimed_out_of_queue() as u64,
+                _ => 0,
+            };
+            if a.queued_requests + parked + 1 > u64::from(limits.max_queued_requests) {
                 return Err(Error::new(
                     ErrorKind::QueueFull,
                     format!(
                         "admission.max_queued_requests = {} reached ({} requests waiting): retry \
                          later, or raise the limit if the server can absorb the burst",
-                        limits.max_queued_requests, a.queued_requests
+                        limits.max_queued_requests,
+                        a.queued_requests + parked
                     ),
                 ));
             }
@@ -310,8 +351,21 @@ impl Engine {
             a.queued_tokens += queued as u64;
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
+        let room = spec.pd_room;
+        if let Some(node) = &self.pd {
+            if let Err(e) = node.register(room, id, spec.pd_digest(), spec.pd_peer.clone()) {
+                let mut a = self.shared.admission();
+                a.queued_requests -= 1;
+                a.queued_tokens -= queued as u64;
+                return Err(e);
+            }
+        }
         self.shared.live().insert(id, spec.user_tag);
-        let max_gen = (spec.max_new_tokens as usize).min(self.context_limit - prompt + 1);
+        let mut max_gen = (spec.max_new_tokens as usize).min(self.context_limit - prompt + 1);
+        if self.params.role == Role::Prefill {
+            // A prefill engine samples the first token only (the decode generates the rest).
+            max_gen = 1;
+        }
         let pending = Pending {
             id,
             spec,
@@ -325,6 +379,9 @@ impl Engine {
             Ok(()) => Ok(id),
             Err(_) => {
                 self.shared.live().remove(&id);
+                if let Some(node) = &self.pd {
+                    node.close(room, None);
+                }
                 let mut a = self.shared.admission();
                 a.queued_requests -= 1;
                 a.queued_tokens -= queued as u64;
@@ -337,16 +394,43 @@ impl Engine {
     fn check_pd_fields(&self, spec: &RequestSpec) -> Result<()> {
         if self.params.role == Role::Unified && (spec.pd_room != 0 || spec.pd_peer.is_some()) {
             return Err(Error::invalid_argument(format!(
-                "pd_room = {} / pd_peer = {:?} are for PD engines (role = prefill or decode), but                  this engine's role is unified: leave them unset, or create prefill and decode                  engines",
+                "pd_room = {} / pd_peer = {:?} are for PD engines (role = prefill or decode), \
+                 but this engine's role is unified: leave them unset, or create prefill and \
+                 decode engines",
                 spec.pd_room, spec.pd_peer
             )));
         }
-        Ok(())
+        if self.params.role == Role::Unified {
+            return Ok(());
+        }
+        if spec.pd_room == 0 {
+            return Err(Error::invalid_argument(
+                "pd_room is 0: a request to a prefill or decode engine needs the room the router \
+                 gave it (non-zero, the same on both engines)",
+            ));
+        }
+        match (self.params.role, &spec.pd_peer) {
+            (Role::Decode, None) => Err(Error::invalid_argument(
+                "pd_peer is not set: a decode engine's request names the prefill engine it \
+                 continues (its dsv4_pd_endpoint, e.g. tcp://10.0.0.5:7000)",
+            )),
+            (Role::Decode, Some(peer)) => Endpoint::parse(peer)
+                .map(|_| ())
+                .map_err(|m| Error::invalid_argument(format!("pd_peer: {m}"))),
+            (_, Some(peer)) => Err(Error::invalid_argument(format!(
+                "pd_peer = {peer:?} on a prefill engine: only decode engines name a peer (the \
+                 decode connects to the prefill); leave it unset"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The address PD peers reach this engine at (`pd.advertise`, else the bound `pd.listen`),
     /// as `tcp://host:port`. `InvalidArgument` in the unified role (it has none).
     pub fn pd_endpoint(&self) -> Result<String> {
+        if let Some(node) = &self.pd {
+            return Ok(node.endpoint().to_string());
+        }
         Err(Error::invalid_argument(format!(
             "this engine's role is {}: only prefill and decode engines have a PD endpoint",
             format!("{:?}", self.params.role).to_lowercase()
@@ -440,6 +524,10 @@ impl Engine {
         drop(stopped);
         if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = t.join();
+        }
+        // Every request has ended (its room closed): the links and the listener go now.
+        if let Some(node) = &self.pd {
+            node.shutdown();
         }
         Ok(())
     }
@@ -583,11 +671,6 @@ fn refuse_unbuilt(p: &Params) -> Result<()> {
     let mut missing = Vec::new();
     if p.backend == BackendKind::Cuda {
         missing.push("`backend` = cuda: the CUDA backend is not built yet; use cpu".to_string());
-    }
-    if p.role != Role::Unified {
-        missing.push(
-            "`role` = prefill/decode: PD disaggregation is not built yet; use unified".into(),
-        );
     }
     if p.parallel.tp > 1 || p.parallel.ep > 1 {
         missing.push(

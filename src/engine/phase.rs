@@ -6,20 +6,25 @@
 //!                        ├───────────────────► LoadingBack ───┐
 //!            Retracted ──┤                         │          │ (landed)
 //!                ▲       └─────────────────────────┼────────► Prefilling ──► Decoding
-//!                │                     (no pages:  │               │             │
-//!                │                      requeued)  ▼               │             │
-//!                │                     Waiting / Retracted         │             │
-//!                └───────── retraction (the pools ran out) ────────┴─────────────┘
+//!                │                     (no pages:  │               │   │         │
+//!                │                      requeued)  ▼               │   │         │
+//!                │                     Waiting / Retracted         │   │         │
+//!                └───────── retraction (the pools ran out) ────────┴───┼─────────┘
+//!  prefill role:              Prefilling ──(first token sampled)──► Transferring
+//!  decode role:   Waiting ──(destination reserved, claimed)──► Receiving ──► Decoding
 //!  import ──► Imported ──────────────────────────────────────────────────────► Decoding
-//!  every phase ──► Finished  (its one terminal event: length, stop, aborted, timeout, error)
+//!  every phase ──► Finished  (its one terminal event: length, stop, aborted, timeout,
+//!                             transferred, error)
 //! ```
 //!
 //! A request in `Waiting`, `Imported` or `Retracted` sits in the scheduler's queue and holds no
 //! pool units; `LoadingBack`, `Prefilling` and `Decoding` hold a slot (and pages, once past
-//! `LoadingBack`). PD disaggregation adds its phases here: on a prefill engine, `AwaitingClaim`
-//! (prefilled, pages held until a decode engine claims them) and `Transferring` (pages being
-//! sent); on a decode engine, `Receiving` (pages arriving), which ends like `Imported`, in
-//! `Decoding`.
+//! `LoadingBack`). PD disaggregation adds two phases that hold units but take no part in
+//! steps: on a prefill engine, `Transferring` (prefilled, its first token sampled; its pages
+//! stay locked while its room waits for the decode's claim and the bytes go out, until the
+//! decode acknowledges), and on a decode engine, `Receiving` (its destination pages reserved
+//! and claimed; the state arrives), which ends like `Imported`, in `Decoding`. Neither is ever
+//! retracted: their pages belong to a room in flight.
 
 /// One request's phase (see the module docs for the transitions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -40,19 +45,26 @@ pub enum Phase {
     Prefilling,
     /// Samples one token per step.
     Decoding,
+    /// Prefill role: prefilled and its first token sampled; holds its pages while its room's
+    /// state goes to the decode engine.
+    Transferring,
+    /// Decode role: holds the destination reserved for its prompt's state while it arrives.
+    Receiving,
     /// Its terminal event went out.
     Finished,
 }
 
 impl Phase {
     /// Every phase, in the order a request meets them.
-    pub const ALL: [Phase; 7] = [
+    pub const ALL: [Phase; 9] = [
         Self::Waiting,
         Self::Imported,
         Self::Retracted,
         Self::LoadingBack,
         Self::Prefilling,
         Self::Decoding,
+        Self::Transferring,
+        Self::Receiving,
         Self::Finished,
     ];
 
@@ -78,6 +90,9 @@ impl Phase {
             (LoadingBack, Prefilling | Waiting | Retracted) => true,
             (Prefilling, Decoding | Retracted) => true,
             (Decoding, Retracted) => true,
+            (Prefilling, Transferring) => true,
+            (Waiting, Receiving) => true,
+            (Receiving, Decoding) => true,
             _ => false,
         }
     }
@@ -96,7 +111,7 @@ impl Phase {
 mod tests {
     use super::Phase::{self, *};
 
-    const ALL: [Phase; 7] = Phase::ALL;
+    const ALL: [Phase; 9] = Phase::ALL;
 
     #[test]
     fn transitions_are_exactly_the_diagram() {
@@ -113,6 +128,9 @@ mod tests {
             (Prefilling, Decoding),
             (Prefilling, Retracted),
             (Decoding, Retracted),
+            (Prefilling, Transferring),
+            (Waiting, Receiving),
+            (Receiving, Decoding),
         ];
         for from in ALL {
             for to in ALL {

@@ -126,3 +126,109 @@ impl RequestSpec {
         }
     }
 }
+
+impl RequestSpec {
+    /// What a PD room's two engines must agree on, as one 64-bit FNV-1a digest: the prompt,
+    /// the sampling params, the seed and the cache salt (a claim whose digest differs from the
+    /// prefill's fails the room). Stable across processes and builds: fixed byte encoding.
+    pub fn pd_digest(&self) -> u64 {
+        let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+        h.u64(self.prompt.len() as u64);
+        for &t in &self.prompt {
+            h.bytes(&t.to_le_bytes());
+        }
+        let s = &self.sampling;
+        h.bytes(&s.temperature.to_bits().to_le_bytes());
+        h.bytes(&s.top_k.to_le_bytes());
+        h.bytes(&s.top_p.to_bits().to_le_bytes());
+        h.bytes(&s.min_p.to_bits().to_le_bytes());
+        h.u64(s.logit_bias.len() as u64);
+        for &(t, b) in &s.logit_bias {
+            h.bytes(&t.to_le_bytes());
+            h.bytes(&b.to_bits().to_le_bytes());
+        }
+        h.u64(self.seed);
+        match &self.cache_salt {
+            Some(salt) => {
+                h.u64(salt.len() as u64 + 1);
+                h.bytes(salt.as_bytes());
+            }
+            None => h.u64(0),
+        }
+        h.0
+    }
+}
+
+struct Fnv(u64);
+
+impl Fnv {
+    fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 = (self.0 ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pd_digest_covers_prompt_sampling_seed_and_salt() {
+        let base = RequestSpec {
+            prompt: vec![1, 2, 3],
+            ..Default::default()
+        };
+        let d = base.pd_digest();
+        // Fields the digest does not cover (routing and output options) leave it alone.
+        let same = RequestSpec {
+            user_tag: 9,
+            priority: 3,
+            logprobs: true,
+            pd_room: 5,
+            ..base.clone()
+        };
+        assert_eq!(same.pd_digest(), d);
+        let mut variants = vec![
+            RequestSpec {
+                prompt: vec![1, 2],
+                ..base.clone()
+            },
+            RequestSpec {
+                prompt: vec![1, 2, 4],
+                ..base.clone()
+            },
+            RequestSpec {
+                seed: 1,
+                ..base.clone()
+            },
+            RequestSpec {
+                cache_salt: Some(String::new()),
+                ..base.clone()
+            },
+            RequestSpec {
+                cache_salt: Some("a".into()),
+                ..base.clone()
+            },
+        ];
+        let mut s = base.clone();
+        s.sampling.temperature = 0.5;
+        variants.push(s);
+        let mut s = base.clone();
+        s.sampling.logit_bias = vec![(1, -1.0)];
+        variants.push(s);
+        let mut seen = std::collections::HashSet::from([d]);
+        for v in variants {
+            assert!(seen.insert(v.pd_digest()), "{v:?}");
+        }
+        // The FNV-1a 64 reference: the empty input hashes to the offset basis, "a" to
+        // 0xaf63dc4c8601ec8c (the algorithm's published test vector).
+        let mut f = Fnv(0xcbf2_9ce4_8422_2325);
+        f.bytes(b"a");
+        assert_eq!(f.0, 0xaf63_dc4c_8601_ec8c);
+    }
+}

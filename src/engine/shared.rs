@@ -107,3 +107,9 @@ impl Shared {
         self.dead.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
+
+impl crate::pd::Sink for Shared {
+    fn notice(&self, notice: crate::pd::Notice) {
+        self.inbox.pd_notice(notice);
+    }
+}

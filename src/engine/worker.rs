@@ -25,6 +25,7 @@ use crate::backend::Backend;
 use crate::error::Error;
 use crate::kv::{PrefixCache, Request};
 use crate::model::Model;
+use crate::pd::{Node, Side};
 
 pub struct Worker<B: Backend> {
     pub(super) exec: Executor<B>,
@@ -33,6 +34,8 @@ pub struct Worker<B: Backend> {
     pub(super) shared: Arc<Shared>,
     pub(super) rng: fastrand::Rng,
     pub(super) shutdown: Option<ShutdownMode>,
+    /// The PD node (prefill and decode roles).
+    pub(super) pd: Option<Arc<Node>>,
     /// The last step had nothing to compute (e.g. every request paused for unpolled events).
     stalled: bool,
 }
@@ -43,9 +46,12 @@ impl<B: Backend> Worker<B> {
         cache: PrefixCache<B>,
         shared: Arc<Shared>,
         limits: Limits,
+        pd: Option<Arc<Node>>,
     ) -> Self {
+        let hands_over = pd.as_ref().is_some_and(|n| n.side() == Side::Prefill);
         let worker = Self {
-            exec: Executor::new(model),
+            exec: Executor::new(model, hands_over),
+            pd,
             cache,
             sched: Scheduler::new(limits),
             shared,
@@ -134,7 +140,13 @@ impl<B: Backend> Worker<B> {
     /// only when there is nothing to compute.
     fn receive(&mut self) {
         let s = &self.sched;
-        let idle = self.stalled || (s.running.is_empty() && (s.waiting.is_empty() || s.blocked));
+        // PD requests waiting for their room (Transferring, Receiving) compute nothing: the
+        // engine thread sleeps until a notice, a submit or a deadline.
+        let computing = s
+            .running
+            .iter()
+            .any(|r| r.reserved() || r.phase() == super::phase::Phase::LoadingBack);
+        let idle = self.stalled || (!computing && (s.waiting.is_empty() || s.blocked));
         let wait = (idle && self.shutdown.is_none()).then(|| {
             s.next_deadline().map_or(Duration::from_millis(200), |d| {
                 d.saturating_duration_since(Instant::now())
@@ -171,6 +183,9 @@ impl<B: Backend> Worker<B> {
         }
         for c in batch.controls {
             self.control(c);
+        }
+        for n in batch.pd {
+            self.on_notice(n);
         }
     }
 

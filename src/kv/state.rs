@@ -370,24 +370,70 @@ pub fn import<B: Backend>(
     bytes: &[u8],
 ) -> Result<SeqKv> {
     let pages = check_import(pools, state, bytes)?;
-    let seq = pools.open_at(state.position, pages).map_err(|e| {
+    let seq = open_destination(pools, state.position, pages)?;
+    if let Err(e) = write_regions(pools, &seq, bytes) {
+        // Refused: nothing taken.
+        pools.close(seq);
+        return Err(e);
+    }
+    Ok(seq)
+}
+
+/// A fresh slot and `pages` pages for a sequence at `position` whose state arrives later
+/// ([`write_into`]): a PD decode engine reserves its destination before the bytes come.
+pub fn open_destination<B: Backend>(
+    pools: &mut KvPools<B>,
+    position: usize,
+    pages: usize,
+) -> Result<SeqKv> {
+    pools.open_at(position, pages).map_err(|e| {
         Error::new(
             ErrorKind::Capacity,
             format!("importing a sequence: {}", e.message()),
         )
-    })?;
+    })
+}
+
+/// Bytes a state at `position` holds in this layout (what a destination reserved for it
+/// receives).
+pub fn byte_len_at<B: Backend>(pools: &KvPools<B>, position: usize) -> usize {
+    let pages = vec![PageId(0); pools.pages_for(position)];
+    regions(pools.layout(), 0, &pages, position)
+        .iter()
+        .map(|r| r.len)
+        .sum()
+}
+
+/// Writes `state`'s `bytes` into `seq`, a destination [`open_destination`] reserved for it:
+/// the same checks as [`import`], and the destination must be at the state's position with
+/// the pages it needs. On an error the destination holds partial bytes (the caller closes it).
+pub fn write_into<B: Backend>(
+    pools: &mut KvPools<B>,
+    state: &SequenceState,
+    bytes: &[u8],
+    seq: &SeqKv,
+) -> Result<()> {
+    let pages = check_import(pools, state, bytes)?;
+    if seq.position() != state.position || seq.pages().len() != pages {
+        return Err(Error::invalid_argument(format!(
+            "the destination was reserved for {} tokens in {} pages but the state covers {}              tokens in {pages}",
+            seq.position(),
+            seq.pages().len(),
+            state.position
+        )));
+    }
+    write_regions(pools, seq, bytes)
+}
+
+fn write_regions<B: Backend>(pools: &mut KvPools<B>, seq: &SeqKv, bytes: &[u8]) -> Result<()> {
     let dest = regions(pools.layout(), seq.slot(), seq.pages(), seq.position());
     let mut at = 0;
     for r in &dest {
-        if let Err(e) = pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len]) {
-            // Refused: nothing taken.
-            pools.close(seq);
-            return Err(e);
-        }
+        pools.write_bytes(r.pool, r.offset, &bytes[at..at + r.len])?;
         at += r.len;
     }
     debug_assert_eq!(at, bytes.len());
-    Ok(seq)
+    Ok(())
 }
 
 /// Everything [`import`] checks before it takes units: the layout, the state's consistency and

@@ -131,6 +131,9 @@ pub struct Running<S> {
     /// pages are reserved, then what is left of it. Every change goes through `recount`, and
     /// ending or requeueing takes exactly this back, so the books balance on every path.
     pub queued_tokens: usize,
+    /// Still counted in the admission's `queued_requests` (a PD decode's reservation, until
+    /// its state arrives).
+    pub holds_queue_slot: bool,
 }
 
 impl<S: SeqView> Running<S> {
@@ -148,6 +151,7 @@ impl<S: SeqView> Running<S> {
             p: progress,
             phase: w.phase.become_(phase),
             queued_tokens: 0,
+            holds_queue_slot: false,
         }
     }
 

@@ -41,7 +41,11 @@ impl<B: Backend> PrefixCache<B> {
         }
         let kv = state::import(&mut self.pools, state, bytes)?;
         self.stats.requests += 1;
-        Ok(Request {
+        Ok(Self::imported(kv, salt, prompt_len))
+    }
+
+    fn imported(kv: crate::kv::pools::SeqKv, salt: Option<&str>, prompt_len: usize) -> Request {
+        Request {
             kv,
             salt: salt.map(str::to_owned),
             prompt_len,
@@ -51,6 +55,38 @@ impl<B: Backend> PrefixCache<B> {
             latest: None,
             loading: None,
             branch: None,
-        })
+        }
+    }
+
+    /// A PD decode's destination for a prompt of `prompt_len` tokens (a slot and the pages
+    /// its KV fills), evicting cached prefixes when the free pages run short; the state
+    /// arrives later ([`Self::fill_import`]). `DSV4_ERR_CAPACITY` with nothing taken when it
+    /// does not fit now.
+    pub fn reserve_import(&mut self, salt: Option<&str>, prompt_len: usize) -> Result<Request> {
+        let pages = self.pools.pages_for(prompt_len);
+        if pages > self.pools.page_allocator().free_count()
+            && self.pools.slot_allocator().free_count() > 0
+        {
+            self.evict_until(|pools| pools.page_allocator().free_count() >= pages);
+        }
+        let kv = state::open_destination(&mut self.pools, prompt_len, pages)?;
+        self.stats.requests += 1;
+        Ok(Self::imported(kv, salt, prompt_len))
+    }
+
+    /// The most state bytes [`Self::reserve_import`]'s destination for `prompt_len` tokens
+    /// takes.
+    pub fn import_bytes(&self, prompt_len: usize) -> usize {
+        state::byte_len_at(&self.pools, prompt_len)
+    }
+
+    /// Writes an arrived state into `req`'s reserved destination ([`state::write_into`]).
+    pub fn fill_import(
+        &mut self,
+        req: &Request,
+        state: &SequenceState,
+        bytes: &[u8],
+    ) -> Result<()> {
+        state::write_into(&mut self.pools, state, bytes, &req.kv)
     }
 }

@@ -1,0 +1,22 @@
+//! Prefill/decode disaggregation: a prefill engine computes a prompt's KV and state and hands
+//! them to a decode engine, which generates the rest.
+//!
+//! The protocol (docs/pd.md): the decode reserves the destination under its own admission,
+//! connects to the prefill (one connection per peer, shared by its rooms) and claims the room
+//! with its request's digest and the destination units; the prefill runs the prompt and sends
+//! the state header (regions, position, RNG state, first token), the bytes in capped DATA
+//! frames, and a DONE frame with the length and a CRC-32C of everything sent; the decode checks
+//! every length and the checksum, writes the state into its pools and acknowledges. Rooms only
+//! move forward ([`room::RoomState`]); every failure ends the room on both sides with a reason.
+//!
+//! `wire`: frames; `room`: room states and failure reasons; `link`: one connection's reader
+//! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines.
+
+pub mod link;
+pub mod node;
+pub mod room;
+pub mod wire;
+
+pub use node::{Config, Delivery, Node, Notice, PdStats, Sink};
+pub use room::{FailReason, RoomState};
+pub use wire::{Claim, Side, StateHeader};

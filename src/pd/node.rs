@@ -1,0 +1,1310 @@
+//! A PD engine's network side: the listener, the links to peers, every room's state and its
+//! deadline, and the notices the engine thread acts on. Nothing here waits for the engine
+//! thread: the engine calls in (register, claim, send, landed, close) and gets [`Notice`]s back
+//! through its [`Sink`] (its inbox).
+//!
+//! Deadlines: a room waits at most `bootstrap_timeout` for its claim (a decode room: for its
+//! destination to be reserved and claimed), and an early claim at most that long for its
+//! prefill request; from the claim on, ONE `transfer_timeout` covers the prefill computing,
+//! the bytes moving and the decode importing. A peer silent for `heartbeat_misses` intervals is
+//! dead and every room on it fails.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::link::{spawn, Bulk, Handler, Link};
+use super::room::{FailReason, RoomState};
+use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
+use crate::config::params::Endpoint;
+use crate::error::{Error, ErrorKind, Result};
+use crate::kv::state::LayoutFingerprint;
+
+/// What the node tells the engine thread.
+#[derive(Debug)]
+pub enum Notice {
+    /// Prefill: the decode has the room's state in its pools; the request is done here.
+    Transferred { room: u64, request: u64 },
+    /// Decode: the room's state arrived whole, lengths and checksum verified.
+    Received {
+        room: u64,
+        request: u64,
+        delivery: Box<Delivery>,
+    },
+    /// Either side: the room failed; the request ends with this error.
+    Failed {
+        room: u64,
+        request: u64,
+        error: Error,
+    },
+}
+
+/// A room's state as it arrived on the decode.
+#[derive(Debug)]
+pub struct Delivery {
+    pub header: StateHeader,
+    pub bytes: Vec<u8>,
+}
+
+/// Where notices go (the engine's inbox). Must not block.
+pub trait Sink: Send + Sync + 'static {
+    fn notice(&self, notice: Notice);
+}
+
+/// How a node is set up (from the `pd` params and the engine's layout).
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub side: Side,
+    pub listen: Endpoint,
+    pub advertise: Option<Endpoint>,
+    pub bootstrap_timeout: Duration,
+    pub transfer_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    pub heartbeat_misses: u32,
+    pub max_rooms: usize,
+    pub layout: LayoutFingerprint,
+}
+
+/// Counters and gauges for the metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PdStats {
+    /// Rooms transferred whole (prefill: acknowledged; decode: landed).
+    pub transfers: u64,
+    pub bytes: u64,
+    /// Claim → done, summed over the transferred rooms.
+    pub seconds: f64,
+    /// Failed rooms by reason (`FailReason::ALL` order).
+    pub failures: [u64; 7],
+    /// Live rooms waiting for their claim (a decode room: for its destination).
+    pub bootstrapping: u64,
+    /// Live rooms claimed and not yet done (prefill: computing or sending; decode: reserved).
+    pub transferring: u64,
+    /// Connected peers.
+    pub peers: u64,
+}
+
+/// Where a room's bytes stand on the decode.
+struct Incoming {
+    header: StateHeader,
+    bytes: Vec<u8>,
+    received: usize,
+    crc: u32,
+}
+
+struct Room {
+    side: Side,
+    state: RoomState,
+    request_id: u64,
+    hash: u64,
+    /// The peer's endpoint (decode: the prefill it claims from; prefill: the claimer's).
+    peer: Option<String>,
+    link: Option<u64>,
+    deadline: Instant,
+    claimed_at: Option<Instant>,
+    claim: Option<Claim>,
+    /// Prefill: the state, once computed.
+    outgoing: Option<(StateHeader, Arc<Vec<u8>>)>,
+    /// Decode: the most bytes the reserved destination can take.
+    max_bytes: usize,
+    incoming: Option<Incoming>,
+    /// Prefill: its request left the admission queue (it is counted here while unclaimed).
+    left_queue: bool,
+    cancel: Arc<AtomicBool>,
+}
+
+/// A claim that came before its prefill request.
+struct EarlyClaim {
+    claim: Claim,
+    link: u64,
+    peer: String,
+    deadline: Instant,
+}
+
+#[derive(Default)]
+struct Table {
+    rooms: HashMap<u64, Room>,
+    early: HashMap<u64, EarlyClaim>,
+    /// Ended rooms: when, and how (a claim for one is answered at once).
+    ended: HashMap<u64, (Instant, String)>,
+    links: HashMap<u64, Arc<Link>>,
+    /// Decode: the link to each prefill endpoint.
+    by_peer: HashMap<String, u64>,
+    /// Decode: rooms waiting for a connection to a peer being opened.
+    connecting: HashMap<String, Vec<u64>>,
+    next_link: u64,
+    stats: PdStats,
+}
+
+struct Inner {
+    cfg: Config,
+    endpoint: String,
+    sink: Arc<dyn Sink>,
+    table: Mutex<Table>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    closing: AtomicBool,
+    tick: Condvar,
+}
+
+/// The node an engine in a PD role owns. [`Node::shutdown`] stops every thread.
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+/// What the handler's callbacks do with the node (links hold it weakly: no cycle).
+struct LinkHandler(Weak<Inner>);
+
+impl Handler for LinkHandler {
+    fn on_frame(&self, link: &Arc<Link>, frame: Frame) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.on_frame(link, frame);
+        }
+    }
+
+    fn on_down(&self, link: &Arc<Link>, why: String) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.on_down(link, why);
+        }
+    }
+}
+
+fn endpoint_text(e: &Endpoint) -> String {
+    if e.host.contains(':') {
+        format!("tcp://[{}]:{}", e.host, e.port)
+    } else {
+        format!("tcp://{}:{}", e.host, e.port)
+    }
+}
+
+fn resolve(e: &Endpoint) -> std::io::Result<Vec<SocketAddr>> {
+    Ok((e.host.as_str(), e.port).to_socket_addrs()?.collect())
+}
+
+impl Node {
+    /// Binds `cfg.listen` and starts the listener and the timer.
+    pub fn start(cfg: Config, sink: Arc<dyn Sink>) -> Result<Node> {
+        let listen_text = endpoint_text(&cfg.listen);
+        let addrs = resolve(&cfg.listen).map_err(|e| {
+            Error::config(format!(
+                "pd.listen = {listen_text}: cannot resolve the host: {e}"
+            ))
+        })?;
+        let listener = TcpListener::bind(&addrs[..]).map_err(|e| {
+            Error::config(format!(
+                "pd.listen = {listen_text}: cannot bind: {e} (another process holds the port, \
+                 or the address is not on this host): pick another port, or 0 for any free one"
+            ))
+        })?;
+        let bound = listener
+            .local_addr()
+            .map_err(|e| Error::internal(format!("the PD listener has no address: {e}")))?;
+        let endpoint = match &cfg.advertise {
+            Some(a) => endpoint_text(a),
+            None => endpoint_text(&Endpoint {
+                host: bound.ip().to_string(),
+                port: bound.port(),
+            }),
+        };
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::internal(format!("the PD listener: {e}")))?;
+        let inner = Arc::new(Inner {
+            cfg,
+            endpoint,
+            sink,
+            table: Mutex::new(Table::default()),
+            threads: Mutex::new(Vec::new()),
+            closing: AtomicBool::new(false),
+            tick: Condvar::new(),
+        });
+        let spawn_err =
+            |e: std::io::Error| Error::internal(format!("cannot start a PD thread: {e}"));
+        let (a, b) = (inner.clone(), inner.clone());
+        let accept =
+            spawn("dsv4-pd-listen".into(), move || a.accept_loop(listener)).map_err(spawn_err)?;
+        let timer = spawn("dsv4-pd-timer".into(), move || b.timer_loop());
+        let mut threads = inner.threads();
+        threads.push(accept);
+        match timer {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                drop(threads);
+                Node {
+                    inner: inner.clone(),
+                }
+                .shutdown();
+                return Err(spawn_err(e));
+            }
+        }
+        drop(threads);
+        log::info!(
+            "PD {:?} node listening on {bound}, advertised as {}",
+            inner.cfg.side,
+            inner.endpoint
+        );
+        Ok(Node { inner })
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.inner.endpoint
+    }
+
+    pub fn side(&self) -> Side {
+        self.inner.cfg.side
+    }
+
+    /// Opens room `room` for request `request_id`: `InvalidArgument` when a live request
+    /// already has it, `QueueFull` at `pd.max_rooms`. A prefill room takes a claim that came
+    /// early.
+    pub fn register(
+        &self,
+        room: u64,
+        request_id: u64,
+        hash: u64,
+        peer: Option<String>,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let now = Instant::now();
+        let mut notices = Vec::new();
+        {
+            let mut t = inner.table();
+            if t.rooms.contains_key(&room) {
+                return Err(Error::invalid_argument(format!(
+                    "pd_room {room} is already in use by a live request on this engine: the \
+                     router must give each request its own room"
+                )));
+            }
+            if t.rooms.len() >= inner.cfg.max_rooms {
+                return Err(Error::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "pd.max_rooms = {} rooms are in flight on this engine: retry later, or \
+                         raise pd.max_rooms",
+                        inner.cfg.max_rooms
+                    ),
+                ));
+            }
+            t.ended.remove(&room);
+            let early = t.early.remove(&room);
+            let mut r = Room {
+                side: inner.cfg.side,
+                state: RoomState::Bootstrapping,
+                request_id,
+                hash,
+                peer,
+                link: None,
+                deadline: now + inner.cfg.bootstrap_timeout,
+                claimed_at: None,
+                claim: None,
+                outgoing: None,
+                max_bytes: 0,
+                incoming: None,
+                left_queue: false,
+                cancel: Arc::new(AtomicBool::new(false)),
+            };
+            if let Some(e) = early {
+                r.peer = Some(e.peer.clone());
+                r.link = Some(e.link);
+                t.rooms.insert(room, r);
+                inner.take_claim(&mut t, room, e.claim, &mut notices);
+            } else {
+                t.rooms.insert(room, r);
+            }
+        }
+        inner.emit(notices);
+        Ok(())
+    }
+
+    /// Prefill: the room's request left the admission queue (until its claim arrives, it
+    /// counts against `admission.max_queued_requests` here).
+    pub fn left_queue(&self, room: u64) {
+        if let Some(r) = self.inner.table().rooms.get_mut(&room) {
+            r.left_queue = true;
+        }
+    }
+
+    /// Prefill: rooms whose request left the queue and which wait for their claim.
+    pub fn unclaimed_out_of_queue(&self) -> usize {
+        self.inner
+            .table()
+            .rooms
+            .values()
+            .filter(|r| r.left_queue && r.state == RoomState::Bootstrapping)
+            .count()
+    }
+
+    /// Prefill: the room's state is computed; it goes out once claimed. An error when the
+    /// room already failed (the engine ends the request with it).
+    pub fn send(&self, room: u64, header: StateHeader, bytes: Vec<u8>) -> Result<()> {
+        let inner = &self.inner;
+        let mut notices = Vec::new();
+        let result = {
+            let mut t = inner.table();
+            match t.rooms.get_mut(&room) {
+                None => Err(inner.gone(&t, room)),
+                Some(r) => {
+                    r.outgoing = Some((header, Arc::new(bytes)));
+                    if r.state == RoomState::Claimed {
+                        inner.start_sending(&mut t, room, &mut notices);
+                    }
+                    Ok(())
+                }
+            }
+        };
+        inner.emit(notices);
+        result
+    }
+
+    /// Decode: the destination is reserved; claims the room from its prefill (connecting to
+    /// it first if needed). `max_bytes`: the most state bytes the destination can hold.
+    pub fn claim(&self, room: u64, claim: Claim, max_bytes: usize) -> Result<()> {
+        let inner = &self.inner;
+        let mut notices = Vec::new();
+        let result = {
+            let mut t = inner.table();
+            let now = Instant::now();
+            let Some(r) = t.rooms.get_mut(&room) else {
+                return Err(inner.gone(&t, room));
+            };
+            let peer = r.peer.clone().unwrap_or_default();
+            r.state = RoomState::Claimed;
+            r.claimed_at = Some(now);
+            r.deadline = now + inner.cfg.transfer_timeout;
+            r.max_bytes = max_bytes;
+            r.claim = Some(claim);
+            match t.by_peer.get(&peer).and_then(|id| t.links.get(id)).cloned() {
+                Some(link) => {
+                    inner.send_claim(&mut t, room, &link, &mut notices);
+                }
+                None => {
+                    let waiting = t.connecting.entry(peer.clone()).or_default();
+                    waiting.push(room);
+                    if waiting.len() == 1 {
+                        let i = inner.clone();
+                        let p = peer.clone();
+                        match spawn("dsv4-pd-connect".into(), move || i.connect(p)) {
+                            Ok(h) => inner.threads().push(h),
+                            Err(e) => {
+                                let rooms = t.connecting.remove(&peer).unwrap_or_default();
+                                for room in rooms {
+                                    inner.fail(
+                                        &mut t,
+                                        room,
+                                        FailReason::PeerDead,
+                                        &format!("cannot start a connection thread: {e}"),
+                                        false,
+                                        &mut notices,
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(())
+        };
+        inner.emit(notices);
+        result
+    }
+
+    /// Decode: the room's state is in the pools; acknowledges it to the prefill.
+    pub fn landed(&self, room: u64) {
+        let inner = &self.inner;
+        let mut t = inner.table();
+        if let Some(r) = t.rooms.remove(&room) {
+            if let Some(link) = r.link.and_then(|l| t.links.get(&l)) {
+                link.send(wire::encode(Kind::Ack, room, &[]));
+            }
+            let bytes = r.incoming.as_ref().map_or(0, |i| i.bytes.len());
+            let secs = r.claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
+            let s = &mut t.stats;
+            s.transfers += 1;
+            s.bytes += bytes as u64;
+            s.seconds += secs;
+            t.ended
+                .insert(room, (Instant::now(), "it was transferred".into()));
+        }
+    }
+
+    /// The request of `room` ended on this engine: with `why` when the room did not complete
+    /// (the peer is told, and the room counts as failed for that reason). Idempotent; the
+    /// engine is not notified (it ended the request itself).
+    pub fn close(&self, room: u64, why: Option<(FailReason, String)>) {
+        let inner = &self.inner;
+        let mut t = inner.table();
+        let live = t.rooms.get(&room).is_some_and(|r| !r.state.is_final());
+        match why {
+            Some((reason, message)) if live => {
+                let mut ignored = Vec::new();
+                inner.fail(&mut t, room, reason, &message, false, &mut ignored);
+            }
+            _ => {
+                if let Some(r) = t.rooms.remove(&room) {
+                    r.cancel.store(true, Ordering::SeqCst);
+                    t.ended
+                        .insert(room, (Instant::now(), "its request ended".into()));
+                }
+            }
+        }
+    }
+
+    pub fn stats(&self) -> PdStats {
+        let t = self.inner.table();
+        let mut s = t.stats.clone();
+        s.bootstrapping = t
+            .rooms
+            .values()
+            .filter(|r| r.state == RoomState::Bootstrapping)
+            .count() as u64;
+        s.transferring = t.rooms.len() as u64 - s.bootstrapping;
+        s.peers = t.links.len() as u64;
+        s
+    }
+
+    /// Stops the listener, the timer and every link, and joins their threads. Rooms still
+    /// open fail with `aborted` (their peers are told when the link still carries it).
+    pub fn shutdown(&self) {
+        let inner = &self.inner;
+        if inner.closing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        {
+            let mut t = inner.table();
+            let rooms: Vec<u64> = t.rooms.keys().copied().collect();
+            let mut ignored = Vec::new();
+            for room in rooms {
+                inner.fail(
+                    &mut t,
+                    room,
+                    FailReason::Aborted,
+                    "the engine shut down",
+                    false,
+                    &mut ignored,
+                );
+            }
+            for link in t.links.values() {
+                link.close();
+            }
+        }
+        inner.tick.notify_all();
+        loop {
+            let batch: Vec<JoinHandle<()>> = inner.threads().drain(..).collect();
+            if batch.is_empty() {
+                break;
+            }
+            for h in batch {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Inner {
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn threads(&self) -> MutexGuard<'_, Vec<JoinHandle<()>>> {
+        let mut t = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        // Finished threads (links that went down) are joined as new ones start.
+        let (done, live): (Vec<_>, Vec<_>) = t.drain(..).partition(|h| h.is_finished());
+        *t = live;
+        for h in done {
+            let _ = h.join();
+        }
+        t
+    }
+
+    fn emit(&self, notices: Vec<Notice>) {
+        for n in notices {
+            self.sink.notice(n);
+        }
+    }
+
+    /// The error for an engine call on a room that is no longer here.
+    fn gone(&self, t: &Table, room: u64) -> Error {
+        let how = t
+            .ended
+            .get(&room)
+            .map_or("it is not open here".to_string(), |(_, how)| how.clone());
+        Error::new(
+            ErrorKind::KvTransfer,
+            format!("room {room}: the room already ended: {how}"),
+        )
+    }
+
+    /// `room (peer P, phase S)`: the head of every room message.
+    fn describe(&self, t: &Table, room: u64) -> String {
+        match t.rooms.get(&room) {
+            Some(r) => format!(
+                "room {room} (request {} on the {} {}, peer {}, phase {})",
+                r.request_id,
+                match r.side {
+                    Side::Prefill => "prefill",
+                    Side::Decode => "decode",
+                },
+                self.endpoint,
+                r.peer.as_deref().unwrap_or("none yet"),
+                r.state.label()
+            ),
+            None => format!("room {room}"),
+        }
+    }
+
+    /// Fails `room` for `reason`: its bytes stop, the peer is told (unless it told us:
+    /// `from_peer`), the engine is notified (unless the engine asked: `notices` is then
+    /// dropped by the caller), and the room ends.
+    fn fail(
+        &self,
+        t: &mut Table,
+        room: u64,
+        reason: FailReason,
+        message: &str,
+        from_peer: bool,
+        notices: &mut Vec<Notice>,
+    ) {
+        let Some(r) = t.rooms.get(&room) else {
+            return;
+        };
+        if r.state.is_final() {
+            return;
+        }
+        let text = format!(
+            "{}: {} ({})",
+            self.describe(t, room),
+            message,
+            reason.label()
+        );
+        let r = t.rooms.remove(&room).expect("present");
+        r.cancel.store(true, Ordering::SeqCst);
+        if !from_peer {
+            if let Some(link) = r.link.and_then(|l| t.links.get(&l)) {
+                link.send(wire::encode_json(
+                    Kind::Fail,
+                    room,
+                    &Failure {
+                        reason,
+                        message: text.clone(),
+                    },
+                ));
+            }
+        }
+        t.stats.failures[FailReason::ALL
+            .iter()
+            .position(|&x| x == reason)
+            .unwrap_or(0)] += 1;
+        t.ended
+            .insert(room, (Instant::now(), format!("it failed: {text}")));
+        log::warn!("PD {text}");
+        notices.push(Notice::Failed {
+            room,
+            request: r.request_id,
+            error: Error::new(reason.error_kind(), text),
+        });
+    }
+
+    /// Prefill: a claim for registered room `room` (the link and peer are set).
+    fn take_claim(&self, t: &mut Table, room: u64, claim: Claim, notices: &mut Vec<Notice>) {
+        let now = Instant::now();
+        let Some(r) = t.rooms.get_mut(&room) else {
+            return;
+        };
+        if r.state != RoomState::Bootstrapping {
+            let state = r.state;
+            self.fail(
+                t,
+                room,
+                FailReason::Mismatch,
+                &format!("a second claim arrived in state {}", state.label()),
+                false,
+                notices,
+            );
+            return;
+        }
+        if claim.request_hash != r.hash {
+            let msg = format!(
+                "the decode's request differs from the prefill's (request hash {:#018x} vs \
+                 {:#018x}): the router must send the same prompt, sampling params, seed and \
+                 cache salt to both engines of a room",
+                claim.request_hash, r.hash
+            );
+            self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
+            return;
+        }
+        r.state = RoomState::Claimed;
+        r.claimed_at = Some(now);
+        r.deadline = now + self.cfg.transfer_timeout;
+        r.claim = Some(claim);
+        if r.outgoing.is_some() {
+            self.start_sending(t, room, notices);
+        }
+    }
+
+    /// Prefill: a claimed room whose state is computed starts going out.
+    fn start_sending(&self, t: &mut Table, room: u64, notices: &mut Vec<Notice>) {
+        let Some(r) = t.rooms.get_mut(&room) else {
+            return;
+        };
+        let (Some(claim), Some((header, bytes))) = (&r.claim, &r.outgoing) else {
+            return;
+        };
+        if claim.pages.len() != header.state.pages {
+            let msg = format!(
+                "the decode reserved {} pages but the prompt's state holds {}: the two engines \
+                 disagree on the prompt",
+                claim.pages.len(),
+                header.state.pages
+            );
+            self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
+            return;
+        }
+        let state_frame = wire::encode_json(Kind::State, room, header);
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&state_frame[wire::HEADER..]), bytes);
+        let done = wire::encode_json(
+            Kind::Done,
+            room,
+            &Done {
+                bytes: bytes.len() as u64,
+                crc32c: crc,
+            },
+        );
+        let bulk = Bulk::new(room, state_frame, bytes.clone(), done, r.cancel.clone());
+        r.state = RoomState::Transferring;
+        let link = r.link.and_then(|l| t.links.get(&l)).cloned();
+        if !link.is_some_and(|l| l.send_bulk(bulk)) {
+            self.fail(
+                t,
+                room,
+                FailReason::PeerDead,
+                "the connection to the decode is gone",
+                false,
+                notices,
+            );
+        }
+    }
+
+    /// Decode: sends the claim of `room` on `link`.
+    fn send_claim(&self, t: &mut Table, room: u64, link: &Arc<Link>, notices: &mut Vec<Notice>) {
+        let Some(r) = t.rooms.get_mut(&room) else {
+            return;
+        };
+        r.link = Some(link.id);
+        let Some(claim) = &r.claim else {
+            return;
+        };
+        if !link.send(wire::encode_json(Kind::Claim, room, claim)) {
+            self.fail(
+                t,
+                room,
+                FailReason::PeerDead,
+                "the connection to the prefill is gone",
+                false,
+                notices,
+            );
+        }
+    }
+
+    fn hello(&self) -> Hello {
+        Hello {
+            protocol: wire::PROTOCOL.into(),
+            version: wire::VERSION,
+            side: self.cfg.side,
+            endpoint: self.endpoint.clone(),
+            layout: self.cfg.layout.clone(),
+        }
+    }
+
+    /// Why a peer's HELLO is unacceptable, if it is.
+    fn check_hello(&self, theirs: &Hello, expect: Side) -> Option<(FailReason, String)> {
+        if theirs.protocol != wire::PROTOCOL || theirs.version != wire::VERSION {
+            return Some((
+                FailReason::Mismatch,
+                format!(
+                    "the peer speaks {} version {}, this engine {} version {}: run the same \
+                     dsv4 release on both",
+                    theirs.protocol,
+                    theirs.version,
+                    wire::PROTOCOL,
+                    wire::VERSION
+                ),
+            ));
+        }
+        if theirs.side != expect {
+            return Some((
+                FailReason::Mismatch,
+                format!(
+                    "the peer {} is a {:?} engine, this one a {:?} engine: decode engines \
+                     claim from prefill engines (check pd_peer and the engines' roles)",
+                    theirs.endpoint, theirs.side, self.cfg.side
+                ),
+            ));
+        }
+        let d = self.cfg.layout.differences(&theirs.layout);
+        if !d.is_empty() {
+            return Some((
+                FailReason::Layout,
+                format!(
+                    "the KV layouts differ ({}; values: this engine vs the peer {}): run the \
+                     same model with the same kv.page_size, kv.dtype and kv.indexer_dtype on \
+                     both",
+                    d.join("; "),
+                    theirs.endpoint
+                ),
+            ));
+        }
+        None
+    }
+
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        crate::threads::mark_internal();
+        while !self.closing.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((stream, addr)) => {
+                    let me = self.clone();
+                    match spawn("dsv4-pd-handshake".into(), move || {
+                        me.handshake(stream, addr)
+                    }) {
+                        Ok(h) => self.threads().push(h),
+                        Err(e) => log::warn!("PD: cannot take a connection from {addr}: {e}"),
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => {
+                    log::warn!("PD: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+
+    /// The accepting side of a connection: reads the peer's HELLO, refuses it or answers
+    /// with ours and starts the link.
+    fn handshake(self: Arc<Self>, mut stream: TcpStream, addr: SocketAddr) {
+        crate::threads::mark_internal();
+        let setup = stream
+            .set_nonblocking(false)
+            .and_then(|()| stream.set_read_timeout(Some(self.cfg.bootstrap_timeout)));
+        if let Err(e) = setup {
+            log::warn!("PD: connection from {addr}: {e}");
+            return;
+        }
+        let hello: Hello = match wire::read_frame_from(&mut stream) {
+            Ok(f) if f.kind == Kind::Hello => match wire::parse(&f) {
+                Ok(h) => h,
+                Err(m) => {
+                    log::warn!("PD: connection from {addr}: {m}");
+                    return;
+                }
+            },
+            Ok(f) => {
+                log::warn!(
+                    "PD: connection from {addr} began with {:?}, not HELLO",
+                    f.kind
+                );
+                return;
+            }
+            Err(e) => {
+                log::warn!("PD: connection from {addr}: no HELLO: {e:?}");
+                return;
+            }
+        };
+        let refusal = match self.cfg.side {
+            Side::Prefill => self.check_hello(&hello, Side::Decode),
+            Side::Decode => Some((
+                FailReason::Mismatch,
+                format!(
+                    "{} is a decode engine: decode engines claim from prefill engines and \
+                     accept no connections (check pd_peer)",
+                    self.endpoint
+                ),
+            )),
+        };
+        if let Some((_, message)) = refusal {
+            log::warn!("PD: refused {} ({addr}): {message}", hello.endpoint);
+            let _ = wire::write_all(
+                &mut stream,
+                &wire::encode_json(Kind::Refuse, 0, &Refusal { message }),
+            );
+            return;
+        }
+        if wire::write_all(
+            &mut stream,
+            &wire::encode_json(Kind::Hello, 0, &self.hello()),
+        )
+        .is_err()
+        {
+            return;
+        }
+        self.add_link(stream, hello.endpoint);
+    }
+
+    /// Starts a link over a connection whose HELLOs were exchanged.
+    fn add_link(self: &Arc<Self>, stream: TcpStream, peer: String) -> Option<Arc<Link>> {
+        if self.closing.load(Ordering::SeqCst) {
+            return None;
+        }
+        let id = {
+            let mut t = self.table();
+            t.next_link += 1;
+            t.next_link
+        };
+        let handler: Arc<dyn Handler> = Arc::new(LinkHandler(Arc::downgrade(self)));
+        let mut threads = Vec::new();
+        let link = Link::start(
+            id,
+            peer.clone(),
+            stream,
+            self.cfg.heartbeat_interval,
+            self.cfg.heartbeat_misses,
+            handler,
+            &mut threads,
+        );
+        self.threads().extend(threads);
+        match link {
+            Ok(link) => {
+                self.table().links.insert(id, link.clone());
+                log::info!("PD: connected to {peer} (link {id})");
+                Some(link)
+            }
+            Err(e) => {
+                log::warn!("PD: cannot start the link to {peer}: {e}");
+                None
+            }
+        }
+    }
+
+    /// Decode: opens the connection to prefill `peer` and sends the claims waiting for it, or
+    /// fails them.
+    fn connect(self: Arc<Self>, peer: String) {
+        crate::threads::mark_internal();
+        let outcome = self.open(&peer);
+        let mut notices = Vec::new();
+        {
+            let mut t = self.table();
+            let rooms = t.connecting.remove(&peer).unwrap_or_default();
+            match outcome {
+                Ok(link) => {
+                    t.by_peer.insert(peer.clone(), link.id);
+                    for room in rooms {
+                        self.send_claim(&mut t, room, &link, &mut notices);
+                    }
+                }
+                Err((reason, message)) => {
+                    for room in rooms {
+                        self.fail(&mut t, room, reason, &message, false, &mut notices);
+                    }
+                }
+            }
+        }
+        self.emit(notices);
+    }
+
+    fn open(self: &Arc<Self>, peer: &str) -> std::result::Result<Arc<Link>, (FailReason, String)> {
+        let dead = |m: String| (FailReason::PeerDead, m);
+        let endpoint = Endpoint::parse(peer).map_err(|m| (FailReason::Mismatch, m))?;
+        let addrs = resolve(&endpoint)
+            .map_err(|e| dead(format!("cannot resolve the prefill {peer}: {e}")))?;
+        let timeout = self.cfg.bootstrap_timeout.min(self.cfg.transfer_timeout);
+        let mut last = None;
+        let mut stream = None;
+        for a in &addrs {
+            match TcpStream::connect_timeout(a, timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let mut stream = stream.ok_or_else(|| {
+            dead(format!(
+                "cannot connect to the prefill {peer}: {}: check pd_peer (what \
+                 dsv4_pd_endpoint returned on the prefill engine) and that it is running",
+                last.map_or("no address".into(), |e| e.to_string())
+            ))
+        })?;
+        let io =
+            |e: std::io::Error| dead(format!("the handshake with the prefill {peer} failed: {e}"));
+        stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        wire::write_all(
+            &mut stream,
+            &wire::encode_json(Kind::Hello, 0, &self.hello()),
+        )
+        .map_err(io)?;
+        let frame = wire::read_frame_from(&mut stream).map_err(|e| {
+            dead(format!(
+                "the prefill {peer} did not answer the handshake: {e:?}"
+            ))
+        })?;
+        match frame.kind {
+            Kind::Hello => {
+                let theirs: Hello = wire::parse(&frame).map_err(|m| (FailReason::Mismatch, m))?;
+                if let Some(why) = self.check_hello(&theirs, Side::Prefill) {
+                    return Err(why);
+                }
+            }
+            Kind::Refuse => {
+                let r: Refusal = wire::parse(&frame).map_err(|m| (FailReason::Mismatch, m))?;
+                let reason = if r.message.contains("layouts differ") {
+                    FailReason::Layout
+                } else {
+                    FailReason::Mismatch
+                };
+                return Err((
+                    reason,
+                    format!("the prefill {peer} refused the connection: {}", r.message),
+                ));
+            }
+            k => {
+                return Err((
+                    FailReason::Mismatch,
+                    format!("the prefill {peer} answered the handshake with {k:?}"),
+                ))
+            }
+        }
+        self.add_link(stream, peer.to_string())
+            .ok_or_else(|| dead("the engine is shutting down".into()))
+    }
+
+    fn on_down(&self, link: &Arc<Link>, why: String) {
+        let mut notices = Vec::new();
+        {
+            let mut t = self.table();
+            t.links.remove(&link.id);
+            if t.by_peer.get(&link.peer) == Some(&link.id) {
+                t.by_peer.remove(&link.peer);
+            }
+            t.early.retain(|_, e| e.link != link.id);
+            let rooms: Vec<u64> = t
+                .rooms
+                .iter()
+                .filter(|(_, r)| r.link == Some(link.id))
+                .map(|(&id, _)| id)
+                .collect();
+            if !self.closing.load(Ordering::SeqCst) {
+                log::warn!("PD: link {} to {} is down: {why}", link.id, link.peer);
+            }
+            for room in rooms {
+                self.fail(
+                    &mut t,
+                    room,
+                    FailReason::PeerDead,
+                    &format!("the peer {} is gone: {why}", link.peer),
+                    true,
+                    &mut notices,
+                );
+            }
+        }
+        self.emit(notices);
+    }
+
+    fn on_frame(&self, link: &Arc<Link>, frame: Frame) {
+        let mut notices = Vec::new();
+        {
+            let mut t = self.table();
+            let room = frame.room;
+            // A frame for a room that ended (or never was) here is dropped, except a claim,
+            // which is answered.
+            let ours = t
+                .rooms
+                .get(&room)
+                .is_some_and(|r| r.link.is_none() || r.link == Some(link.id));
+            match (self.cfg.side, frame.kind) {
+                (Side::Prefill, Kind::Claim) => self.on_claim(&mut t, link, frame, &mut notices),
+                (Side::Prefill, Kind::Ack) if ours => {
+                    if let Some(mut r) = t.rooms.remove(&room) {
+                        r.state = RoomState::Done;
+                        let bytes = r.outgoing.as_ref().map_or(0, |o| o.1.len());
+                        let secs = r.claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
+                        let s = &mut t.stats;
+                        s.transfers += 1;
+                        s.bytes += bytes as u64;
+                        s.seconds += secs;
+                        t.ended
+                            .insert(room, (Instant::now(), "it was transferred".into()));
+                        notices.push(Notice::Transferred {
+                            room,
+                            request: r.request_id,
+                        });
+                    }
+                }
+                (_, Kind::Fail) if ours => {
+                    let f: Failure = wire::parse(&frame).unwrap_or(Failure {
+                        reason: FailReason::Mismatch,
+                        message: "an unreadable FAIL frame".into(),
+                    });
+                    let msg = format!("the peer failed the room: {}", f.message);
+                    self.fail(&mut t, room, f.reason, &msg, true, &mut notices);
+                }
+                (Side::Decode, Kind::State | Kind::Data | Kind::Done) if ours => {
+                    if let Err((reason, msg)) = self.on_bytes(&mut t, &frame, &mut notices) {
+                        self.fail(&mut t, room, reason, &msg, false, &mut notices);
+                    }
+                }
+                (_, k) => {
+                    log::debug!("PD: dropped a {k:?} frame for room {room} (not open here)");
+                }
+            }
+        }
+        self.emit(notices);
+    }
+
+    fn on_claim(&self, t: &mut Table, link: &Arc<Link>, frame: Frame, notices: &mut Vec<Notice>) {
+        let room = frame.room;
+        let claim: Claim = match wire::parse(&frame) {
+            Ok(c) => c,
+            Err(m) => {
+                link.send(wire::encode_json(
+                    Kind::Fail,
+                    room,
+                    &Failure {
+                        reason: FailReason::Mismatch,
+                        message: m,
+                    },
+                ));
+                return;
+            }
+        };
+        if let Some(r) = t.rooms.get_mut(&room) {
+            r.peer = Some(link.peer.clone());
+            r.link = Some(link.id);
+            self.take_claim(t, room, claim, notices);
+            return;
+        }
+        let refuse = |reason, message: String| {
+            link.send(wire::encode_json(
+                Kind::Fail,
+                room,
+                &Failure { reason, message },
+            ));
+        };
+        if let Some((_, how)) = t.ended.get(&room) {
+            refuse(
+                FailReason::Mismatch,
+                format!("room {room} on the prefill {}: {how}", self.endpoint),
+            );
+        } else if t.early.len() >= self.cfg.max_rooms {
+            refuse(
+                FailReason::Capacity,
+                format!(
+                    "the prefill {} holds pd.max_rooms = {} early claims already",
+                    self.endpoint, self.cfg.max_rooms
+                ),
+            );
+        } else {
+            t.early.insert(
+                room,
+                EarlyClaim {
+                    claim,
+                    link: link.id,
+                    peer: link.peer.clone(),
+                    deadline: Instant::now() + self.cfg.bootstrap_timeout,
+                },
+            );
+        }
+    }
+
+    /// Decode: STATE, DATA and DONE frames of a claimed room, checked strictly.
+    fn on_bytes(
+        &self,
+        t: &mut Table,
+        frame: &Frame,
+        notices: &mut Vec<Notice>,
+    ) -> std::result::Result<(), (FailReason, String)> {
+        let room = frame.room;
+        let r = t.rooms.get_mut(&room).expect("checked by the caller");
+        let mismatch = |m: String| (FailReason::Mismatch, m);
+        match frame.kind {
+            Kind::State => {
+                if r.state != RoomState::Claimed {
+                    return Err(mismatch(format!(
+                        "a STATE frame arrived in state {}",
+                        r.state.label()
+                    )));
+                }
+                let header: StateHeader = wire::parse(frame).map_err(mismatch)?;
+                let len = header.state.byte_len();
+                let claim = r.claim.as_ref().expect("claimed");
+                if header.state.pages != claim.pages.len()
+                    || header.state.position != claim.prompt_tokens
+                {
+                    return Err(mismatch(format!(
+                        "the state covers {} tokens in {} pages, but the decode reserved {} pages \
+                         for a {}-token prompt",
+                        header.state.position,
+                        header.state.pages,
+                        claim.pages.len(),
+                        claim.prompt_tokens
+                    )));
+                }
+                if len > r.max_bytes {
+                    return Err((
+                        FailReason::Capacity,
+                        format!(
+                            "the state holds {len} bytes but the reserved destination takes at \
+                             most {}",
+                            r.max_bytes
+                        ),
+                    ));
+                }
+                r.incoming = Some(Incoming {
+                    header,
+                    bytes: vec![0; len],
+                    received: 0,
+                    crc: crc32c::crc32c(&frame.payload),
+                });
+                r.state = RoomState::Transferring;
+            }
+            Kind::Data => {
+                let Some(inc) = r.incoming.as_mut() else {
+                    return Err(mismatch("DATA arrived before the STATE frame".into()));
+                };
+                let (offset, bytes) = wire::split_data(&frame.payload)
+                    .ok_or_else(|| mismatch("a DATA frame without its offset".into()))?;
+                let end = inc.received + bytes.len();
+                if offset != inc.received as u64 || end > inc.bytes.len() {
+                    return Err(mismatch(format!(
+                        "DATA for bytes {offset}..{} arrived after {} of {} bytes: out of order \
+                         or past the end",
+                        offset + bytes.len() as u64,
+                        inc.received,
+                        inc.bytes.len()
+                    )));
+                }
+                inc.bytes[inc.received..end].copy_from_slice(bytes);
+                inc.crc = crc32c::crc32c_append(inc.crc, bytes);
+                inc.received = end;
+            }
+            Kind::Done => {
+                let Some(inc) = r.incoming.as_ref() else {
+                    return Err(mismatch("DONE arrived before the STATE frame".into()));
+                };
+                let done: Done = wire::parse(frame).map_err(mismatch)?;
+                if done.bytes != inc.received as u64 || inc.received != inc.bytes.len() {
+                    return Err(mismatch(format!(
+                        "DONE says {} bytes were sent; {} arrived of the {} the state holds",
+                        done.bytes,
+                        inc.received,
+                        inc.bytes.len()
+                    )));
+                }
+                if done.crc32c != inc.crc {
+                    return Err((
+                        FailReason::Checksum,
+                        format!(
+                            "the bytes arrived with CRC-32C {:#010x}, the prefill sent {:#010x}",
+                            inc.crc, done.crc32c
+                        ),
+                    ));
+                }
+                let inc = r.incoming.take().expect("checked");
+                // Kept for the transferred byte count.
+                r.incoming = Some(Incoming {
+                    header: inc.header.clone(),
+                    bytes: Vec::new(),
+                    received: inc.received,
+                    crc: inc.crc,
+                });
+                r.state = RoomState::Delivered;
+                notices.push(Notice::Received {
+                    room,
+                    request: r.request_id,
+                    delivery: Box::new(Delivery {
+                        header: inc.header,
+                        bytes: inc.bytes,
+                    }),
+                });
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Room deadlines, early claims and old tombstones.
+    fn timer_loop(self: Arc<Self>) {
+        crate::threads::mark_internal();
+        let tick = (self.cfg.heartbeat_interval / 4)
+            .clamp(Duration::from_millis(5), Duration::from_millis(50));
+        let keep = self.cfg.bootstrap_timeout.max(self.cfg.transfer_timeout) * 2;
+        let mut t = self.table();
+        while !self.closing.load(Ordering::SeqCst) {
+            t = self
+                .tick
+                .wait_timeout(t, tick)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            let now = Instant::now();
+            let mut notices = Vec::new();
+            let late: Vec<(u64, RoomState)> = t
+                .rooms
+                .iter()
+                .filter(|(_, r)| now >= r.deadline && !r.state.is_final())
+                .map(|(&id, r)| (id, r.state))
+                .collect();
+            for (room, state) in late {
+                let msg = match state {
+                    RoomState::Bootstrapping => match self.cfg.side {
+                        Side::Prefill => format!(
+                            "no decode engine claimed it within pd.bootstrap_timeout_ms = {}",
+                            self.cfg.bootstrap_timeout.as_millis()
+                        ),
+                        Side::Decode => format!(
+                            "its destination could not be reserved and claimed within \
+                             pd.bootstrap_timeout_ms = {}",
+                            self.cfg.bootstrap_timeout.as_millis()
+                        ),
+                    },
+                    _ => format!(
+                        "it was not done within pd.transfer_timeout_ms = {} of its claim",
+                        self.cfg.transfer_timeout.as_millis()
+                    ),
+                };
+                self.fail(&mut t, room, FailReason::Timeout, &msg, false, &mut notices);
+            }
+            let expired: Vec<u64> = t
+                .early
+                .iter()
+                .filter(|(_, e)| now >= e.deadline)
+                .map(|(&id, _)| id)
+                .collect();
+            for room in expired {
+                let e = t.early.remove(&room).expect("listed");
+                if let Some(link) = t.links.get(&e.link) {
+                    link.send(wire::encode_json(
+                        Kind::Fail,
+                        room,
+                        &Failure {
+                            reason: FailReason::Timeout,
+                            message: format!(
+                                "room {room}: no request for it reached the prefill {} within \
+                                 pd.bootstrap_timeout_ms = {} of the claim",
+                                self.endpoint,
+                                self.cfg.bootstrap_timeout.as_millis()
+                            ),
+                        },
+                    ));
+                }
+                t.ended.insert(
+                    room,
+                    (now, "its claim waited for a request that never came".into()),
+                );
+            }
+            t.ended.retain(|_, (at, _)| now.duration_since(*at) < keep);
+            if !notices.is_empty() {
+                drop(t);
+                self.emit(notices);
+                t = self.table();
+            }
+        }
+    }
+}
