@@ -293,7 +293,8 @@ typedef struct {
     uint64_t evictions_device_dropped_total;
     uint64_t evictions_host_total;
     /**
-     * KV transfer between prefill and decode engines (zero until PD disaggregation lands).
+     * KV transfer between prefill and decode engines: rooms transferred whole, their bytes,
+     * seconds from claim to done, failed rooms.
      */
     uint64_t kv_transfer_requests_total;
     uint64_t kv_transfer_bytes_total;
@@ -311,6 +312,37 @@ typedef struct {
     uint64_t e2e_count;
     double queue_seconds_sum;
     uint64_t queue_count;
+    /**
+     * Prefill/decode rooms (appended after version 1; zero in the unified role; SGLang's
+     * names). Prefill: rooms waiting for the decode's claim; claimed rooms being computed or
+     * sent. Decode: rooms waiting for their destination pages; rooms reserved and claimed.
+     */
+    uint64_t num_prefill_bootstrap_queue_reqs;
+    uint64_t num_prefill_inflight_queue_reqs;
+    uint64_t num_decode_prealloc_queue_reqs;
+    uint64_t num_decode_transfer_queue_reqs;
+    /**
+     * Device pages held by requests whose room is in flight.
+     */
+    uint64_t pd_pages_held;
+    /**
+     * Prefill: claims that arrived before their request.
+     */
+    uint64_t pd_early_claims;
+    /**
+     * Connected peer engines.
+     */
+    uint64_t pd_peers;
+    /**
+     * Failed rooms by reason (their sum is `kv_transfer_failures_total`).
+     */
+    uint64_t kv_transfer_failures_timeout_total;
+    uint64_t kv_transfer_failures_peer_dead_total;
+    uint64_t kv_transfer_failures_aborted_total;
+    uint64_t kv_transfer_failures_layout_total;
+    uint64_t kv_transfer_failures_mismatch_total;
+    uint64_t kv_transfer_failures_checksum_total;
+    uint64_t kv_transfer_failures_capacity_total;
 } dsv4_metrics;
 
 /**

@@ -7,6 +7,7 @@ mod common;
 use common::requests::*;
 
 #[allow(unused_imports)]
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use dsv4::engine::{Engine, Event, EventKind, FinishReason, RequestSpec, SamplingParams};
@@ -113,4 +114,214 @@ fn a_prefill_decode_pair_is_bit_equal_to_a_unified_engine() {
         );
         assert_eq!(stream(&from_d).len(), 12);
     }
+    // Both sides count every room and the same bytes; nothing failed, nothing is held.
+    let (mp, md) = (p.metrics(), d.metrics());
+    assert_eq!(mp.kv_transfer.requests, room);
+    assert_eq!(md.kv_transfer.requests, room);
+    assert!(mp.kv_transfer.bytes > 0);
+    assert_eq!(mp.kv_transfer.bytes, md.kv_transfer.bytes);
+    assert_eq!((mp.kv_transfer.failures, md.kv_transfer.failures), (0, 0));
+    assert_eq!(mp.finished(dsv4::engine::Outcome::Transferred), room);
+    assert_eq!((mp.pd.pages_held, md.pd.pages_held), (0, 0));
+    assert_eq!((mp.pd.peers, md.pd.peers), (1, 1));
+    assert_eq!(mp.queued + md.queued, 0);
+}
+
+/// Waits for the terminal event of each of `ids`, within `limit`.
+fn ends_within(engine: &Engine, ids: &[u64], limit: Duration) -> HashMap<u64, Vec<Event>> {
+    let start = Instant::now();
+    let out = collect(engine, ids);
+    assert!(
+        start.elapsed() < limit,
+        "ended after {:?}, expected within {limit:?}",
+        start.elapsed()
+    );
+    out
+}
+
+/// Device pages and slots in use once cached prefixes are dropped.
+fn in_use(engine: &Engine) -> (usize, usize) {
+    let u = engine.flush_cache(dsv4::kv::cache::Tier::Device).unwrap();
+    (u.pages, u.slots)
+}
+
+fn error_of(events: &[Event]) -> (ErrorKind, String) {
+    let t = terminal(events);
+    assert_eq!(t.kind(), EventKind::Error, "{events:?}");
+    (t.error_kind().unwrap(), t.message().unwrap().to_string())
+}
+
+#[test]
+fn a_room_nobody_claims_times_out_and_frees_its_pages() {
+    let ids = common::ids("flash-like");
+    let p = prefill(json!({"pd": {"bootstrap_timeout_ms": 300}}));
+    let id = p.submit(pd(&spec(&ids[..200], false, 4), 7, None)).unwrap();
+    let events = ends_within(&p, &[id], Duration::from_secs(5));
+    let (kind, message) = error_of(&events[&id]);
+    assert_eq!(kind, ErrorKind::Timeout, "{message}");
+    assert!(message.contains("room 7"), "{message}");
+    assert!(
+        message.contains("pd.bootstrap_timeout_ms = 300"),
+        "{message}"
+    );
+    assert_eq!(in_use(&p), (0, 0));
+    let m = p.metrics();
+    assert_eq!(m.pd.failures[0], 1);
+    assert_eq!(m.kv_transfer.failures, 1);
+    let text = p.prometheus();
+    assert!(
+        text.contains("dsv4_kv_transfer_failures_total{reason=\"timeout\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("dsv4_num_prefill_bootstrap_queue_reqs 0"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_decode_whose_peer_does_not_exist_fails_at_once() {
+    let ids = common::ids("flash-like");
+    let d = decode(json!({}));
+    // A port nothing listens on: bind one, then free it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let peer = format!("tcp://127.0.0.1:{port}");
+    let id = d
+        .submit(pd(&spec(&ids[..50], false, 4), 3, Some(&peer)))
+        .unwrap();
+    let events = ends_within(&d, &[id], Duration::from_secs(5));
+    let (kind, message) = error_of(&events[&id]);
+    assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+    assert!(
+        message.contains(&peer) && message.contains("room 3"),
+        "{message}"
+    );
+    assert!(message.contains("peer_dead"), "{message}");
+    assert_eq!(in_use(&d), (0, 0));
+    // Bad PD fields are refused at submit, each named.
+    let bad = |s: RequestSpec| d.submit(s).unwrap_err();
+    let s = spec(&ids[..5], false, 4);
+    let e = bad(pd(&s, 0, Some(&peer)));
+    assert!(e.message().contains("pd_room is 0"), "{e}");
+    let e = bad(pd(&s, 4, None));
+    assert!(e.message().contains("pd_peer is not set"), "{e}");
+    let e = bad(pd(&s, 4, Some("http://x:1")));
+    assert!(e.message().contains("tcp://"), "{e}");
+}
+
+#[test]
+fn a_second_live_request_in_one_room_is_refused() {
+    let ids = common::ids("flash-like");
+    let p = prefill(json!({}));
+    let s = spec(&ids[..20], false, 4);
+    let first = p.submit(pd(&s, 11, None)).unwrap();
+    let e = p.submit(pd(&s, 11, None)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.message().contains("pd_room 11 is already in use"), "{e}");
+    p.abort(first).unwrap();
+    let ev = collect(&p, &[first]);
+    assert_eq!(
+        terminal(&ev[&first]).finish_reason(),
+        Some(FinishReason::Aborted)
+    );
+    // The room is free again once its request ended.
+    let again = p.submit(pd(&s, 11, None)).unwrap();
+    p.abort(again).unwrap();
+    collect(&p, &[again]);
+}
+
+#[test]
+fn an_abort_on_either_side_ends_the_room_on_both() {
+    let ids = common::ids("flash-like");
+    let p = prefill(json!({}));
+    let d = decode(json!({}));
+    let endpoint = p.pd_endpoint().unwrap();
+    let s = spec(&ids[..200], false, 4);
+    let aborted = |engine: &Engine, id: u64| {
+        engine.abort(id).unwrap();
+        let ev = ends_within(engine, &[id], Duration::from_secs(5));
+        assert_eq!(
+            terminal(&ev[&id]).finish_reason(),
+            Some(FinishReason::Aborted)
+        );
+    };
+    let failed_for_abort = |events: &[Event], room: u64| {
+        let (kind, message) = error_of(events);
+        assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+        assert!(message.contains("aborted"), "{message}");
+        assert!(message.contains(&format!("room {room}")), "{message}");
+    };
+    // Aborted on the prefill while it waits for its claim: the decode's claim is refused.
+    let pid = p.submit(pd(&s, 21, None)).unwrap();
+    aborted(&p, pid);
+    let did = d.submit(pd(&s, 21, Some(&endpoint))).unwrap();
+    failed_for_abort(&ends_within(&d, &[did], Duration::from_secs(5))[&did], 21);
+    // Aborted on the decode after it claimed, before the prefill has the request: the
+    // request fails there as soon as it arrives.
+    let did = d.submit(pd(&s, 22, Some(&endpoint))).unwrap();
+    let start = Instant::now();
+    while p.metrics().pd.early_claims == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the claim never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    aborted(&d, did);
+    std::thread::sleep(Duration::from_millis(100));
+    let pid = p.submit(pd(&s, 22, None)).unwrap();
+    failed_for_abort(&ends_within(&p, &[pid], Duration::from_secs(5))[&pid], 22);
+    assert_eq!(in_use(&p), (0, 0));
+    assert_eq!(in_use(&d), (0, 0));
+}
+
+#[test]
+fn engines_with_different_layouts_refuse_each_other_naming_both() {
+    let ids = common::ids("flash-like");
+    let p = prefill(json!({}));
+    let d = decode(json!({"kv": {"page_size": 256}}));
+    let endpoint = p.pd_endpoint().unwrap();
+    let s = spec(&ids[..30], false, 4);
+    let pid = p.submit(pd(&s, 5, None)).unwrap();
+    let did = d.submit(pd(&s, 5, Some(&endpoint))).unwrap();
+    let from_d = ends_within(&d, &[did], Duration::from_secs(5));
+    let (kind, message) = error_of(&from_d[&did]);
+    assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+    assert!(message.contains("layout"), "{message}");
+    // Both sides' values, each side named.
+    assert!(message.contains("page_size: 128 vs 256"), "{message}");
+    assert!(
+        message.contains(&format!(
+            "values: Prefill engine {endpoint} vs Decode engine"
+        )),
+        "{message}"
+    );
+    p.abort(pid).unwrap();
+    collect(&p, &[pid]);
+    assert_eq!(in_use(&d), (0, 0));
+}
+
+#[test]
+fn a_request_that_differs_between_the_engines_fails_the_room() {
+    let ids = common::ids("flash-like");
+    let p = prefill(json!({}));
+    let d = decode(json!({}));
+    let endpoint = p.pd_endpoint().unwrap();
+    let pid = p.submit(pd(&spec(&ids[..30], false, 4), 9, None)).unwrap();
+    let did = d
+        .submit(pd(&spec(&ids[1..31], false, 4), 9, Some(&endpoint)))
+        .unwrap();
+    let from_p = ends_within(&p, &[pid], Duration::from_secs(5));
+    let from_d = ends_within(&d, &[did], Duration::from_secs(5));
+    for events in [&from_p[&pid], &from_d[&did]] {
+        let (kind, message) = error_of(events);
+        assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+        assert!(message.contains("request hash"), "{message}");
+    }
+    assert_eq!(in_use(&p), (0, 0));
+    assert_eq!(in_use(&d), (0, 0));
 }

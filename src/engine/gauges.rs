@@ -3,6 +3,7 @@
 //! sees the request gone).
 
 use super::metrics::{PoolGauges, Units};
+use super::phase::Phase;
 use super::worker::Worker;
 use crate::backend::Backend;
 use crate::kv::layout::PoolId;
@@ -40,7 +41,15 @@ impl<B: Backend> Worker<B> {
         let (running, loading) = self.sched.running_counts();
         let (running, loading) = (running as u64, loading as u64);
         let cache = self.cache.stats();
+        let pages_held: usize = self
+            .sched
+            .running
+            .iter()
+            .filter(|r| matches!(r.phase(), Phase::Transferring | Phase::Receiving))
+            .map(|r| r.req.kv().pages().len())
+            .sum();
         self.shared.metrics.update(|m| {
+            m.pd.pages_held = pages_held as u64;
             m.running = running;
             m.loading = loading;
             m.pools = gauges;

@@ -165,14 +165,36 @@ impl Outcome {
     }
 }
 
-/// KV transfer between prefill and decode engines (zero until PD disaggregation lands; the
-/// fields are part of the ABI now so hosts can wire their dashboards once).
+/// KV transfer between prefill and decode engines: rooms transferred whole, their bytes, the
+/// seconds from claim to done, and failed rooms.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct KvTransfer {
     pub requests: u64,
     pub bytes: u64,
     pub seconds: f64,
     pub failures: u64,
+}
+
+/// Prefill/decode rooms and their transfers (zero in the unified role). The queue names are
+/// SGLang's for the same meaning.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PdGauges {
+    /// Prefill: rooms waiting for the decode's claim.
+    pub prefill_bootstrap: u64,
+    /// Prefill: claimed rooms whose state is being computed or sent.
+    pub prefill_inflight: u64,
+    /// Decode: rooms waiting for their destination pages.
+    pub decode_prealloc: u64,
+    /// Decode: rooms whose destination is reserved and claimed, the state arriving.
+    pub decode_transfer: u64,
+    /// Device pages held by requests whose room is in flight (Transferring, Receiving).
+    pub pages_held: u64,
+    /// Prefill: claims waiting for their request.
+    pub early_claims: u64,
+    /// Connected peer engines.
+    pub peers: u64,
+    /// Failed rooms by reason, in `pd::FailReason::ALL` order.
+    pub failures: [u64; 7],
 }
 
 /// Everything at one instant. Counters are totals since creation.
@@ -204,6 +226,7 @@ pub struct MetricsSnapshot {
     pub forward_tokens: u64,
     pub cache: CacheStats,
     pub kv_transfer: KvTransfer,
+    pub pd: PdGauges,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
@@ -251,6 +274,7 @@ impl Default for MetricsSnapshot {
             forward_tokens: 0,
             cache: CacheStats::default(),
             kv_transfer: KvTransfer::default(),
+            pd: PdGauges::default(),
             ttft: Histogram::new(LATENCY_BUCKETS),
             itl: Histogram::new(STEP_BUCKETS),
             e2e: Histogram::new(LATENCY_BUCKETS),

@@ -33,8 +33,8 @@ use serde_json::Value;
 pub use event::{Event, EventCallback, EventKind, EventStats, FinishReason, Origin};
 use inbox::Control;
 pub use metrics::{
-    Histogram, KvTransfer, MetricsSnapshot, Outcome, PoolGauges, Rejection, Units, LATENCY_BUCKETS,
-    STEP_BUCKETS,
+    Histogram, KvTransfer, MetricsSnapshot, Outcome, PdGauges, PoolGauges, Rejection, Units,
+    LATENCY_BUCKETS, STEP_BUCKETS,
 };
 pub use phase::Phase;
 pub use request::RequestSpec;
@@ -376,7 +376,12 @@ impl Engine {
         // Accepted only if the engine thread will see it: the inbox refuses once a shutdown
         // began, under the same lock the engine thread takes to decide it is done.
         match self.shared.inbox.submit(pending) {
-            Ok(()) => Ok(id),
+            Ok(()) => {
+                if let Some(node) = &self.pd {
+                    node.activate(room);
+                }
+                Ok(id)
+            }
             Err(_) => {
                 self.shared.live().remove(&id);
                 if let Some(node) = &self.pd {
@@ -603,6 +608,27 @@ impl Engine {
         let a = self.shared.admission();
         m.queued = a.queued_requests;
         m.queued_tokens = a.queued_tokens;
+        drop(a);
+        if let Some(node) = &self.pd {
+            let s = node.stats();
+            m.kv_transfer = KvTransfer {
+                requests: s.transfers,
+                bytes: s.bytes,
+                seconds: s.seconds,
+                failures: s.failures.iter().sum(),
+            };
+            let g = &mut m.pd;
+            if node.side() == Side::Prefill {
+                g.prefill_bootstrap = s.bootstrapping;
+                g.prefill_inflight = s.transferring;
+            } else {
+                g.decode_prealloc = s.bootstrapping;
+                g.decode_transfer = s.transferring;
+            }
+            g.early_claims = s.early_claims;
+            g.peers = s.peers;
+            g.failures = s.failures;
+        }
         m
     }
 

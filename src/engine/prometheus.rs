@@ -147,12 +147,55 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
         "Seconds spent transferring KV.",
         t.seconds,
     );
-    o.single(
-        "counter",
+    o.header(
         "kv_transfer_failures_total",
-        "KV transfers that failed.",
-        t.failures as f64,
+        "PD rooms that failed, by reason (timeout, peer_dead, aborted, layout, mismatch, \
+         checksum, capacity).",
+        "counter",
     );
+    for (i, reason) in crate::pd::FailReason::ALL.iter().enumerate() {
+        o.sample(
+            "kv_transfer_failures_total",
+            &[("reason", reason.label())],
+            m.pd.failures[i] as f64,
+        );
+    }
+    let g = &m.pd;
+    for (name, help, value) in [
+        (
+            "num_prefill_bootstrap_queue_reqs",
+            "Prefill engine: rooms waiting for a decode engine's claim.",
+            g.prefill_bootstrap,
+        ),
+        (
+            "num_prefill_inflight_queue_reqs",
+            "Prefill engine: claimed rooms whose KV is being computed or sent.",
+            g.prefill_inflight,
+        ),
+        (
+            "num_decode_prealloc_queue_reqs",
+            "Decode engine: rooms waiting for their destination pages.",
+            g.decode_prealloc,
+        ),
+        (
+            "num_decode_transfer_queue_reqs",
+            "Decode engine: rooms reserved and claimed, their KV arriving.",
+            g.decode_transfer,
+        ),
+        (
+            "pd_pages_held",
+            "Device KV pages held by requests whose PD room is in flight.",
+            g.pages_held,
+        ),
+        (
+            "pd_early_claims",
+            "Prefill engine: claims that arrived before their request.",
+            g.early_claims,
+        ),
+        ("pd_peers", "Connected PD peer engines.", g.peers),
+    ] {
+        o.single("gauge", name, help, value as f64);
+    }
 
     o.header(
         "num_finished_requests_total",

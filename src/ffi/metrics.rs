@@ -82,7 +82,8 @@ pub struct dsv4_metrics {
     pub evictions_device_to_host_total: u64,
     pub evictions_device_dropped_total: u64,
     pub evictions_host_total: u64,
-    /// KV transfer between prefill and decode engines (zero until PD disaggregation lands).
+    /// KV transfer between prefill and decode engines: rooms transferred whole, their bytes,
+    /// seconds from claim to done, failed rooms.
     pub kv_transfer_requests_total: u64,
     pub kv_transfer_bytes_total: u64,
     pub kv_transfer_seconds_total: f64,
@@ -97,6 +98,27 @@ pub struct dsv4_metrics {
     pub e2e_count: u64,
     pub queue_seconds_sum: f64,
     pub queue_count: u64,
+    /// Prefill/decode rooms (appended after version 1; zero in the unified role; SGLang's
+    /// names). Prefill: rooms waiting for the decode's claim; claimed rooms being computed or
+    /// sent. Decode: rooms waiting for their destination pages; rooms reserved and claimed.
+    pub num_prefill_bootstrap_queue_reqs: u64,
+    pub num_prefill_inflight_queue_reqs: u64,
+    pub num_decode_prealloc_queue_reqs: u64,
+    pub num_decode_transfer_queue_reqs: u64,
+    /// Device pages held by requests whose room is in flight.
+    pub pd_pages_held: u64,
+    /// Prefill: claims that arrived before their request.
+    pub pd_early_claims: u64,
+    /// Connected peer engines.
+    pub pd_peers: u64,
+    /// Failed rooms by reason (their sum is `kv_transfer_failures_total`).
+    pub kv_transfer_failures_timeout_total: u64,
+    pub kv_transfer_failures_peer_dead_total: u64,
+    pub kv_transfer_failures_aborted_total: u64,
+    pub kv_transfer_failures_layout_total: u64,
+    pub kv_transfer_failures_mismatch_total: u64,
+    pub kv_transfer_failures_checksum_total: u64,
+    pub kv_transfer_failures_capacity_total: u64,
 }
 
 // SAFETY: repr(C); integers and floats only.
@@ -166,8 +188,12 @@ assert_offsets!(dsv4_metrics {
     queue_seconds_sum: 488,
     queue_count: 496,
 });
-// A field appended to dsv4_metrics starts at or after METRICS_V1 (assert its offset here).
-const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == METRICS_V1);
+// A field appended to dsv4_metrics starts at or after METRICS_V1 (its offset asserted here).
+assert_offsets!(dsv4_metrics {
+    num_prefill_bootstrap_queue_reqs: METRICS_V1,
+    kv_transfer_failures_capacity_total: 608,
+});
+const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == 616);
 const METRICS_SIZE: usize = std::mem::size_of::<dsv4_metrics>();
 /// `struct_size` is at most 4096 bytes: room for hundreds more fields, and an uninitialised
 /// field is caught.
@@ -237,6 +263,20 @@ fn to_c(m: &MetricsSnapshot) -> dsv4_metrics {
         e2e_count: m.e2e.count,
         queue_seconds_sum: m.queue_time.sum,
         queue_count: m.queue_time.count,
+        num_prefill_bootstrap_queue_reqs: m.pd.prefill_bootstrap,
+        num_prefill_inflight_queue_reqs: m.pd.prefill_inflight,
+        num_decode_prealloc_queue_reqs: m.pd.decode_prealloc,
+        num_decode_transfer_queue_reqs: m.pd.decode_transfer,
+        pd_pages_held: m.pd.pages_held,
+        pd_early_claims: m.pd.early_claims,
+        pd_peers: m.pd.peers,
+        kv_transfer_failures_timeout_total: m.pd.failures[0],
+        kv_transfer_failures_peer_dead_total: m.pd.failures[1],
+        kv_transfer_failures_aborted_total: m.pd.failures[2],
+        kv_transfer_failures_layout_total: m.pd.failures[3],
+        kv_transfer_failures_mismatch_total: m.pd.failures[4],
+        kv_transfer_failures_checksum_total: m.pd.failures[5],
+        kv_transfer_failures_capacity_total: m.pd.failures[6],
     }
 }
 

@@ -84,6 +84,8 @@ pub struct PdStats {
     pub transferring: u64,
     /// Connected peers.
     pub peers: u64,
+    /// Prefill: claims waiting for their request.
+    pub early_claims: u64,
 }
 
 /// Where a room's bytes stand on the decode.
@@ -112,6 +114,9 @@ struct Room {
     incoming: Option<Incoming>,
     /// Prefill: its request left the admission queue (it is counted here while unclaimed).
     left_queue: bool,
+    /// Its request is in the engine's inbox ([`Node::activate`]): notices about it may go
+    /// out (before, one could reach the engine thread ahead of the request).
+    active: bool,
     cancel: Arc<AtomicBool>,
 }
 
@@ -129,6 +134,9 @@ struct Table {
     early: HashMap<u64, EarlyClaim>,
     /// Ended rooms: when, and how (a claim for one is answered at once).
     ended: HashMap<u64, (Instant, String)>,
+    /// Prefill: rooms the decode failed (aborted) before their request came here: the request
+    /// fails as soon as it does.
+    failed_early: HashMap<u64, (Instant, Failure)>,
     links: HashMap<u64, Arc<Link>>,
     /// Decode: the link to each prefill endpoint.
     by_peer: HashMap<String, u64>,
@@ -256,8 +264,8 @@ impl Node {
     }
 
     /// Opens room `room` for request `request_id`: `InvalidArgument` when a live request
-    /// already has it, `QueueFull` at `pd.max_rooms`. A prefill room takes a claim that came
-    /// early.
+    /// already has it, `QueueFull` at `pd.max_rooms`. The room acts on nothing until
+    /// [`Self::activate`].
     pub fn register(
         &self,
         room: u64,
@@ -266,55 +274,72 @@ impl Node {
         peer: Option<String>,
     ) -> Result<()> {
         let inner = &self.inner;
-        let now = Instant::now();
-        let mut notices = Vec::new();
-        {
-            let mut t = inner.table();
-            if t.rooms.contains_key(&room) {
-                return Err(Error::invalid_argument(format!(
-                    "pd_room {room} is already in use by a live request on this engine: the \
-                     router must give each request its own room"
-                )));
-            }
-            if t.rooms.len() >= inner.cfg.max_rooms {
-                return Err(Error::new(
-                    ErrorKind::QueueFull,
-                    format!(
-                        "pd.max_rooms = {} rooms are in flight on this engine: retry later, or \
-                         raise pd.max_rooms",
-                        inner.cfg.max_rooms
-                    ),
-                ));
-            }
-            t.ended.remove(&room);
-            let early = t.early.remove(&room);
-            let mut r = Room {
+        let mut t = inner.table();
+        if t.rooms.contains_key(&room) {
+            return Err(Error::invalid_argument(format!(
+                "pd_room {room} is already in use by a live request on this engine: the router \
+                 must give each request its own room"
+            )));
+        }
+        if t.rooms.len() >= inner.cfg.max_rooms {
+            return Err(Error::new(
+                ErrorKind::QueueFull,
+                format!(
+                    "pd.max_rooms = {} rooms are in flight on this engine: retry later, or raise \
+                     pd.max_rooms",
+                    inner.cfg.max_rooms
+                ),
+            ));
+        }
+        t.ended.remove(&room);
+        t.rooms.insert(
+            room,
+            Room {
                 side: inner.cfg.side,
                 state: RoomState::Bootstrapping,
                 request_id,
                 hash,
                 peer,
                 link: None,
-                deadline: now + inner.cfg.bootstrap_timeout,
+                deadline: Instant::now() + inner.cfg.bootstrap_timeout,
                 claimed_at: None,
                 claim: None,
                 outgoing: None,
                 max_bytes: 0,
                 incoming: None,
                 left_queue: false,
+                active: false,
                 cancel: Arc::new(AtomicBool::new(false)),
+            },
+        );
+        Ok(())
+    }
+
+    /// The room's request reached the engine's inbox: a claim that came early is taken now,
+    /// and a room its decode already failed fails.
+    pub fn activate(&self, room: u64) {
+        let inner = &self.inner;
+        let mut notices = Vec::new();
+        {
+            let mut t = inner.table();
+            let Some(r) = t.rooms.get_mut(&room) else {
+                return;
             };
-            if let Some(e) = early {
+            r.active = true;
+            if let Some((_, f)) = t.failed_early.remove(&room) {
+                let msg = format!(
+                    "the peer failed the room before its request came here: {}",
+                    f.message
+                );
+                inner.fail(&mut t, room, f.reason, &msg, true, &mut notices);
+            } else if let Some(e) = t.early.remove(&room) {
+                let r = t.rooms.get_mut(&room).expect("present");
                 r.peer = Some(e.peer.clone());
                 r.link = Some(e.link);
-                t.rooms.insert(room, r);
                 inner.take_claim(&mut t, room, e.claim, &mut notices);
-            } else {
-                t.rooms.insert(room, r);
             }
         }
         inner.emit(notices);
-        Ok(())
     }
 
     /// Prefill: the room's request left the admission queue (until its claim arrives, it
@@ -417,7 +442,7 @@ impl Node {
             if let Some(link) = r.link.and_then(|l| t.links.get(&l)) {
                 link.send(wire::encode(Kind::Ack, room, &[]));
             }
-            let bytes = r.incoming.as_ref().map_or(0, |i| i.bytes.len());
+            let bytes = r.incoming.as_ref().map_or(0, |i| i.received);
             let secs = r.claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
             let s = &mut t.stats;
             s.transfers += 1;
@@ -460,6 +485,7 @@ impl Node {
             .count() as u64;
         s.transferring = t.rooms.len() as u64 - s.bootstrapping;
         s.peers = t.links.len() as u64;
+        s.early_claims = t.early.len() as u64;
         s
     }
 
@@ -752,10 +778,13 @@ impl Inner {
             return Some((
                 FailReason::Layout,
                 format!(
-                    "the KV layouts differ ({}; values: this engine vs the peer {}): run the \
-                     same model with the same kv.page_size, kv.dtype and kv.indexer_dtype on \
-                     both",
+                    "the KV layouts differ ({}; values: {:?} engine {} vs {:?} engine {}): run \
+                     the same model with the same kv.page_size, kv.dtype and kv.indexer_dtype \
+                     on both",
                     d.join("; "),
+                    self.cfg.side,
+                    self.endpoint,
+                    theirs.side,
                     theirs.endpoint
                 ),
             ));
@@ -1038,6 +1067,16 @@ impl Inner {
                         });
                     }
                 }
+                (Side::Prefill, Kind::Fail)
+                    if t.early.get(&room).is_some_and(|e| e.link == link.id) =>
+                {
+                    t.early.remove(&room);
+                    let f: Failure = wire::parse(&frame).unwrap_or(Failure {
+                        reason: FailReason::Aborted,
+                        message: "an unreadable FAIL frame".into(),
+                    });
+                    t.failed_early.insert(room, (Instant::now(), f));
+                }
                 (_, Kind::Fail) if ours => {
                     let f: Failure = wire::parse(&frame).unwrap_or(Failure {
                         reason: FailReason::Mismatch,
@@ -1075,7 +1114,7 @@ impl Inner {
                 return;
             }
         };
-        if let Some(r) = t.rooms.get_mut(&room) {
+        if let Some(r) = t.rooms.get_mut(&room).filter(|r| r.active) {
             r.peer = Some(link.peer.clone());
             r.link = Some(link.id);
             self.take_claim(t, room, claim, notices);
@@ -1088,7 +1127,7 @@ impl Inner {
                 &Failure { reason, message },
             ));
         };
-        if let Some((_, how)) = t.ended.get(&room) {
+        if let Some((_, how)) = t.ended.get(&room).filter(|_| !t.rooms.contains_key(&room)) {
             refuse(
                 FailReason::Mismatch,
                 format!("room {room} on the prefill {}: {how}", self.endpoint),
@@ -1300,6 +1339,8 @@ impl Inner {
                 );
             }
             t.ended.retain(|_, (at, _)| now.duration_since(*at) < keep);
+            t.failed_early
+                .retain(|_, (at, _)| now.duration_since(*at) < keep);
             if !notices.is_empty() {
                 drop(t);
                 self.emit(notices);

@@ -163,6 +163,13 @@ def _metric_fields():
     fields += [("kv_transfer_seconds_total", f64), ("kv_transfer_failures_total", u64)]
     for name in ("ttft", "itl", "e2e", "queue"):
         fields += [(name + "_seconds_sum", f64), (name + "_count", u64)]
+    # Appended after version 1: prefill/decode rooms.
+    fields += [(n, u64) for n in (
+        "num_prefill_bootstrap_queue_reqs", "num_prefill_inflight_queue_reqs",
+        "num_decode_prealloc_queue_reqs", "num_decode_transfer_queue_reqs", "pd_pages_held",
+        "pd_early_claims", "pd_peers")]
+    fields += [("kv_transfer_failures_%s_total" % r, u64) for r in (
+        "timeout", "peer_dead", "aborted", "layout", "mismatch", "checksum", "capacity")]
     return fields
 
 

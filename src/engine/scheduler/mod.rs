@@ -110,7 +110,12 @@ impl<S: SeqView> Scheduler<S> {
     /// Running requests that take part in steps, and those still loading back.
     pub fn running_counts(&self) -> (usize, usize) {
         let reserved = self.running.iter().filter(|r| r.reserved()).count();
-        (reserved, self.running.len() - reserved)
+        let loading = self
+            .running
+            .iter()
+            .filter(|r| r.phase() == Phase::LoadingBack)
+            .count();
+        (reserved, loading)
     }
 
     // --- the queue ---------------------------------------------------------------------------
