@@ -325,3 +325,153 @@ fn a_request_that_differs_between_the_engines_fails_the_room() {
     assert_eq!(in_use(&p), (0, 0));
     assert_eq!(in_use(&d), (0, 0));
 }
+
+#[test]
+fn prefill_side_cache_hits_and_host_load_backs_stay_bit_equal() {
+    let ids = common::ids("flash-like");
+    let unified = engine_with(json!({}));
+    let p = prefill(
+        json!({"hicache": {"enabled": true, "ratio": 2.0, "write_policy": "write_through"}}),
+    );
+    let d = decode(json!({}));
+    for sampled in [false, true] {
+        let s = spec(&ids[..300], sampled, 8);
+        let uid = unified.submit(s.clone()).unwrap();
+        let want = stream(&collect(&unified, &[uid])[&uid]);
+        let room = if sampled { 100 } else { 200 };
+        let cached = |events: &[Event]| {
+            let st = terminal(events).stats();
+            (st.cached_tokens_device, st.cached_tokens_host)
+        };
+        // Cold, then a device hit on the prefill, then (device tier flushed) a host load-back.
+        let (_, cold) = through(&p, &d, &s, room + 1);
+        assert_eq!(stream(&cold), want, "cold");
+        let (_, hit) = through(&p, &d, &s, room + 2);
+        assert_eq!(stream(&hit), want, "device hit");
+        assert_eq!(cached(&hit), (256, 0));
+        p.flush_cache(dsv4::kv::cache::Tier::Device).unwrap();
+        let (_, host) = through(&p, &d, &s, room + 3);
+        assert_eq!(stream(&host), want, "host load-back");
+        assert_eq!(cached(&host), (0, 256));
+        p.flush_cache(dsv4::kv::cache::Tier::All).unwrap();
+    }
+    assert_eq!(in_use(&p), (0, 0));
+    assert_eq!(in_use(&d), (0, 0));
+}
+
+#[test]
+fn admission_covers_unclaimed_rooms_on_the_prefill_and_reservations_on_the_decode() {
+    let ids = common::ids("flash-like");
+    let limits = json!({"admission": {"max_queued_requests": 2}});
+    let p = prefill(limits.clone());
+    let s = spec(&ids[..40], false, 4);
+    // Two rooms prefill and wait for claims that never come: the third is refused at once.
+    let a = p.submit(pd(&s, 1, None)).unwrap();
+    let b = p.submit(pd(&s, 2, None)).unwrap();
+    let start = Instant::now();
+    while p.metrics().pd.pages_held < 2 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never prefilled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(p.metrics().queued, 0, "both left the queue");
+    let e = p.submit(pd(&s, 3, None)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::QueueFull, "{e}");
+    assert!(
+        e.message().contains("admission.max_queued_requests = 2"),
+        "{e}"
+    );
+    for id in [a, b] {
+        p.abort(id).unwrap();
+    }
+    collect(&p, &[a, b]);
+    // A decode's reservations (claimed, the prefill never sending) count until they land.
+    let d = decode(limits);
+    let endpoint = p.pd_endpoint().unwrap();
+    let x = d.submit(pd(&s, 4, Some(&endpoint))).unwrap();
+    let y = d.submit(pd(&s, 5, Some(&endpoint))).unwrap();
+    let start = Instant::now();
+    while d.metrics().pd.decode_transfer < 2 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never claimed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(d.metrics().queued, 2);
+    let e = d.submit(pd(&s, 6, Some(&endpoint))).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::QueueFull, "{e}");
+    for id in [x, y] {
+        d.abort(id).unwrap();
+    }
+    collect(&d, &[x, y]);
+    assert_eq!(d.metrics().queued, 0);
+    assert_eq!(in_use(&d), (0, 0));
+    // pd.max_rooms bounds the rooms in flight.
+    let few = prefill(json!({"pd": {"max_rooms": 1}}));
+    let first = few.submit(pd(&s, 7, None)).unwrap();
+    let e = few.submit(pd(&s, 8, None)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::QueueFull, "{e}");
+    assert!(e.message().contains("pd.max_rooms = 1"), "{e}");
+    few.abort(first).unwrap();
+    collect(&few, &[first]);
+}
+
+#[test]
+fn a_claimed_room_that_never_gets_its_state_times_out_on_the_decode() {
+    let ids = common::ids("flash-like");
+    let p = prefill(json!({}));
+    let d = decode(json!({"pd": {"transfer_timeout_ms": 400, "heartbeat_interval_ms": 50}}));
+    let endpoint = p.pd_endpoint().unwrap();
+    let did = d
+        .submit(pd(&spec(&ids[..60], false, 4), 31, Some(&endpoint)))
+        .unwrap();
+    let from_d = ends_within(&d, &[did], Duration::from_secs(5));
+    let (kind, message) = error_of(&from_d[&did]);
+    assert_eq!(kind, ErrorKind::Timeout, "{message}");
+    assert!(
+        message.contains("pd.transfer_timeout_ms = 400"),
+        "{message}"
+    );
+    assert!(message.contains("phase claimed"), "{message}");
+    assert_eq!(in_use(&d), (0, 0));
+    // The prefill dropped the early claim when the decode failed the room: a late request
+    // for the room fails at once instead of waiting for its bootstrap timeout.
+    let pid = p.submit(pd(&spec(&ids[..60], false, 4), 31, None)).unwrap();
+    let from_p = ends_within(&p, &[pid], Duration::from_secs(5));
+    let (_, message) = error_of(&from_p[&pid]);
+    assert!(message.contains("timeout"), "{message}");
+}
+
+#[test]
+fn heartbeats_keep_a_busy_link_alive() {
+    // Heartbeats every 20 ms, dead after 5 silent intervals, while two engines compute on a
+    // loaded machine and long prompts' states move: the peers never look dead. (That control
+    // frames overtake bulk data is asserted exactly in the link's unit tests.)
+    let ids = common::ids("flash-like");
+    let fast = json!({"pd": {"heartbeat_interval_ms": 20, "heartbeat_misses": 5}});
+    let p = prefill(fast.clone());
+    let d = decode(fast);
+    let endpoint = p.pd_endpoint().unwrap();
+    let long: Vec<u32> = ids.iter().copied().cycle().take(700).collect();
+    let s = spec(&long, false, 2);
+    let mut pids = Vec::new();
+    let mut dids = Vec::new();
+    for room in 1..=6 {
+        pids.push(p.submit(pd(&s, room, None)).unwrap());
+        dids.push(d.submit(pd(&s, room, Some(&endpoint))).unwrap());
+    }
+    let from_d = collect(&d, &dids);
+    let from_p = collect(&p, &pids);
+    for id in &dids {
+        assert_eq!(
+            terminal(&from_d[id]).finish_reason(),
+            Some(FinishReason::Length),
+            "{:?}",
+            from_d[id]
+        );
+    }
+    for id in &pids {
+        assert_eq!(
+            terminal(&from_p[id]).finish_reason(),
+            Some(FinishReason::Transferred)
+        );
+    }
+    assert_eq!(d.metrics().pd.failures.iter().sum::<u64>(), 0);
+}

@@ -76,6 +76,9 @@ struct Outbox {
     control: VecDeque<Vec<u8>>,
     bulk: VecDeque<Bulk>,
     closed: bool,
+    /// Closing once the queued control frames are out (the FAILs of an engine shutting
+    /// down reach the peer).
+    finishing: bool,
 }
 
 /// A live connection to one peer.
@@ -89,26 +92,32 @@ pub struct Link {
     last_heard: Mutex<Instant>,
     down: AtomicBool,
     interval: Duration,
+    peer_interval: Duration,
     dead_after: Duration,
 }
 
 impl Link {
     /// Starts the reader and writer threads over `stream` (HELLO already exchanged); their
     /// handles go to `threads`.
+    /// `interval`: how often this side sends a heartbeat when idle; `peer_interval`: how
+    /// often the peer does (from its HELLO); the peer is dead after `misses` of those.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         id: u64,
         peer: String,
         stream: TcpStream,
         interval: Duration,
+        peer_interval: Duration,
         misses: u32,
         handler: Arc<dyn Handler>,
         threads: &mut Vec<JoinHandle<()>>,
     ) -> io::Result<Arc<Link>> {
-        let dead_after = interval * misses;
+        let peer_interval = peer_interval.max(Duration::from_millis(1));
+        let dead_after = peer_interval * misses;
         stream.set_nodelay(true)?;
-        // The reader wakes every interval to check for silence; a write blocked that long on a
-        // peer that stopped reading means the peer is gone.
-        stream.set_read_timeout(Some(interval))?;
+        // The reader wakes every peer interval to check for silence; a write blocked that long
+        // on a peer that stopped reading means the peer is gone.
+        stream.set_read_timeout(Some(peer_interval))?;
         stream.set_write_timeout(Some(dead_after))?;
         let link = Arc::new(Link {
             id,
@@ -119,6 +128,7 @@ impl Link {
             last_heard: Mutex::new(Instant::now()),
             down: AtomicBool::new(false),
             interval,
+            peer_interval,
             dead_after,
         });
         let reader_stream = stream.try_clone()?;
@@ -164,6 +174,15 @@ impl Link {
         self.down.load(Ordering::SeqCst)
     }
 
+    /// Sends the queued control frames (bulk data is dropped), then closes the connection;
+    /// the writer waits at most the write timeout for a peer that does not read.
+    pub fn finish(&self) {
+        let mut o = self.outbox();
+        o.finishing = true;
+        o.bulk.clear();
+        self.ready.notify_all();
+    }
+
     /// Closes the connection: both threads end, queued frames are dropped.
     pub fn close(&self) {
         self.outbox().closed = true;
@@ -188,6 +207,9 @@ impl Link {
             }
             if let Some(f) = o.control.pop_front() {
                 return Some(f);
+            }
+            if o.finishing {
+                return None;
             }
             while let Some(mut b) = o.bulk.pop_front() {
                 if b.cancel.load(Ordering::SeqCst) {
@@ -214,6 +236,7 @@ impl Link {
 
     fn write_loop(self: Arc<Self>, mut stream: TcpStream, handler: Arc<dyn Handler>) {
         crate::threads::mark_internal();
+        // Ends when closed (the link went down) or finished (its last frames are out).
         while let Some(frame) = self.next_to_write() {
             if let Err(e) = stream.write_all(&frame) {
                 let why = match e.kind() {
@@ -227,6 +250,8 @@ impl Link {
                 return;
             }
         }
+        // Finished: the reader wakes on the closed socket and takes the link down.
+        self.close();
     }
 
     /// Fills `buf` from the stream, waiting through read timeouts until the peer has been
@@ -260,7 +285,7 @@ impl Link {
                             format!(
                                 "the peer sent nothing for {} ms ({} heartbeat intervals missed)",
                                 silent.as_millis(),
-                                silent.as_millis() / self.interval.as_millis().max(1)
+                                silent.as_millis() / self.peer_interval.as_millis().max(1)
                             ),
                         ));
                     }
@@ -297,4 +322,104 @@ impl Link {
 /// Starts a named library thread.
 pub fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name(name).spawn(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::sync::mpsc;
+
+    struct Recorder(Mutex<mpsc::Sender<String>>);
+
+    impl Handler for Recorder {
+        fn on_frame(&self, _: &Arc<Link>, frame: Frame) {
+            let _ = self.0.lock().unwrap().send(format!("{:?}", frame.kind));
+        }
+        fn on_down(&self, _: &Arc<Link>, why: String) {
+            let _ = self.0.lock().unwrap().send(format!("down: {why}"));
+        }
+    }
+
+    /// A link to a raw socket the test reads and writes itself.
+    fn pair(
+        interval_ms: u64,
+    ) -> (
+        Arc<Link>,
+        TcpStream,
+        mpsc::Receiver<String>,
+        Vec<JoinHandle<()>>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (theirs, _) = listener.accept().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let mut threads = Vec::new();
+        let ms = Duration::from_millis(interval_ms);
+        let link = Link::start(
+            1,
+            "peer".into(),
+            ours,
+            ms,
+            ms,
+            3,
+            Arc::new(Recorder(Mutex::new(tx))),
+            &mut threads,
+        )
+        .unwrap();
+        (link, theirs, rx, threads)
+    }
+
+    #[test]
+    fn a_control_frame_overtakes_queued_bulk_data() {
+        let (link, mut theirs, _rx, threads) = pair(1000);
+        // 16 MiB: more than the socket buffers hold, so the writer blocks mid-bulk until the
+        // reader below starts.
+        let data = Arc::new(vec![7u8; 64 * wire::DATA_CHUNK]);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let state = wire::encode(Kind::State, 5, b"{}");
+        let done = wire::encode(Kind::Done, 5, b"{}");
+        assert!(link.send_bulk(Bulk::new(5, state, data, done, cancel)));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(link.send(wire::encode(Kind::Ack, 9, &[])));
+        let mut kinds = Vec::new();
+        loop {
+            let f = wire::read_frame_from(&mut theirs).unwrap();
+            kinds.push((f.kind, f.room));
+            if f.kind == Kind::Done {
+                break;
+            }
+        }
+        let ack = kinds.iter().position(|k| *k == (Kind::Ack, 9)).unwrap();
+        let data_frames = kinds.iter().filter(|k| k.0 == Kind::Data).count();
+        assert_eq!(data_frames, 64);
+        // The ACK went out between two DATA frames, long before the bulk ended.
+        assert!(ack < kinds.len() / 2, "ACK at {ack} of {}", kinds.len());
+        link.close();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn an_idle_link_heartbeats_and_a_silent_peer_is_declared_dead() {
+        let (link, mut theirs, rx, threads) = pair(10);
+        let start = Instant::now();
+        let mut beats = 0;
+        while start.elapsed() < Duration::from_millis(25) || beats < 3 {
+            let f = wire::read_frame_from(&mut theirs).unwrap();
+            assert_eq!(f.kind, Kind::Heartbeat);
+            beats += 1;
+        }
+        // We (the peer) never sent anything: after 3 intervals of 10 ms the link goes down.
+        let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(
+            why.starts_with("down: connection lost: the peer sent nothing"),
+            "{why}"
+        );
+        assert!(link.is_down());
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
 }

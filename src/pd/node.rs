@@ -23,6 +23,9 @@ use crate::config::params::Endpoint;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::state::LayoutFingerprint;
 
+/// How often blocking handshake reads and connects look at the node's shutdown flag.
+const POLL: Duration = Duration::from_millis(100);
+
 /// What the node tells the engine thread.
 #[derive(Debug)]
 pub enum Notice {
@@ -510,8 +513,9 @@ impl Node {
                     &mut ignored,
                 );
             }
+            // The FAILs just queued go out first.
             for link in t.links.values() {
-                link.close();
+                link.finish();
             }
         }
         inner.tick.notify_all();
@@ -745,6 +749,7 @@ impl Inner {
             side: self.cfg.side,
             endpoint: self.endpoint.clone(),
             layout: self.cfg.layout.clone(),
+            heartbeat_interval_ms: self.cfg.heartbeat_interval.as_millis() as u64,
         }
     }
 
@@ -822,12 +827,13 @@ impl Inner {
         crate::threads::mark_internal();
         let setup = stream
             .set_nonblocking(false)
-            .and_then(|()| stream.set_read_timeout(Some(self.cfg.bootstrap_timeout)));
+            .and_then(|()| stream.set_read_timeout(Some(POLL)));
         if let Err(e) = setup {
             log::warn!("PD: connection from {addr}: {e}");
             return;
         }
-        let hello: Hello = match wire::read_frame_from(&mut stream) {
+        let deadline = Instant::now() + self.cfg.bootstrap_timeout;
+        let hello: Hello = match self.read_handshake(&mut stream, deadline) {
             Ok(f) if f.kind == Kind::Hello => match wire::parse(&f) {
                 Ok(h) => h,
                 Err(m) => {
@@ -858,11 +864,11 @@ impl Inner {
                 ),
             )),
         };
-        if let Some((_, message)) = refusal {
+        if let Some((reason, message)) = refusal {
             log::warn!("PD: refused {} ({addr}): {message}", hello.endpoint);
             let _ = wire::write_all(
                 &mut stream,
-                &wire::encode_json(Kind::Refuse, 0, &Refusal { message }),
+                &wire::encode_json(Kind::Refuse, 0, &Refusal { reason, message }),
             );
             return;
         }
@@ -874,11 +880,17 @@ impl Inner {
         {
             return;
         }
-        self.add_link(stream, hello.endpoint);
+        let peer_interval = Duration::from_millis(hello.heartbeat_interval_ms);
+        self.add_link(stream, hello.endpoint, peer_interval);
     }
 
     /// Starts a link over a connection whose HELLOs were exchanged.
-    fn add_link(self: &Arc<Self>, stream: TcpStream, peer: String) -> Option<Arc<Link>> {
+    fn add_link(
+        self: &Arc<Self>,
+        stream: TcpStream,
+        peer: String,
+        peer_interval: Duration,
+    ) -> Option<Arc<Link>> {
         if self.closing.load(Ordering::SeqCst) {
             return None;
         }
@@ -894,6 +906,7 @@ impl Inner {
             peer.clone(),
             stream,
             self.cfg.heartbeat_interval,
+            peer_interval,
             self.cfg.heartbeat_misses,
             handler,
             &mut threads,
@@ -946,13 +959,26 @@ impl Inner {
         let timeout = self.cfg.bootstrap_timeout.min(self.cfg.transfer_timeout);
         let mut last = None;
         let mut stream = None;
-        for a in &addrs {
-            match TcpStream::connect_timeout(a, timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
+        let deadline = Instant::now() + timeout;
+        // In slices, so a shutdown does not wait out a connect to an unreachable host; a
+        // refused connection fails at once.
+        'connect: while stream.is_none() && !self.closing.load(Ordering::SeqCst) {
+            for a in &addrs {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break 'connect;
                 }
-                Err(e) => last = Some(e),
+                match TcpStream::connect_timeout(a, left.min(POLL * 2)) {
+                    Ok(s) => {
+                        stream = Some(s);
+                        break 'connect;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::TimedOut => last = Some(e),
+                    Err(e) => {
+                        last = Some(e);
+                        break 'connect;
+                    }
+                }
             }
         }
         let mut stream = stream.ok_or_else(|| {
@@ -964,33 +990,29 @@ impl Inner {
         })?;
         let io =
             |e: std::io::Error| dead(format!("the handshake with the prefill {peer} failed: {e}"));
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        stream.set_read_timeout(Some(POLL)).map_err(io)?;
         wire::write_all(
             &mut stream,
             &wire::encode_json(Kind::Hello, 0, &self.hello()),
         )
         .map_err(io)?;
-        let frame = wire::read_frame_from(&mut stream).map_err(|e| {
+        let frame = self.read_handshake(&mut stream, deadline).map_err(|e| {
             dead(format!(
                 "the prefill {peer} did not answer the handshake: {e:?}"
             ))
         })?;
-        match frame.kind {
+        let peer_interval = match frame.kind {
             Kind::Hello => {
                 let theirs: Hello = wire::parse(&frame).map_err(|m| (FailReason::Mismatch, m))?;
                 if let Some(why) = self.check_hello(&theirs, Side::Prefill) {
                     return Err(why);
                 }
+                Duration::from_millis(theirs.heartbeat_interval_ms)
             }
             Kind::Refuse => {
                 let r: Refusal = wire::parse(&frame).map_err(|m| (FailReason::Mismatch, m))?;
-                let reason = if r.message.contains("layouts differ") {
-                    FailReason::Layout
-                } else {
-                    FailReason::Mismatch
-                };
                 return Err((
-                    reason,
+                    r.reason,
                     format!("the prefill {peer} refused the connection: {}", r.message),
                 ));
             }
@@ -1000,9 +1022,37 @@ impl Inner {
                     format!("the prefill {peer} answered the handshake with {k:?}"),
                 ))
             }
-        }
-        self.add_link(stream, peer.to_string())
+        };
+        self.add_link(stream, peer.to_string(), peer_interval)
             .ok_or_else(|| dead("the engine is shutting down".into()))
+    }
+
+    /// Reads one handshake frame, waiting until `deadline` unless the node shuts down (the
+    /// stream's read timeout is [`POLL`]).
+    fn read_handshake(
+        &self,
+        stream: &mut TcpStream,
+        deadline: Instant,
+    ) -> std::result::Result<Frame, wire::ReadError> {
+        use std::io::{ErrorKind as K, Read};
+        wire::read_frame(&mut |buf| {
+            let mut at = 0;
+            while at < buf.len() {
+                match stream.read(&mut buf[at..]) {
+                    Ok(0) => {
+                        return Err(std::io::Error::new(K::UnexpectedEof, "connection closed"))
+                    }
+                    Ok(n) => at += n,
+                    Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut | K::Interrupted) => {
+                        if self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline {
+                            return Err(std::io::Error::new(K::TimedOut, "no handshake in time"));
+                        }
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        })
     }
 
     fn on_down(&self, link: &Arc<Link>, why: String) {

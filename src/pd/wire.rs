@@ -190,12 +190,16 @@ pub struct Hello {
     pub endpoint: String,
     /// What the sender's KV bytes mean: model identity, page size, every pool's row format.
     pub layout: LayoutFingerprint,
+    /// How often the sender sends a heartbeat when idle: the receiver declares it dead after
+    /// its own `heartbeat_misses` of these.
+    pub heartbeat_interval_ms: u64,
 }
 
 pub const PROTOCOL: &str = "dsv4-pd";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Refusal {
+    pub reason: super::room::FailReason,
     pub message: String,
 }
 
