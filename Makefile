@@ -61,6 +61,7 @@ demo: lib
 test: deps test-rust test-c test-valgrind test-pkgconfig test-python
 	@echo "make test: all passed"
 
+# `cargo test` builds the examples before any test runs: tests/pd_processes.rs runs pd_node.
 test-rust: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings

@@ -1,0 +1,467 @@
+//! Prefill and decode engines in processes of their own (examples/pd_node.rs, driven over its
+//! stdin/stdout): a pair's tokens equal a unified engine's, and when one side is killed with
+//! SIGKILL while rooms are in flight, every room on the survivor ends with an error within the
+//! heartbeat deadline and its pools return to empty; a frozen (SIGSTOP) prefill is declared
+//! dead by its missed heartbeats.
+//!
+//! The binary is the one `cargo test` builds with the examples (target/<profile>/examples/
+//! pd_node, next to this test's deps/ directory); a test fails when it is missing. After
+//! changing the example, `cargo test --test pd_processes` alone does not rebuild it: run
+//! `cargo build --example pd_node` (or a plain `cargo test`) first.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::requests::{collect, engine_with, exact, merge, tokens_of};
+use serde_json::{json, Value};
+
+/// The tests take turns: each runs two engine processes on a small machine, and the
+/// heartbeat deadlines they check should not measure each other's load.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// What every engine here runs with (the pools of tests/common/requests.rs's `engine_with`).
+fn base() -> Value {
+    json!({
+        "threads": 2,
+        "kv": {"device_memory_bytes": "32MiB", "max_running_requests": 16, "page_size": 128},
+        "scheduler": {"chunked_prefill_tokens": 64},
+    })
+}
+
+fn with(extra: Value) -> Value {
+    let mut doc = base();
+    merge(&mut doc, extra);
+    doc
+}
+
+fn pd_node_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    // target/<profile>/deps/pd_processes-<hash> -> target/<profile>/examples/pd_node
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test executable sits in target/<profile>/deps")
+        .join("examples")
+        .join(format!("pd_node{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} is missing: these tests run the pd_node example, which `cargo test` builds with \
+         the examples; run `cargo build --example pd_node` (same profile and target dir) first",
+        bin.display()
+    );
+    bin
+}
+
+/// One engine process. Dropping it kills the process (a failing test leaves none behind).
+struct Node {
+    name: &'static str,
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    /// Every stdout line read so far (stderr lines prefixed `stderr:`), in order.
+    seen: Vec<String>,
+    endpoint: String,
+}
+
+impl Node {
+    fn start(name: &'static str, role: &str, params: Value, peer: Option<&str>) -> Node {
+        let mut cmd = Command::new(pd_node_binary());
+        cmd.args(["--role", role, "--model"])
+            .arg(common::fixture("flash-like/hf-f32"))
+            .args(["--params", &params.to_string()]);
+        if let Some(p) = peer {
+            cmd.args(["--peer", p]);
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn pd_node");
+        let (tx, lines) = channel();
+        let forward = |stream: Box<dyn Read + Send>, prefix: &'static str| {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines() {
+                    let Ok(line) = line else { return };
+                    if tx.send(format!("{prefix}{line}")).is_err() {
+                        return;
+                    }
+                }
+            });
+        };
+        forward(Box::new(child.stdout.take().unwrap()), "");
+        forward(Box::new(child.stderr.take().unwrap()), "stderr: ");
+        let stdin = child.stdin.take().unwrap();
+        let mut node = Node {
+            name,
+            child,
+            stdin,
+            lines,
+            seen: Vec::new(),
+            endpoint: String::new(),
+        };
+        let line = node.wait_line(Duration::from_secs(20), |l| l.starts_with("endpoint "));
+        node.endpoint = line["endpoint ".len()..].to_string();
+        node
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    fn send(&mut self, command: &str) {
+        writeln!(self.stdin, "{command}")
+            .and_then(|()| self.stdin.flush())
+            .unwrap_or_else(|e| panic!("{}: cannot send {command:?}: {e}", self.name));
+    }
+
+    /// Reads lines until `done` holds over every line seen so far; fails after `timeout`.
+    fn wait_until(&mut self, timeout: Duration, what: &str, done: impl Fn(&[String]) -> bool) {
+        let deadline = Instant::now() + timeout;
+        while !done(&self.seen) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(e) => panic!(
+                    "{}: {what}: {} after {timeout:?}; its output:\n{}",
+                    self.name,
+                    match e {
+                        RecvTimeoutError::Timeout => "still not there",
+                        RecvTimeoutError::Disconnected => "the process exited",
+                    },
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// The first line (seen before or read now) matching `want`.
+    fn wait_line(&mut self, timeout: Duration, want: impl Fn(&str) -> bool) -> String {
+        self.wait_until(timeout, "a line", |seen| seen.iter().any(|l| want(l)));
+        self.seen.iter().find(|l| want(l)).unwrap().clone()
+    }
+
+    /// Submits room `room` and waits for it to be accepted.
+    fn submit(&mut self, room: u64, max_new: u32, prompt: &[u32]) {
+        let tokens: Vec<String> = prompt.iter().map(u32::to_string).collect();
+        self.send(&format!("submit {room} {max_new} {}", tokens.join(",")));
+        let (ok, no) = (format!("accepted {room} "), format!("refused {room} "));
+        let line = self.wait_line(Duration::from_secs(10), |l| {
+            l.starts_with(&ok) || l.starts_with(&no)
+        });
+        assert!(line.starts_with(&ok), "{}: {line}", self.name);
+    }
+
+    /// The room's terminal line (`finished <room> ...` or `error <room> ...`), if seen.
+    fn end_of(&self, room: u64) -> Option<&String> {
+        let (f, e) = (format!("finished {room} "), format!("error {room} "));
+        self.seen
+            .iter()
+            .find(|l| l.starts_with(&f) || l.starts_with(&e))
+    }
+
+    fn wait_ends(&mut self, rooms: &[u64], timeout: Duration) {
+        let rooms = rooms.to_vec();
+        self.wait_until(timeout, &format!("the ends of rooms {rooms:?}"), |seen| {
+            rooms.iter().all(|r| {
+                let (f, e) = (format!("finished {r} "), format!("error {r} "));
+                seen.iter().any(|l| l.starts_with(&f) || l.starts_with(&e))
+            })
+        });
+    }
+
+    fn tokens(&self, room: u64) -> Vec<u32> {
+        let head = format!("token {room} ");
+        self.seen
+            .iter()
+            .filter_map(|l| l.strip_prefix(&head))
+            .map(|t| t.parse().unwrap())
+            .collect()
+    }
+
+    /// `(pages, slots)` in use after flushing the device cache.
+    fn usage(&mut self) -> (usize, usize) {
+        let before = self.seen.len();
+        self.send("usage");
+        self.wait_until(Duration::from_secs(10), "usage", |seen| {
+            seen[before..].iter().any(|l| l.starts_with("usage "))
+        });
+        let line = self.seen[before..]
+            .iter()
+            .find(|l| l.starts_with("usage "))
+            .unwrap();
+        let field = |key: &str| -> usize {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+        };
+        (field("pages="), field("slots="))
+    }
+
+    /// Freezes the process (SIGSTOP): it holds its connections open and answers nothing.
+    fn stop(&self) {
+        let status = Command::new("kill")
+            .args(["-STOP", &self.pid()])
+            .status()
+            .expect("run kill -STOP");
+        assert!(status.success(), "kill -STOP {}", self.pid());
+    }
+
+    /// SIGKILL, and waits for the process to be gone.
+    fn kill(&mut self) {
+        self.child.kill().expect("kill -9");
+        self.child.wait().expect("reap");
+    }
+
+    /// `quit`, and waits (bounded) for a clean exit.
+    fn quit(mut self) {
+        self.send("quit");
+        self.wait_line(Duration::from_secs(15), |l| l == "bye");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "{}: exit status {status}", self.name);
+                return;
+            }
+            assert!(Instant::now() < deadline, "{}: did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Submits rooms to the decode only (the prefill has no request for them yet), then a probe
+/// room to both, and waits for the probe to go through. The probe's claim went out after
+/// theirs on the same connection, and its ACK after that: once the prefill reports the probe
+/// TRANSFERRED, every earlier room is claimed on the decode, bound to the connection, and its
+/// claim is held early on the prefill.
+fn claim_early(p: &mut Node, d: &mut Node, rooms: &[(u64, &[u32])], probe: (u64, &[u32])) {
+    for &(room, prompt) in rooms {
+        d.submit(room, 4, prompt);
+    }
+    d.submit(probe.0, 2, probe.1);
+    p.submit(probe.0, 2, probe.1);
+    let t = Duration::from_secs(20);
+    p.wait_ends(&[probe.0], t);
+    d.wait_ends(&[probe.0], t);
+    assert_eq!(
+        p.end_of(probe.0).unwrap(),
+        &format!("finished {} Transferred", probe.0)
+    );
+    assert_eq!(
+        d.end_of(probe.0).unwrap(),
+        &format!("finished {} Length", probe.0)
+    );
+    for &(room, _) in rooms {
+        assert!(
+            d.end_of(room).is_none(),
+            "room {room} ended early: {:?}",
+            d.seen
+        );
+    }
+}
+
+/// Each room's line is an error for a lost peer (the connection went down with the rooms on
+/// it: neither a bootstrap timeout nor a refused connection).
+fn assert_lost_peer(node: &Node, rooms: &[u64]) {
+    for &room in rooms {
+        let end = node.end_of(room).unwrap();
+        assert!(
+            end.starts_with(&format!("error {room} KvTransfer "))
+                && end.contains("is gone")
+                && end.contains("peer_dead"),
+            "{}: room {room}: {end}",
+            node.name
+        );
+    }
+}
+
+#[test]
+fn a_prefill_and_a_decode_process_are_bit_equal_to_a_unified_engine() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let started = Instant::now();
+    let ids = common::ids("flash-like");
+    let lens = [3usize, 64, 129, 300];
+    let max_new = 10;
+    let want: HashMap<usize, Vec<u32>> = {
+        let unified = engine_with(base());
+        lens.iter()
+            .map(|&n| {
+                let id = unified.submit(exact(&ids[..n], max_new)).unwrap();
+                (n, tokens_of(&collect(&unified, &[id])[&id]))
+            })
+            .collect()
+    };
+    let mut p = Node::start("prefill", "prefill", base(), None);
+    let peer = p.endpoint.clone();
+    let mut d = Node::start("decode", "decode", base(), Some(&peer));
+    let rooms: Vec<u64> = (1..=lens.len() as u64).collect();
+    for (&room, &n) in rooms.iter().zip(&lens) {
+        p.submit(room, max_new, &ids[..n]);
+        d.submit(room, max_new, &ids[..n]);
+    }
+    d.wait_ends(&rooms, Duration::from_secs(30));
+    p.wait_ends(&rooms, Duration::from_secs(5));
+    for (&room, &n) in rooms.iter().zip(&lens) {
+        assert_eq!(
+            p.end_of(room).unwrap(),
+            &format!("finished {room} Transferred")
+        );
+        assert_eq!(
+            p.tokens(room),
+            Vec::<u32>::new(),
+            "the prefill emits no token"
+        );
+        assert_eq!(d.end_of(room).unwrap(), &format!("finished {room} Length"));
+        assert_eq!(d.tokens(room), want[&n], "prompt of {n} tokens");
+    }
+    assert_eq!(p.usage(), (0, 0));
+    assert_eq!(d.usage(), (0, 0));
+    d.quit();
+    p.quit();
+    eprintln!("bit-equal pair: {:.2} s", started.elapsed().as_secs_f64());
+}
+
+#[test]
+fn killing_the_prefill_ends_every_room_on_the_decode() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let started = Instant::now();
+    let ids = common::ids("flash-like");
+    // Dead after 3 missed 100 ms heartbeats; nothing else times out during the test.
+    let pd = with(
+        json!({"pd": {"heartbeat_interval_ms": 100, "heartbeat_misses": 3,
+                                "bootstrap_timeout_ms": 30000, "transfer_timeout_ms": 30000}}),
+    );
+    let mut p = Node::start("prefill", "prefill", pd.clone(), None);
+    let peer = p.endpoint.clone();
+    let mut d = Node::start("decode", "decode", pd, Some(&peer));
+    let rooms: Vec<(u64, &[u32])> = vec![
+        (1, &ids[..100]),
+        (2, &ids[..200]),
+        (3, &ids[..300]),
+        (4, &ids[..250]),
+    ];
+    claim_early(&mut p, &mut d, &rooms, (9, &ids[..5]));
+    let killed = Instant::now();
+    p.kill();
+    let room_ids: Vec<u64> = rooms.iter().map(|r| r.0).collect();
+    d.wait_ends(&room_ids, Duration::from_secs(3));
+    let took = killed.elapsed();
+    assert_lost_peer(&d, &room_ids);
+    assert_eq!(d.usage(), (0, 0), "the decode's pools after the failures");
+    d.quit();
+    eprintln!(
+        "prefill killed: decode rooms failed in {:.0} ms (test {:.2} s)",
+        took.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn killing_the_decode_ends_every_room_on_the_prefill() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let started = Instant::now();
+    let ids = common::ids("flash-like");
+    // The prefill declares a silent decode dead after 3 s: long enough for the test to give it
+    // its requests while the decode is frozen; the kill ends the connection well before.
+    let pd = |misses: u32| {
+        with(
+            json!({"pd": {"heartbeat_interval_ms": 100, "heartbeat_misses": misses,
+                           "bootstrap_timeout_ms": 30000, "transfer_timeout_ms": 30000}}),
+        )
+    };
+    let mut p = Node::start("prefill", "prefill", pd(30), None);
+    let peer = p.endpoint.clone();
+    let mut d = Node::start("decode", "decode", pd(3), Some(&peer));
+    let rooms: Vec<(u64, &[u32])> = vec![
+        (1, &ids[..100]),
+        (2, &ids[..200]),
+        (3, &ids[..300]),
+        (4, &ids[..250]),
+    ];
+    claim_early(&mut p, &mut d, &rooms, (9, &ids[..5]));
+    // Frozen, the decode acknowledges nothing: the prefill's rooms take their early claims
+    // and stay in flight until the kill. Rooms 1 and 2 get a second to compute their state
+    // and send it into the connection; rooms 3 and 4 are still computing at the kill.
+    d.stop();
+    p.submit(1, 4, rooms[0].1);
+    p.submit(2, 4, rooms[1].1);
+    std::thread::sleep(Duration::from_secs(1));
+    p.submit(3, 4, rooms[2].1);
+    p.submit(4, 4, rooms[3].1);
+    let killed = Instant::now();
+    d.kill();
+    let room_ids: Vec<u64> = rooms.iter().map(|r| r.0).collect();
+    p.wait_ends(&room_ids, Duration::from_secs(3));
+    let took = killed.elapsed();
+    assert_lost_peer(&p, &room_ids);
+    for room in [1, 2] {
+        let end = p.end_of(room).unwrap();
+        assert!(end.contains("phase transferring"), "{end}");
+    }
+    assert_eq!(p.usage(), (0, 0), "the prefill's pools after the failures");
+    p.quit();
+    eprintln!(
+        "decode killed: prefill rooms failed in {:.0} ms (test {:.2} s)",
+        took.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn a_frozen_prefill_is_dead_after_its_missed_heartbeats() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let started = Instant::now();
+    let ids = common::ids("flash-like");
+    let pd = with(
+        json!({"pd": {"heartbeat_interval_ms": 100, "heartbeat_misses": 3,
+                                "bootstrap_timeout_ms": 30000, "transfer_timeout_ms": 30000}}),
+    );
+    let mut p = Node::start("prefill", "prefill", pd.clone(), None);
+    let peer = p.endpoint.clone();
+    let mut d = Node::start("decode", "decode", pd, Some(&peer));
+    let rooms: Vec<(u64, &[u32])> = vec![(1, &ids[..100]), (2, &ids[..300])];
+    claim_early(&mut p, &mut d, &rooms, (9, &ids[..5]));
+    // SIGSTOP: the connection stays open, only the heartbeats stop.
+    let frozen = Instant::now();
+    p.stop();
+    d.wait_ends(&[1, 2], Duration::from_secs(3));
+    let took = frozen.elapsed();
+    for room in [1, 2] {
+        let end = d.end_of(room).unwrap();
+        assert!(
+            end.starts_with(&format!("error {room} KvTransfer "))
+                && end.contains("heartbeat intervals missed")
+                && end.contains("peer_dead"),
+            "room {room}: {end}"
+        );
+    }
+    // Dead once silent for 3 intervals of 100 ms, counted from the last heartbeat heard (at
+    // most an interval before the freeze).
+    assert!(took >= Duration::from_millis(200), "dead after {took:?}");
+    assert_eq!(d.usage(), (0, 0), "the decode's pools after the failures");
+    p.kill();
+    d.quit();
+    eprintln!(
+        "prefill frozen: decode rooms failed in {:.0} ms (test {:.2} s)",
+        took.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64()
+    );
+}
