@@ -137,6 +137,9 @@ struct Table {
     early: HashMap<u64, EarlyClaim>,
     /// Ended rooms: when, and how (a claim for one is answered at once).
     ended: HashMap<u64, (Instant, String)>,
+    /// Decode: rooms whose state landed, while their request decodes: (request, link). A FAIL
+    /// from the prefill still ends the request (an abort there after the bytes were sent).
+    landed: HashMap<u64, (u64, u64)>,
     /// Prefill: rooms the decode failed (aborted) before their request came here: the request
     /// fails as soon as it does.
     failed_early: HashMap<u64, (Instant, Failure)>,
@@ -278,7 +281,7 @@ impl Node {
     ) -> Result<()> {
         let inner = &self.inner;
         let mut t = inner.table();
-        if t.rooms.contains_key(&room) {
+        if t.rooms.contains_key(&room) || t.landed.contains_key(&room) {
             return Err(Error::invalid_argument(format!(
                 "pd_room {room} is already in use by a live request on this engine: the router \
                  must give each request its own room"
@@ -445,6 +448,9 @@ impl Node {
             if let Some(link) = r.link.and_then(|l| t.links.get(&l)) {
                 link.send(wire::encode(Kind::Ack, room, &[]));
             }
+            if let Some(l) = r.link {
+                t.landed.insert(room, (r.request_id, l));
+            }
             let bytes = r.incoming.as_ref().map_or(0, |i| i.received);
             let secs = r.claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
             let s = &mut t.stats;
@@ -462,6 +468,7 @@ impl Node {
     pub fn close(&self, room: u64, why: Option<(FailReason, String)>) {
         let inner = &self.inner;
         let mut t = inner.table();
+        t.landed.remove(&room);
         let live = t.rooms.get(&room).is_some_and(|r| !r.state.is_final());
         match why {
             Some((reason, message)) if live => {
@@ -1064,6 +1071,8 @@ impl Inner {
                 t.by_peer.remove(&link.peer);
             }
             t.early.retain(|_, e| e.link != link.id);
+            // Landed rooms have their state: the peer going away no longer matters to them.
+            t.landed.retain(|_, l| l.1 != link.id);
             let rooms: Vec<u64> = t
                 .rooms
                 .iter()
@@ -1126,6 +1135,29 @@ impl Inner {
                         message: "an unreadable FAIL frame".into(),
                     });
                     t.failed_early.insert(room, (Instant::now(), f));
+                }
+                (Side::Decode, Kind::Fail)
+                    if t.landed.get(&room).is_some_and(|l| l.1 == link.id) =>
+                {
+                    let (request, _) = t.landed.remove(&room).expect("checked");
+                    let f: Failure = wire::parse(&frame).unwrap_or(Failure {
+                        reason: FailReason::Aborted,
+                        message: "an unreadable FAIL frame".into(),
+                    });
+                    let text = format!(
+                        "room {room} (request {request} on the decode {}, peer {}, phase done): \
+                         the prefill failed the room after its state landed: {} ({})",
+                        self.endpoint,
+                        link.peer,
+                        f.message,
+                        f.reason.label()
+                    );
+                    log::warn!("PD {text}");
+                    notices.push(Notice::Failed {
+                        room,
+                        request,
+                        error: Error::new(ErrorKind::KvTransfer, text),
+                    });
                 }
                 (_, Kind::Fail) if ours => {
                     let f: Failure = wire::parse(&frame).unwrap_or(Failure {
