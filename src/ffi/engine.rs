@@ -56,7 +56,8 @@ pub(super) unsafe fn engine_text(
 /// allocated. Errors: `DSV4_ERR_CONFIG` (params), `DSV4_ERR_IO` (files missing or unreadable),
 /// `DSV4_ERR_MODEL_FORMAT` (checkpoint problems, each tensor named), `DSV4_ERR_CAPACITY`,
 /// `DSV4_ERR_UNSUPPORTED` (valid params this build does not implement yet: backend cuda,
-/// prefill/decode roles, tp/ep > 1).
+/// tp/ep > 1). A prefill or decode engine (`role`) also binds `pd.listen`: `DSV4_ERR_CONFIG`
+/// when it cannot (the port is taken, the address is not on this host).
 ///
 /// # Safety
 /// `params_json` is a NUL-terminated string; `out` is valid for one pointer write.

@@ -422,9 +422,12 @@ unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
 /// refused at once with nothing allocated and no event: `DSV4_ERR_INVALID_ARGUMENT` (bad
 /// fields, each named), `DSV4_ERR_CAPACITY` (longer than `kv.max_context_tokens` or than the
 /// pools can ever hold), `DSV4_ERR_QUEUE_FULL` (`admission.max_queued_requests` or
-/// `admission.max_queued_tokens`; the message names the limit and the current queue),
-/// `DSV4_ERR_SHUTDOWN`. Everything the request points to is copied before returning.
-/// Every accepted request gets exactly one terminal event (FINISHED or ERROR).
+/// `admission.max_queued_tokens`; the message names the limit and the current queue; on a PD
+/// engine also `pd.max_rooms`), `DSV4_ERR_SHUTDOWN`. Everything the request points to is copied
+/// before returning. Every accepted request gets exactly one terminal event (FINISHED or
+/// ERROR). On a prefill engine that is FINISHED with `DSV4_FINISH_TRANSFERRED` once the decode
+/// engine has the request (no TOKEN events); a failed room ends it on both engines with ERROR
+/// `DSV4_ERR_KV_TRANSFER` or `DSV4_ERR_TIMEOUT` (docs/pd.md).
 /// `request->struct_size` below version 1 or above 1024: `DSV4_ERR_INVALID_ARGUMENT`. Only
 /// `struct_size` bytes are read; fields past them take their defaults, and bytes past the
 /// fields this library knows (a newer header) are ignored.

@@ -152,6 +152,19 @@ struct Table {
     stats: PdStats,
 }
 
+impl Table {
+    /// Counts room `room` transferred whole (`bytes` of state, claimed at `claimed_at`) and
+    /// remembers it ended so.
+    fn transferred(&mut self, room: u64, bytes: usize, claimed_at: Option<Instant>) {
+        let s = &mut self.stats;
+        s.transfers += 1;
+        s.bytes += bytes as u64;
+        s.seconds += claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
+        self.ended
+            .insert(room, (Instant::now(), "it was transferred".into()));
+    }
+}
+
 struct Inner {
     cfg: Config,
     endpoint: String,
@@ -452,13 +465,7 @@ impl Node {
                 t.landed.insert(room, (r.request_id, l));
             }
             let bytes = r.incoming.as_ref().map_or(0, |i| i.received);
-            let secs = r.claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
-            let s = &mut t.stats;
-            s.transfers += 1;
-            s.bytes += bytes as u64;
-            s.seconds += secs;
-            t.ended
-                .insert(room, (Instant::now(), "it was transferred".into()));
+            t.transferred(room, bytes, r.claimed_at);
         }
     }
 
@@ -1113,13 +1120,7 @@ impl Inner {
                     if let Some(mut r) = t.rooms.remove(&room) {
                         r.state = RoomState::Done;
                         let bytes = r.outgoing.as_ref().map_or(0, |o| o.1.len());
-                        let secs = r.claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
-                        let s = &mut t.stats;
-                        s.transfers += 1;
-                        s.bytes += bytes as u64;
-                        s.seconds += secs;
-                        t.ended
-                            .insert(room, (Instant::now(), "it was transferred".into()));
+                        t.transferred(room, bytes, r.claimed_at);
                         notices.push(Notice::Transferred {
                             room,
                             request: r.request_id,

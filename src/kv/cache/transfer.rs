@@ -33,15 +33,20 @@ impl<B: Backend> PrefixCache<B> {
         bytes: &[u8],
     ) -> Result<Request> {
         let pages = state::check_import(&self.pools, state, bytes)?;
-        // Evicting cannot make a slot free.
+        self.free_pages_for_import(pages);
+        let kv = state::import(&mut self.pools, state, bytes)?;
+        self.stats.requests += 1;
+        Ok(Self::imported(kv, salt, prompt_len))
+    }
+
+    /// Evicts cached prefixes until `pages` pages are free (when a slot is: evicting cannot
+    /// free one, so without a slot the import fails anyway).
+    fn free_pages_for_import(&mut self, pages: usize) {
         if pages > self.pools.page_allocator().free_count()
             && self.pools.slot_allocator().free_count() > 0
         {
             self.evict_until(|pools| pools.page_allocator().free_count() >= pages);
         }
-        let kv = state::import(&mut self.pools, state, bytes)?;
-        self.stats.requests += 1;
-        Ok(Self::imported(kv, salt, prompt_len))
     }
 
     fn imported(kv: crate::kv::pools::SeqKv, salt: Option<&str>, prompt_len: usize) -> Request {
@@ -64,11 +69,7 @@ impl<B: Backend> PrefixCache<B> {
     /// does not fit now.
     pub fn reserve_import(&mut self, salt: Option<&str>, prompt_len: usize) -> Result<Request> {
         let pages = self.pools.pages_for(prompt_len);
-        if pages > self.pools.page_allocator().free_count()
-            && self.pools.slot_allocator().free_count() > 0
-        {
-            self.evict_until(|pools| pools.page_allocator().free_count() >= pages);
-        }
+        self.free_pages_for_import(pages);
         let kv = state::open_destination(&mut self.pools, prompt_len, pages)?;
         self.stats.requests += 1;
         Ok(Self::imported(kv, salt, prompt_len))
