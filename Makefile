@@ -17,7 +17,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-compare fuzz
+.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-compare fuzz
 
 all: lib
 
@@ -128,6 +128,11 @@ bench-prefix: deps
 # latency, queue length and RSS over time.
 bench-overload: deps
 	$(CARGO) run --release --example bench_overload
+
+# Prefill + decode over loopback against a unified engine on the same requests; the state bytes
+# moved against raw TCP.
+bench-pd: deps
+	$(CARGO) run --release --example bench_pd
 
 # Speed across commits on this machine: builds each commit in REVS and runs bench_forward,
 # bench_prefix and bench_overload round-robin ROUNDS times (3), printing medians and ratios to the
