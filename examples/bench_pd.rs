@@ -61,8 +61,7 @@ fn wait(engine: &Engine, ids: &[u64], want: FinishReason) -> usize {
     let mut good = 0;
     while !left.is_empty() {
         for e in engine.poll(256, Some(Duration::from_millis(50))).unwrap() {
-            if e.is_terminal() && left.remove(&e.request_id()) && e.finish_reason() == Some(want)
-            {
+            if e.is_terminal() && left.remove(&e.request_id()) && e.finish_reason() == Some(want) {
                 good += 1;
             }
         }
@@ -106,7 +105,10 @@ fn main() {
     let vocab = unified.vocab_size() as u32;
     let work = specs(requests, prompt, vocab);
     let start = Instant::now();
-    let ids: Vec<u64> = work.iter().map(|s| unified.submit(s.clone()).unwrap()).collect();
+    let ids: Vec<u64> = work
+        .iter()
+        .map(|s| unified.submit(s.clone()).unwrap())
+        .collect();
     assert_eq!(wait(&unified, &ids, FinishReason::Length), requests);
     let t_unified = start.elapsed().as_secs_f64();
     drop(unified);
