@@ -9,10 +9,18 @@
 //! Out, first: `endpoint <url>`. In, one command a line:
 //!   submit <room> <max_new> <tok,tok,...>   greedy, EOS suppressed (exactly max_new tokens)
 //!       -> accepted <room> <request_id> | refused <room> <ErrorKind> <message>
+//!   abort <room>   aborts the live request of that room (prints nothing: its `finished` or
+//!       `error` line follows as usual) | refused <room> <ErrorKind> <message>
 //!   usage   flushes the device cache -> usage pages=<n> slots=<n> snapshots=<n>
+//!   metrics   the PD gauges -> metrics prefill_bootstrap=<n> prefill_inflight=<n>
+//!       decode_prealloc=<n> decode_transfer=<n> pages_held=<n> early_claims=<n> peers=<n>
+//!       transfers=<n> failures=<n>   (the last two: kv_transfer requests and failures totals)
 //!   quit    (or end of input) aborts what is in flight and exits -> bye
 //! Events, as they come: `token <room> <id>`, `finished <room> <reason>`,
 //! `error <room> <ErrorKind> <message>`.
+//!
+//! `PD_NODE_LOG=warn|info|debug|trace` logs the library's records at that level and above to
+//! stderr (`<elapsed ms> <LEVEL> <target>: <message>`).
 
 use std::collections::HashMap;
 use std::io::{self, BufRead, Write};
@@ -25,7 +33,38 @@ use dsv4::engine::{Engine, EventKind, RequestSpec, SamplingParams, ShutdownMode}
 use dsv4::kv::cache::Tier;
 use serde_json::{json, Value};
 
+/// The library's log records on stderr, with the milliseconds since start.
+struct StderrLog(std::time::Instant);
+
+impl log::Log for StderrLog {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+
+    fn log(&self, r: &log::Record) {
+        if self.enabled(r.metadata()) {
+            eprintln!(
+                "{} {} {}: {}",
+                self.0.elapsed().as_millis(),
+                r.level(),
+                r.target(),
+                r.args().to_string().replace('\n', " ")
+            );
+        }
+    }
+
+    fn flush(&self) {}
+}
+
 fn main() {
+    if let Ok(level) = std::env::var("PD_NODE_LOG") {
+        if let Ok(level) = level.parse::<log::LevelFilter>() {
+            let logger = Box::leak(Box::new(StderrLog(std::time::Instant::now())));
+            if log::set_logger(logger).is_ok() {
+                log::set_max_level(level);
+            }
+        }
+    }
     if let Err(e) = run() {
         eprintln!("pd_node: {e}");
         std::process::exit(1);
@@ -191,6 +230,45 @@ fn run() -> Result<(), String> {
                 }
                 Err(e) => out.line(&format!("refused 0 InvalidArgument {e}")),
             },
+            ["abort", room] => {
+                let room: u64 = match num(room) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        out.line(&format!("refused 0 InvalidArgument abort <room>: {e}"));
+                        continue;
+                    }
+                };
+                let id = rooms
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .find_map(|(&id, &r)| (r == room).then_some(id));
+                match id.map(|id| engine.abort(id)) {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => out.line(&format!("refused {room} {:?} {e}", e.kind())),
+                    None => out.line(&format!(
+                        "refused {room} NotFound no live request has room {room}"
+                    )),
+                }
+            }
+            ["metrics"] => {
+                let m = engine.metrics();
+                let g = m.pd;
+                out.line(&format!(
+                    "metrics prefill_bootstrap={} prefill_inflight={} decode_prealloc={} \
+                     decode_transfer={} pages_held={} early_claims={} peers={} transfers={} \
+                     failures={}",
+                    g.prefill_bootstrap,
+                    g.prefill_inflight,
+                    g.decode_prealloc,
+                    g.decode_transfer,
+                    g.pages_held,
+                    g.early_claims,
+                    g.peers,
+                    m.kv_transfer.requests,
+                    m.kv_transfer.failures
+                ));
+            }
             ["usage"] => match engine.flush_cache(Tier::Device) {
                 Ok(u) => out.line(&format!(
                     "usage pages={} slots={} snapshots={}",

@@ -2,7 +2,8 @@
 //! stdin/stdout): a pair's tokens equal a unified engine's, and when one side is killed with
 //! SIGKILL while rooms are in flight, every room on the survivor ends with an error within the
 //! heartbeat deadline and its pools return to empty; a frozen (SIGSTOP) prefill is declared
-//! dead by its missed heartbeats.
+//! dead by its missed heartbeats; a room aborted mid-transfer on either side ends on the other
+//! with an `aborted` KV transfer error, and both sides' pools return to empty.
 //!
 //! The binary is the one `cargo test` builds with the examples (target/<profile>/examples/
 //! pd_node, next to this test's deps/ directory); a test fails when it is missing. After
@@ -216,6 +217,64 @@ impl Node {
         assert!(status.success(), "kill -STOP {}", self.pid());
     }
 
+    /// Thaws a process frozen by [`Self::stop`] (SIGCONT).
+    fn cont(&self) {
+        let status = Command::new("kill")
+            .args(["-CONT", &self.pid()])
+            .status()
+            .expect("run kill -CONT");
+        assert!(status.success(), "kill -CONT {}", self.pid());
+    }
+
+    /// `abort <room>`: aborts the room's live request (its end line follows as usual).
+    fn abort(&mut self, room: u64) {
+        self.send(&format!("abort {room}"));
+    }
+
+    /// The PD gauges (`metrics` command), by name.
+    fn metrics(&mut self) -> HashMap<String, u64> {
+        let before = self.seen.len();
+        self.send("metrics");
+        self.wait_until(Duration::from_secs(10), "metrics", |seen| {
+            seen[before..].iter().any(|l| l.starts_with("metrics "))
+        });
+        let line = self.seen[before..]
+            .iter()
+            .find(|l| l.starts_with("metrics "))
+            .unwrap();
+        line.split_whitespace()
+            .skip(1)
+            .map(|kv| {
+                let (k, v) = kv
+                    .split_once('=')
+                    .unwrap_or_else(|| panic!("{line:?}: {kv:?} is not key=value"));
+                (k.to_string(), v.parse().unwrap())
+            })
+            .collect()
+    }
+
+    /// Polls the PD gauges until `done` holds; fails after `timeout`.
+    fn wait_metrics(
+        &mut self,
+        timeout: Duration,
+        what: &str,
+        done: impl Fn(&HashMap<String, u64>) -> bool,
+    ) -> HashMap<String, u64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let m = self.metrics();
+            if done(&m) {
+                return m;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: {what}: not after {timeout:?}; metrics {m:?}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGKILL, and waits for the process to be gone.
     fn kill(&mut self) {
         self.child.kill().expect("kill -9");
@@ -240,6 +299,11 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A failing test shows what each process said (the failing wait shows one).
+            self.seen.extend(self.lines.try_iter());
+            eprintln!("--- {} output:\n{}", self.name, self.seen.join("\n"));
+        }
         if let Ok(None) = self.child.try_wait() {
             let _ = self.child.kill();
             let _ = self.child.wait();
@@ -253,9 +317,29 @@ impl Drop for Node {
 /// TRANSFERRED, every earlier room is claimed on the decode, bound to the connection, and its
 /// claim is held early on the prefill.
 fn claim_early(p: &mut Node, d: &mut Node, rooms: &[(u64, &[u32])], probe: (u64, &[u32])) {
+    claim_early_with(p, d, rooms, 4, probe);
+}
+
+/// [`claim_early`] with rooms of `max_new` tokens (their prefill requests must match).
+fn claim_early_with(
+    p: &mut Node,
+    d: &mut Node,
+    rooms: &[(u64, &[u32])],
+    max_new: u32,
+    probe: (u64, &[u32]),
+) {
     for &(room, prompt) in rooms {
-        d.submit(room, 4, prompt);
+        d.submit(room, max_new, prompt);
     }
+    // The claims are held early on the prefill and the link they came on is up there before
+    // any of its rooms has a state to send. (A room whose state is ready when its claim comes
+    // in on a link still being set up fails on the prefill as if the decode were gone, and
+    // the decode is never told: a race in pd::node's add_link, which adds the link to the
+    // table only after its reader started.)
+    let n = rooms.len() as u64;
+    p.wait_metrics(Duration::from_secs(10), "the early claims", |m| {
+        m["early_claims"] == n && m["peers"] == 1
+    });
     d.submit(probe.0, 2, probe.1);
     p.submit(probe.0, 2, probe.1);
     let t = Duration::from_secs(20);
@@ -462,6 +546,188 @@ fn a_frozen_prefill_is_dead_after_its_missed_heartbeats() {
     eprintln!(
         "prefill frozen: decode rooms failed in {:.0} ms (test {:.2} s)",
         took.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Both sides of the abort tests: nothing times out and neither side declares the other dead
+/// while the other is frozen for a second (each one's peer is dead after 50 missed 100 ms
+/// heartbeats, 5 s; a writer blocked on a frozen reader gives up after as long).
+fn abort_params() -> Value {
+    with(
+        json!({"pd": {"heartbeat_interval_ms": 100, "heartbeat_misses": 50,
+                        "bootstrap_timeout_ms": 30000, "transfer_timeout_ms": 30000}}),
+    )
+}
+
+/// A room both sides end, then both pools empty: the pair still works after an abort.
+fn one_more_room(p: &mut Node, d: &mut Node, room: u64, prompt: &[u32]) {
+    p.submit(room, 3, prompt);
+    d.submit(room, 3, prompt);
+    d.wait_ends(&[room], Duration::from_secs(10));
+    p.wait_ends(&[room], Duration::from_secs(5));
+    assert_eq!(
+        p.end_of(room).unwrap(),
+        &format!("finished {room} Transferred")
+    );
+    assert_eq!(d.end_of(room).unwrap(), &format!("finished {room} Length"));
+    assert_eq!(d.tokens(room).len(), 3);
+}
+
+#[test]
+fn aborting_on_the_prefill_mid_transfer_fails_the_room_on_the_decode() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let started = Instant::now();
+    let ids = common::ids("flash-like");
+    let mut p = Node::start("prefill", "prefill", abort_params(), None);
+    let peer = p.endpoint.clone();
+    let mut d = Node::start("decode", "decode", abort_params(), Some(&peer));
+    let prompt = &ids[..300];
+    // Long enough that a decode whose state landed before the FAIL is read is still decoding
+    // when it is.
+    let max_new = 200;
+    claim_early_with(&mut p, &mut d, &[(1, prompt)], max_new, (9, &ids[..5]));
+    // The decode, frozen, reads nothing: whatever the prefill sends stays in the connection,
+    // and the room waits on the prefill for the decode's ACK.
+    d.stop();
+    p.submit(1, max_new, prompt);
+    // Computed and handed to the room (its pages held while in flight), claimed: going out.
+    let m = p.wait_metrics(Duration::from_secs(5), "room 1 in flight", |m| {
+        m["prefill_inflight"] == 1 && m["pages_held"] > 0 && m["early_claims"] == 0
+    });
+    assert_eq!(m["prefill_bootstrap"], 0, "{m:?}");
+    // The link's writer gets the bytes into the socket (or as far as a frozen reader lets it).
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(p.end_of(1).is_none(), "room 1 ended early: {:?}", p.seen);
+    p.abort(1);
+    p.wait_ends(&[1], Duration::from_secs(3));
+    assert_eq!(p.end_of(1).unwrap(), "finished 1 Aborted");
+    assert!(p.tokens(1).is_empty(), "the prefill emits no token");
+    let m = p.metrics();
+    assert_eq!(
+        (m["prefill_inflight"], m["pages_held"]),
+        (0, 0),
+        "after the abort: {m:?}"
+    );
+    assert_eq!(p.usage(), (0, 0), "the prefill's pools after the abort");
+    // Thawed, the decode reads the state (all of it, or what went out before the abort) and
+    // then the FAIL: its request ends with the prefill's abort, whether the state landed
+    // first (it then emitted tokens) or not.
+    let thawed = Instant::now();
+    d.cont();
+    d.wait_ends(&[1], Duration::from_secs(5));
+    let took = thawed.elapsed();
+    let end = d.end_of(1).unwrap().clone();
+    assert!(
+        end.starts_with("error 1 KvTransfer ") && end.contains("aborted"),
+        "decode: {end}"
+    );
+    let landed = d.tokens(1).len();
+    assert!(
+        landed < max_new as usize,
+        "the decode finished room 1: {:?}",
+        d.seen
+    );
+    assert_eq!(d.usage(), (0, 0), "the decode's pools after the failure");
+    let m = d.metrics();
+    assert_eq!(
+        (m["decode_transfer"], m["pages_held"]),
+        (0, 0),
+        "decode: {m:?}"
+    );
+    let books = format!(
+        "prefill transfers={} failures={}, decode transfers={} failures={}",
+        p.metrics()["transfers"],
+        p.metrics()["failures"],
+        m["transfers"],
+        m["failures"]
+    );
+    one_more_room(&mut p, &mut d, 2, &ids[..130]);
+    assert_eq!(p.usage(), (0, 0));
+    assert_eq!(d.usage(), (0, 0));
+    d.quit();
+    p.quit();
+    eprintln!(
+        "aborted on the prefill: the decode's room failed {:.0} ms after the thaw, {landed} \
+         token(s) first ({end}; {books}) (test {:.2} s)",
+        took.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn aborting_on_the_decode_while_claimed_fails_the_room_on_the_prefill() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let started = Instant::now();
+    let ids = common::ids("flash-like");
+    let mut p = Node::start("prefill", "prefill", abort_params(), None);
+    let peer = p.endpoint.clone();
+    let mut d = Node::start("decode", "decode", abort_params(), Some(&peer));
+    let prompt = &ids[..300];
+    claim_early(&mut p, &mut d, &[(1, prompt)], (9, &ids[..5]));
+    let m = d.metrics();
+    assert_eq!(
+        (m["decode_transfer"], m["pages_held"] > 0),
+        (1, true),
+        "room 1 claimed on the decode: {m:?}"
+    );
+    // Frozen, the prefill reads nothing: the decode's FAIL waits in the connection.
+    p.stop();
+    let aborted = Instant::now();
+    d.abort(1);
+    d.wait_ends(&[1], Duration::from_secs(2));
+    let took = aborted.elapsed();
+    assert_eq!(d.end_of(1).unwrap(), "finished 1 Aborted");
+    assert!(d.tokens(1).is_empty());
+    assert_eq!(d.usage(), (0, 0), "the decode's pools after the abort");
+    let m = d.metrics();
+    assert_eq!(
+        (m["decode_transfer"], m["pages_held"]),
+        (0, 0),
+        "decode: {m:?}"
+    );
+    // The room's request reaches the prefill only now, with the FAIL already waiting: on the
+    // thaw it ends with the decode's abort (whichever the prefill reads first) and never
+    // transfers.
+    let tokens: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    p.send(&format!("submit 1 4 {}", tokens.join(",")));
+    let thawed = Instant::now();
+    p.cont();
+    p.wait_ends(&[1], Duration::from_secs(5));
+    let failed_in = thawed.elapsed();
+    assert!(
+        p.seen.iter().any(|l| l.starts_with("accepted 1 ")),
+        "{:?}",
+        p.seen
+    );
+    let end = p.end_of(1).unwrap().clone();
+    assert!(
+        end.starts_with("error 1 KvTransfer ") && end.contains("aborted"),
+        "prefill: {end}"
+    );
+    assert!(p.tokens(1).is_empty());
+    assert_eq!(p.usage(), (0, 0), "the prefill's pools after the failure");
+    let m = p.metrics();
+    assert_eq!(
+        (
+            m["prefill_inflight"],
+            m["prefill_bootstrap"],
+            m["early_claims"],
+            m["pages_held"]
+        ),
+        (0, 0, 0, 0),
+        "prefill: {m:?}"
+    );
+    one_more_room(&mut p, &mut d, 2, &ids[..130]);
+    assert_eq!(p.usage(), (0, 0));
+    assert_eq!(d.usage(), (0, 0));
+    d.quit();
+    p.quit();
+    eprintln!(
+        "aborted on the decode: finished there in {:.0} ms; the prefill's request failed {:.0} \
+         ms after the thaw ({end}) (test {:.2} s)",
+        took.as_secs_f64() * 1e3,
+        failed_in.as_secs_f64() * 1e3,
         started.elapsed().as_secs_f64()
     );
 }

@@ -16,11 +16,14 @@
         rid = engine.submit([0, 1234], user_tag=5)   # raises dsv4.QueueFull when refused
         engine.poll(timeout_s=1.0)               # events of submit()-ed requests
 
-    # Prefill/decode disaggregation (role = "prefill" / "decode"; such engines are still refused
-    # at create until the PD transport lands, so this is the interface only):
-    #   prefill.pd_endpoint()                    # "tcp://host:port"; InvalidArgument if unified
-    #   decode.submit(prompt, pd_room=7, pd_peer=endpoint)
-    #   a prefill request ends FINISHED with FinishReason.TRANSFERRED once decode has its KV
+    # Prefill/decode disaggregation (role = "prefill" / "decode", the "pd" params; the same
+    # request, with the same pd_room, goes to both engines):
+    #   endpoint = prefill.pd_endpoint()         # "tcp://host:port"; InvalidArgument if unified
+    #   prefill.submit(prompt, pd_room=7)
+    #   decode.generate(prompt, pd_room=7, pd_peer=endpoint)    # the tokens
+    #   the prefill request ends FINISHED with FinishReason.TRANSFERRED once decode has its KV;
+    #   a failed transfer ends a request with an ERROR event (generate(): KVTransferError, or
+    #   Timeout for a PD deadline)
 
 Failures raise a subclass of dsv4.Error carrying `.status` and `.message`. A value that its C
 type cannot hold (a token id beyond int32_t, a negative count, a NUL inside a string, ...) is
@@ -196,8 +199,7 @@ class Engine:
     def pd_endpoint(self):
         """The address PD peers reach this engine at, "tcp://host:port" (`pd.advertise`, else
         the address `pd.listen` bound): a prefill engine's endpoint is what decode requests
-        pass as `pd_peer`. InvalidArgument in the unified role, which has none (prefill and
-        decode engines are still refused at create until the PD transport lands)."""
+        pass as `pd_peer`. InvalidArgument in the unified role, which has none."""
         handle = self._live()
         return _read_text(lambda b, c, n: _lib.dsv4_pd_endpoint(handle, b, c, n))
 
