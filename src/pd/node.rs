@@ -153,6 +153,14 @@ struct Table {
 }
 
 impl Table {
+    fn count_failure(&mut self, reason: FailReason) {
+        let i = FailReason::ALL
+            .iter()
+            .position(|&x| x == reason)
+            .unwrap_or(0);
+        self.stats.failures[i] += 1;
+    }
+
     /// Counts room `room` transferred whole (`bytes` of state, claimed at `claimed_at`) and
     /// remembers it ended so.
     fn transferred(&mut self, room: u64, bytes: usize, claimed_at: Option<Instant>) {
@@ -641,10 +649,7 @@ impl Inner {
                 ));
             }
         }
-        t.stats.failures[FailReason::ALL
-            .iter()
-            .position(|&x| x == reason)
-            .unwrap_or(0)] += 1;
+        t.count_failure(reason);
         t.ended
             .insert(room, (Instant::now(), format!("it failed: {text}")));
         log::warn!("PD {text}");
@@ -905,14 +910,16 @@ impl Inner {
         peer: String,
         peer_interval: Duration,
     ) -> Option<Arc<Link>> {
+        // The table stays locked until the link is in it: its reader may hand over a claim
+        // (and a room then start sending on it) as soon as it starts. `closing` is read under
+        // the lock: a shutdown sets it before it finishes the links in the table, so a link
+        // added after that sweep (and never finished) cannot be.
+        let mut t = self.table();
         if self.closing.load(Ordering::SeqCst) {
             return None;
         }
-        let id = {
-            let mut t = self.table();
-            t.next_link += 1;
-            t.next_link
-        };
+        t.next_link += 1;
+        let id = t.next_link;
         let handler: Arc<dyn Handler> = Arc::new(LinkHandler(Arc::downgrade(self)));
         let mut threads = Vec::new();
         let link = Link::start(
@@ -928,7 +935,7 @@ impl Inner {
         self.threads().extend(threads);
         match link {
             Ok(link) => {
-                self.table().links.insert(id, link.clone());
+                t.links.insert(id, link.clone());
                 log::info!("PD: connected to {peer} (link {id})");
                 Some(link)
             }
@@ -1154,6 +1161,8 @@ impl Inner {
                         f.reason.label()
                     );
                     log::warn!("PD {text}");
+                    // It was counted as transferred when it landed; its request fails now.
+                    t.count_failure(f.reason);
                     notices.push(Notice::Failed {
                         room,
                         request,
