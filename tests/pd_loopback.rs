@@ -441,11 +441,11 @@ fn a_claimed_room_that_never_gets_its_state_times_out_on_the_decode() {
 
 #[test]
 fn heartbeats_keep_a_busy_link_alive() {
-    // Heartbeats every 20 ms, dead after 5 silent intervals, while two engines compute on a
+    // Heartbeats every 50 ms, dead after 6 silent intervals, while two engines compute on a
     // loaded machine and long prompts' states move: the peers never look dead. (That control
     // frames overtake bulk data is asserted exactly in the link's unit tests.)
     let ids = common::ids("flash-like");
-    let fast = json!({"pd": {"heartbeat_interval_ms": 20, "heartbeat_misses": 5}});
+    let fast = json!({"pd": {"heartbeat_interval_ms": 50, "heartbeat_misses": 6}});
     let p = prefill(fast.clone());
     let d = decode(fast);
     let endpoint = p.pd_endpoint().unwrap();
