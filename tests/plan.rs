@@ -324,9 +324,43 @@ fn plans_refuse_budgets_and_parallelism_that_cannot_work() {
     ] {
         assert!(e.message().contains(needle), "missing {needle:?}: {e}");
     }
-    // A GPU fraction with no GPU to read says how to plan offline.
+    // A GPU fraction with no GPU to read says why and how to plan offline.
     let e = plan_with(&params(json!({"backend": "cuda"})), flash(), &machine).unwrap_err();
-    assert!(e.message().contains("set `kv.device_total_bytes`"), "{e}");
+    assert!(e.message().contains("this probe reads no GPU"), "{e}");
+    assert!(e.message().contains("set `kv.device_memory_bytes`"), "{e}");
+    assert!(e.message().contains("`kv.device_total_bytes`"), "{e}");
+    // With a GPU, the driver's free memory: 0.9 × (free − weights), per rank.
+    struct WithGpu<'a>(&'a Machine, u64);
+    impl dsv4::plan::numa::MemoryProbe for WithGpu<'_> {
+        fn nodes(&self) -> Vec<dsv4::plan::numa::NodeMemory> {
+            self.0.nodes()
+        }
+        fn process_node(&self) -> Option<u32> {
+            self.0.process_node()
+        }
+        fn cgroup(&self) -> Option<(u64, u64)> {
+            self.0.cgroup()
+        }
+        fn gpu_free(&self, _: &[u32]) -> Result<(u64, String), String> {
+            Ok((self.1, "free memory of GPU 0 (a test H200, sm_90)".into()))
+        }
+    }
+    let free = 140u64 << 30;
+    let gpu = plan_with(
+        &params(json!({"backend": "cuda", "parallel": {"ep": 8}})),
+        flash(),
+        &WithGpu(&machine, free),
+    )
+    .unwrap();
+    let weights: u64 = gpu.weights.values().sum();
+    assert_eq!(gpu.budget.bytes, ((free - weights) as f64 * 0.9) as u64);
+    assert!(
+        gpu.budget
+            .source
+            .contains("free memory of GPU 0 (a test H200, sm_90)"),
+        "{}",
+        gpu.budget.source
+    );
     let ok = plan_with(
         &params(
             json!({"backend": "cuda", "kv": {"device_total_bytes": "141GB",

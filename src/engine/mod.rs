@@ -97,7 +97,7 @@ fn start_on_backend(params: &Params, plan: &Plan, shared: Arc<Shared>) -> Result
         // Refused before planning (`refuse_unbuilt`); kept exhaustive for when it lands.
         BackendKind::Cuda => Err(Error::new(
             ErrorKind::Unsupported,
-            "`backend` = cuda: the CUDA backend is not built yet; use cpu",
+            crate::backend::cuda::not_ready(&params.devices),
         )),
     }
 }
@@ -696,7 +696,7 @@ fn shutting_down() -> Error {
 fn refuse_unbuilt(p: &Params) -> Result<()> {
     let mut missing = Vec::new();
     if p.backend == BackendKind::Cuda {
-        missing.push("`backend` = cuda: the CUDA backend is not built yet; use cpu".to_string());
+        missing.push(crate::backend::cuda::not_ready(&p.devices));
     }
     if p.parallel.tp > 1 || p.parallel.ep > 1 {
         missing.push(

@@ -326,14 +326,18 @@ fn device_budget(
             };
             (free, "host memory available to this process".to_string())
         }
-        (Backend::Cuda, None) => {
-            return Err(Error::config(format!(
-                "`kv.device_memory_fraction`{} needs the GPU's memory size, which the planner \
-                 cannot read without the CUDA backend: set `kv.device_total_bytes` (e.g. \
-                 \"141GB\" for an H200) or `kv.device_memory_bytes`",
-                if stated { "" } else { " (default 0.9 on cuda)" }
-            )))
-        }
+        (Backend::Cuda, None) => match probe.gpu_free(&params.devices) {
+            Ok(found) => found,
+            Err(why) => {
+                return Err(Error::config(format!(
+                    "`kv.device_memory_fraction`{} needs the GPU's free memory, which the \
+                     driver could not tell ({}): set `kv.device_memory_bytes` (or \
+                     `kv.device_total_bytes`, e.g. \"141GB\" for an H200)",
+                    if stated { "" } else { " (default 0.9 on cuda)" },
+                    why.trim_start_matches("backend = cuda: ")
+                )))
+            }
+        },
     };
     let Some(usable) = total.checked_sub(weight_bytes).filter(|&u| u > 0) else {
         return Err(Error::config(format!(

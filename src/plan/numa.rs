@@ -26,6 +26,11 @@ pub trait MemoryProbe {
     fn process_node(&self) -> Option<u32>;
     /// `(limit, usage)` of the process's memory cgroup, when a limit is set.
     fn cgroup(&self) -> Option<(u64, u64)>;
+    /// Free memory of the first GPU in `devices` (empty: GPU 0) and a description of it, or
+    /// why it cannot be read (no driver, no device).
+    fn gpu_free(&self, _devices: &[u32]) -> std::result::Result<(u64, String), String> {
+        Err("this probe reads no GPU".into())
+    }
 }
 
 /// Reads this machine: hwloc for the topology, /sys and /proc for free memory.
@@ -58,6 +63,21 @@ impl Default for SystemProbe {
 }
 
 impl MemoryProbe for SystemProbe {
+    fn gpu_free(&self, devices: &[u32]) -> std::result::Result<(u64, String), String> {
+        let gpus =
+            crate::backend::cuda::probe::gpus(devices).map_err(|e| e.message().to_string())?;
+        let g = &gpus[0];
+        Ok((
+            g.free_bytes,
+            format!(
+                "free memory of GPU {} ({}, {})",
+                g.ordinal,
+                g.name,
+                g.arch()
+            ),
+        ))
+    }
+
     fn nodes(&self) -> Vec<NodeMemory> {
         let meminfo = read_kib_fields(Path::new("/proc/meminfo"), "");
         let system_total = meminfo.get("MemTotal").copied();

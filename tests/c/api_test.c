@@ -197,7 +197,8 @@ static void test_engine(void) {
                                     "\"indexer_dtype\": \"f32\"}}",
                                     &engine),
                  DSV4_ERR_UNSUPPORTED);
-    CHECK(strstr(dsv4_last_error(), "CUDA backend is not built yet") != NULL);
+    CHECK(strstr(dsv4_last_error(), "`backend` = cuda") != NULL);
+    CHECK(strstr(dsv4_last_error(), "use backend = cpu") != NULL);
     CHECK_STATUS(dsv4_engine_create(params, &engine), DSV4_OK);
     if (!engine) return;
 
