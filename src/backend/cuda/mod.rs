@@ -2,7 +2,10 @@
 //! loaded at run time, so the crate builds and runs without a toolkit; `probe` finds what this
 //! machine has before cudarc can panic.
 
+pub mod device;
 pub mod probe;
+
+pub use device::CudaBackend;
 
 /// Why an engine cannot run on CUDA on this machine yet: the first missing library, driver or
 /// device, with what provides it; else the part of the forward pass still to come.
