@@ -17,7 +17,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-compare fuzz
+.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-compare fuzz gpu-bundle
 
 all: lib
 
@@ -128,6 +128,12 @@ bench-prefix: deps
 # latency, queue length and RSS over time.
 bench-overload: deps
 	$(CARGO) run --release --example bench_overload
+
+# What the GPU machine runs (it has no Rust): gpu-bundle/ with the stripped library, the GPU
+# check binaries and the shared libraries its image lacks. Then, there:
+# bash scripts/gpu-check.sh gpu-bundle
+gpu-bundle: deps
+	bash scripts/gpu_bundle.sh
 
 # Prefill + decode over loopback against a unified engine on the same requests; the state bytes
 # moved against raw TCP.
