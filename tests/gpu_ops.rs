@@ -190,7 +190,63 @@ fn ops_still_to_come_are_refused_by_name(g: &CudaBackend, _: &CpuBackend) -> Res
     }
 }
 
+/// The test fixture (a tiny DeepSeek V4 with every layer kind), from the repo root or the
+/// crate's directory.
+fn fixture() -> std::path::PathBuf {
+    let here = std::path::Path::new("tests/fixtures/flash-like/hf-f32");
+    if here.exists() {
+        here.to_path_buf()
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(here)
+    }
+}
+
+fn weights_upload_and_pools_match_the_plan(g: &CudaBackend, c: &CpuBackend) -> Result<(), String> {
+    use dsv4::config::model::ModelConfig;
+    use dsv4::config::params::{Params, WeightDtype};
+    use dsv4::kv::KvPools;
+    use dsv4::model::Model;
+    let dir = fixture();
+    let config = ModelConfig::load(&dir).map_err(e)?;
+    // The backends are shared with the model and the pools (Arc), as in an engine; these
+    // wrap fresh handles on the same GPU and CPU.
+    let gpu = Arc::new(CudaBackend::new(g.gpu.ordinal).map_err(e)?);
+    let cpu = Arc::new(CpuBackend::new(2).map_err(e)?);
+    let _ = c;
+    let on_gpu = Model::load(&dir, config.clone(), gpu.clone(), WeightDtype::F32).map_err(e)?;
+    let on_cpu = Model::load(&dir, config.clone(), cpu.clone(), WeightDtype::F32).map_err(e)?;
+    for key in ["parameters", "bytes_by_dtype", "mtp_layers_loaded"] {
+        if on_gpu.info()[key] != on_cpu.info()[key] {
+            return Err(format!(
+                "{key}: gpu {} cpu {}",
+                on_gpu.info()[key],
+                on_cpu.info()[key]
+            ));
+        }
+    }
+    let params = Params::from_value(&serde_json::json!({
+        "model_path": dir.to_str().unwrap(),
+        "kv": {"device_memory_bytes": "24MiB", "max_running_requests": 8, "page_size": 128}
+    }))
+    .map_err(e)?;
+    let plan = dsv4::plan::plan(&params).map_err(e)?;
+    let gp = KvPools::new(gpu, &plan).map_err(e)?;
+    let cp = KvPools::new(cpu, &plan).map_err(e)?;
+    let sizes = |r: Vec<dsv4::kv::regions::PoolRegion>| -> Vec<(String, usize)> {
+        r.iter().map(|r| (format!("{:?}", r.pool), r.len)).collect()
+    };
+    let (gs, cs) = (sizes(gp.regions()), sizes(cp.regions()));
+    if gs != cs {
+        return Err(format!("pool sizes: gpu {gs:?} cpu {cs:?}"));
+    }
+    Ok(())
+}
+
 const CHECKS: &[(&str, Check)] = &[
+    (
+        "weights_upload_and_pools_match_the_plan",
+        weights_upload_and_pools_match_the_plan,
+    ),
     (
         "tensors_and_indices_round_trip",
         tensors_and_indices_round_trip,
