@@ -9,6 +9,7 @@
 //!   take that sequence's row range within the batch.
 
 pub mod cpu;
+pub mod cuda;
 pub mod tier;
 pub mod weights;
 

@@ -1,0 +1,2 @@
+pub mod nvrtc;
+pub mod sources;
