@@ -2,9 +2,10 @@
 #   make demo    the built-in tiny DeepSeek V4 model serving an agentic workload on the CPU
 #                backend (HiCache on, small device pool): latencies, cache tiers, Prometheus;
 #                first the memory plans of a V4-Flash prefill node, HiCache by ratio and by size
-#   make test    everything: fmt, clippy, Rust tests, header freshness, install + CMake/ctest,
-#                the C tests under valgrind, pkg-config build, pytest
-# Other targets: lib, header, install PREFIX=..., stress (a minute of concurrent load, then the
+#   make test    everything: the CUDA kernels through NVRTC, fmt, clippy, Rust tests, header
+#                freshness, install + CMake/ctest, the C tests under valgrind, pkg-config
+#                build, pytest
+# Other targets: lib, header, install PREFIX=..., kernels-check, stress (a minute of concurrent load, then the
 # books), fuzz (AFL++ on the params, config.json and safetensors-header parsers), clean.
 
 CARGO   ?= cargo
@@ -17,7 +18,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-compare fuzz gpu-bundle
+.PHONY: all deps venv lib header install demo test kernels-check test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-compare fuzz gpu-bundle
 
 all: lib
 
@@ -58,8 +59,21 @@ demo: lib
 	@$(CARGO) build --quiet --release --example demo
 	@$(REL)/examples/demo
 
-test: deps test-rust test-c test-valgrind test-pkgconfig test-python
+test: deps kernels-check test-rust test-c test-valgrind test-pkgconfig test-python
 	@echo "make test: all passed"
+
+# Compiles every CUDA kernel in kernels/ with NVRTC for sm_90 and sm_100, as the CUDA backend
+# does at run time (no GPU or CUDA toolkit needed): one line per file and architecture, then
+# `kernels: N compiled for sm_90, sm_100`. Installs the CUDA 13 NVRTC wheel into .venv first.
+NVRTC_WHEEL := nvidia-cuda-nvrtc==13.0.*
+NVRTC_GLOB  := $(VENV)/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13
+kernels-check: venv
+	@lib=$$(ls $(NVRTC_GLOB) 2>/dev/null | head -n1); \
+	if [ -z "$$lib" ]; then \
+	    $(VENV)/bin/python -m pip install -q --disable-pip-version-check "$(NVRTC_WHEEL)" || exit 1; \
+	    lib=$$(ls $(NVRTC_GLOB) | head -n1); \
+	fi; \
+	DSV4_NVRTC_PATH="$$lib" $(CARGO) run --quiet --example kernels_check -- sm_90 sm_100
 
 # `cargo test` builds the examples before any test runs: tests/pd_processes.rs runs pd_node.
 test-rust: deps

@@ -3,7 +3,10 @@
 //! machine has before cudarc can panic.
 
 pub mod device;
+
+pub mod nvrtc;
 pub mod probe;
+pub mod sources;
 
 pub use device::CudaBackend;
 
