@@ -3,6 +3,7 @@
 //! machine has before cudarc can panic.
 
 pub mod device;
+pub mod launch;
 
 pub mod nvrtc;
 pub mod probe;

@@ -113,6 +113,11 @@ pub static SOURCES: &[KernelSource] = &[
         source: include_str!("../../../kernels/router.cu"),
         entries: &[per_row("moe_route")],
     },
+    KernelSource {
+        file: "tensor.cu",
+        source: include_str!("../../../kernels/tensor.cu"),
+        entries: &[grid("add_f32"), grid("copy_cols"), grid("gather_rows")],
+    },
 ];
 
 /// The file that defines entry point `name`.
