@@ -387,6 +387,8 @@ pub fn kv_round_trip(x: u64, rows: usize, width: usize, codec: RowCodec) -> Resu
 
 /// Converts stored rows `row0 .. row0 + rows` of one weight part (`q` its bytes, `scales` its
 /// f32 block scales, both in device memory) into `out` (`[rows, cols]`, f32 or bf16 bits).
+/// For the float formats `q` points at the part's first row and `scales` is unused; `None`
+/// when the stored format already is the output's (a plain copy).
 #[allow(clippy::too_many_arguments)]
 pub fn dequant(
     format: WeightFormat,
@@ -397,56 +399,32 @@ pub fn dequant(
     rows: usize,
     cols: usize,
     bf16_out: bool,
-) -> Launch {
+) -> Option<Launch> {
     let n = rows * cols;
     let (row0, rows_, cols_) = (i64_of(row0), i64_of(rows), i64_of(cols));
-    match format {
-        WeightFormat::Fp8E4m3 { block } => grid(
-            if bf16_out {
-                "dequant_fp8_bf16"
-            } else {
-                "dequant_fp8_f32"
-            },
-            n,
-            vec![
-                Arg::Ptr(q),
-                Arg::Ptr(scales),
-                Arg::Ptr(out),
-                Arg::I64(row0),
-                Arg::I64(rows_),
-                Arg::I64(cols_),
-                Arg::I64(i64_of(block[0])),
-                Arg::I64(i64_of(block[1])),
-            ],
-        ),
-        WeightFormat::Fp4E2m1 { block } => grid(
-            if bf16_out {
-                "dequant_fp4_bf16"
-            } else {
-                "dequant_fp4_f32"
-            },
-            n,
-            vec![
-                Arg::Ptr(q),
-                Arg::Ptr(scales),
-                Arg::Ptr(out),
-                Arg::I64(row0),
-                Arg::I64(rows_),
-                Arg::I64(cols_),
-                Arg::I64(i64_of(block)),
-            ],
-        ),
-        // The float formats: `q` already points at the part's first row.
-        WeightFormat::F32 | WeightFormat::Bf16 | WeightFormat::F16 => {
-            let kernel = match (format, bf16_out) {
-                (WeightFormat::F32, _) => "convert_f32_to_bf16",
-                (WeightFormat::Bf16, _) => "convert_bf16_to_f32",
-                (_, false) => "convert_f16_to_f32",
-                (_, true) => "convert_f16_to_bf16",
-            };
-            convert(kernel, q, out, n)
-        }
-    }
+    let blocked = |kernel, block: &[usize]| {
+        let mut args = vec![
+            Arg::Ptr(q),
+            Arg::Ptr(scales),
+            Arg::Ptr(out),
+            Arg::I64(row0),
+            Arg::I64(rows_),
+            Arg::I64(cols_),
+        ];
+        args.extend(block.iter().map(|&b| Arg::I64(i64_of(b))));
+        grid(kernel, n, args)
+    };
+    Some(match (format, bf16_out) {
+        (WeightFormat::Fp8E4m3 { block }, false) => blocked("dequant_fp8_f32", &block),
+        (WeightFormat::Fp8E4m3 { block }, true) => blocked("dequant_fp8_bf16", &block),
+        (WeightFormat::Fp4E2m1 { block }, false) => blocked("dequant_fp4_f32", &[block]),
+        (WeightFormat::Fp4E2m1 { block }, true) => blocked("dequant_fp4_bf16", &[block]),
+        (WeightFormat::F32, false) | (WeightFormat::Bf16, true) => return None,
+        (WeightFormat::F32, true) => convert("convert_f32_to_bf16", q, out, n),
+        (WeightFormat::Bf16, false) => convert("convert_bf16_to_f32", q, out, n),
+        (WeightFormat::F16, false) => convert("convert_f16_to_f32", q, out, n),
+        (WeightFormat::F16, true) => convert("convert_f16_to_bf16", q, out, n),
+    })
 }
 
 /// One of the `convert_*` kernels over `n` values.
@@ -576,8 +554,19 @@ mod tests {
             kv_write(1, 0, 2, &layout, 3, 0, 1).unwrap(),
             kv_read(1, 2, &layout, 3, 0, 1).unwrap(),
             kv_round_trip(1, 2, 72, layout.codec).unwrap().unwrap(),
-            dequant(WeightFormat::Fp4E2m1 { block: 32 }, 1, 2, 3, 0, 4, 64, true),
-            dequant(WeightFormat::F16, 1, 0, 3, 0, 4, 64, false),
+            dequant(WeightFormat::Fp4E2m1 { block: 32 }, 1, 2, 3, 0, 4, 64, true).unwrap(),
+            dequant(
+                WeightFormat::Fp8E4m3 { block: [128, 128] },
+                1,
+                2,
+                3,
+                0,
+                4,
+                64,
+                false,
+            )
+            .unwrap(),
+            dequant(WeightFormat::F16, 1, 0, 3, 0, 4, 64, false).unwrap(),
         ];
         for l in &launches {
             let source = source_of(l.kernel).unwrap_or_else(|| panic!("{} exists", l.kernel));
@@ -586,6 +575,10 @@ mod tests {
             assert_eq!(entry.launch == Kind::BlockPerRow, per_row, "{}", l.kernel);
         }
         assert_eq!(kv_round_trip(1, 2, 3, RowCodec::F32).unwrap(), None);
+        assert_eq!(dequant(WeightFormat::F32, 1, 0, 2, 0, 1, 1, false), None);
+        assert_eq!(dequant(WeightFormat::Bf16, 1, 0, 2, 0, 1, 1, true), None);
+        let l = dequant(WeightFormat::F32, 1, 0, 2, 0, 1, 1, true).unwrap();
+        assert_eq!(l.kernel, "convert_f32_to_bf16");
         let bad = RowLayout::<[u32]> {
             row_bytes: 10,
             ..layout
