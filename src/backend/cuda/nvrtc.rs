@@ -15,7 +15,7 @@
 //! --prec-sqrt=true`) so their arithmetic is the CPU backend's, operation for operation.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -33,7 +33,7 @@ pub const PACKAGE: &str = "nvidia-cuda-nvrtc";
 /// An explicit path to `libnvrtc.so.13`.
 pub const PATH_VAR: &str = "DSV4_NVRTC_PATH";
 /// A directory holding the CUDA 13 libraries (`libnvrtc.so.13` among them).
-pub const LIB_DIR_VAR: &str = "DSV4_CUDA_LIB_DIR";
+pub use super::probe::LIB_DIR_ENV as LIB_DIR_VAR;
 
 /// The NVRTC major version dsv4 is built against.
 const MAJOR: c_int = 13;
@@ -114,32 +114,8 @@ fn missing(location: &Location, problem: &str) -> Error {
     ))
 }
 
-/// The last `dlerror()` message.
-fn dl_error() -> String {
-    // SAFETY: dlerror returns null or a NUL-terminated string owned by libc, valid until the next
-    // dl* call on this thread; it is copied out at once.
-    unsafe {
-        let e = libc::dlerror();
-        if e.is_null() {
-            "unknown dlopen error".to_string()
-        } else {
-            CStr::from_ptr(e).to_string_lossy().into_owned()
-        }
-    }
-}
-
-/// `dlopen(name, RTLD_NOW | RTLD_GLOBAL)`; the handle is never closed (the library stays loaded
-/// for cudarc, which finds it by its soname).
 fn dl_open(name: &str) -> std::result::Result<*mut c_void, String> {
-    let c = CString::new(name).map_err(|_| format!("the path {name:?} contains a NUL byte"))?;
-    // SAFETY: `c` is a valid NUL-terminated string; loading a shared library runs its
-    // initialisers, which is what loading NVRTC means.
-    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if handle.is_null() {
-        Err(dl_error())
-    } else {
-        Ok(handle)
-    }
+    super::probe::dlopen_global(Path::new(name))
 }
 
 /// Opens `libnvrtc.so.13` at `location` and its builtins library, checks the symbols dsv4

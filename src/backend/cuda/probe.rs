@@ -40,17 +40,14 @@ pub const CUBLASLT: Library = Library {
 /// pip wheel's `site-packages/nvidia/cu13/lib`) when they are not on the loader's path.
 pub const LIB_DIR_ENV: &str = "DSV4_CUDA_LIB_DIR";
 
-/// Opens `lib` globally: from `dir` when given (so cudarc's later open by name finds the same
-/// library already loaded), else by its soname. The handle is kept open for the process.
-pub fn open(lib: Library, dir: Option<&Path>) -> std::result::Result<PathBuf, String> {
-    let path = match dir {
-        Some(d) => d.join(lib.soname),
-        None => PathBuf::from(lib.soname),
-    };
-    let c = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("{} contains a NUL byte", path.display()))?;
-    // SAFETY: `c` is a valid NUL-terminated path; dlopen has no other preconditions. The handle
-    // is deliberately never closed: the library stays loaded for cudarc's calls.
+/// `dlopen(name, RTLD_NOW | RTLD_GLOBAL)`, or dlerror's message. The handle is deliberately
+/// never closed: the library stays loaded for cudarc, which later opens it by its soname and
+/// finds this copy.
+pub fn dlopen_global(name: &Path) -> std::result::Result<*mut std::ffi::c_void, String> {
+    let c = CString::new(name.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{} contains a NUL byte", name.display()))?;
+    // SAFETY: `c` is a valid NUL-terminated path; loading a shared library runs its
+    // initialisers, which is what loading a CUDA library means.
     let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if handle.is_null() {
         // SAFETY: dlerror returns NULL or a valid C string owned by libc, read at once.
@@ -64,7 +61,17 @@ pub fn open(lib: Library, dir: Option<&Path>) -> std::result::Result<PathBuf, St
         };
         return Err(why);
     }
-    Ok(path)
+    Ok(handle)
+}
+
+/// Opens `lib` globally: from `dir` when given (so cudarc's later open by name finds the same
+/// library already loaded), else by its soname.
+pub fn open(lib: Library, dir: Option<&Path>) -> std::result::Result<PathBuf, String> {
+    let path = match dir {
+        Some(d) => d.join(lib.soname),
+        None => PathBuf::from(lib.soname),
+    };
+    dlopen_global(&path).map(|_| path)
 }
 
 /// The directory from [`LIB_DIR_ENV`], if set.
