@@ -386,7 +386,9 @@ pub fn kv_round_trip(x: u64, rows: usize, width: usize, codec: RowCodec) -> Resu
 }
 
 /// Converts stored rows `row0 .. row0 + rows` of one weight part (`q` its bytes, `scales` its
-/// f32 block scales, both in device memory) into `out` (`[rows, cols]`, f32 or bf16 bits).
+/// f32 block scales, both in device memory) into `out` (`[rows, cols]`, f32 or bf16 bits);
+/// `None` when the part is already stored in the wanted precision (F32 into f32, Bf16 into
+/// bf16: a plain copy, no kernel).
 #[allow(clippy::too_many_arguments)]
 pub fn dequant(
     format: WeightFormat,
@@ -397,10 +399,10 @@ pub fn dequant(
     rows: usize,
     cols: usize,
     bf16_out: bool,
-) -> Launch {
+) -> Option<Launch> {
     let n = rows * cols;
     let (row0, rows_, cols_) = (i64_of(row0), i64_of(rows), i64_of(cols));
-    match format {
+    Some(match format {
         WeightFormat::Fp8E4m3 { block } => grid(
             if bf16_out {
                 "dequant_fp8_bf16"
@@ -439,14 +441,15 @@ pub fn dequant(
         // The float formats: `q` already points at the part's first row.
         WeightFormat::F32 | WeightFormat::Bf16 | WeightFormat::F16 => {
             let kernel = match (format, bf16_out) {
-                (WeightFormat::F32, _) => "convert_f32_to_bf16",
-                (WeightFormat::Bf16, _) => "convert_bf16_to_f32",
+                (WeightFormat::F32, false) | (WeightFormat::Bf16, true) => return None,
+                (WeightFormat::F32, true) => "convert_f32_to_bf16",
+                (WeightFormat::Bf16, false) => "convert_bf16_to_f32",
                 (_, false) => "convert_f16_to_f32",
                 (_, true) => "convert_f16_to_bf16",
             };
             convert(kernel, q, out, n)
         }
-    }
+    })
 }
 
 /// One of the `convert_*` kernels over `n` values.
@@ -576,8 +579,8 @@ mod tests {
             kv_write(1, 0, 2, &layout, 3, 0, 1).unwrap(),
             kv_read(1, 2, &layout, 3, 0, 1).unwrap(),
             kv_round_trip(1, 2, 72, layout.codec).unwrap().unwrap(),
-            dequant(WeightFormat::Fp4E2m1 { block: 32 }, 1, 2, 3, 0, 4, 64, true),
-            dequant(WeightFormat::F16, 1, 0, 3, 0, 4, 64, false),
+            dequant(WeightFormat::Fp4E2m1 { block: 32 }, 1, 2, 3, 0, 4, 64, true).unwrap(),
+            dequant(WeightFormat::F16, 1, 0, 3, 0, 4, 64, false).unwrap(),
         ];
         for l in &launches {
             let source = source_of(l.kernel).unwrap_or_else(|| panic!("{} exists", l.kernel));

@@ -503,7 +503,7 @@ fn dequant_fp8_and_fp4_parts_to_f32_and_bf16_match_the_cpu() {
             out(&mut got_f32[row * cols..]),
             out(&mut got_bf16[row * cols..]),
         );
-        run(&launch::dequant(
+        run_some(launch::dequant(
             p.format,
             q,
             s,
@@ -513,7 +513,7 @@ fn dequant_fp8_and_fp4_parts_to_f32_and_bf16_match_the_cpu() {
             cols,
             false,
         ));
-        run(&launch::dequant(
+        run_some(launch::dequant(
             p.format,
             q,
             s,
@@ -551,7 +551,7 @@ fn float_weight_conversions_match_the_cpu() {
     let m = cpu.matrix(&w, Precision::Bf16).unwrap();
     let want = cpu.read(&cpu.embed(&m, &ids).unwrap()).unwrap();
     let mut got = vec![0u16; n];
-    run(&launch::dequant(
+    run_some(launch::dequant(
         WeightFormat::F32,
         at(&f32s),
         0,
@@ -568,7 +568,7 @@ fn float_weight_conversions_match_the_cpu() {
     for format in [WeightFormat::Bf16, WeightFormat::F16] {
         let w = WeightData::whole(format, &half_bytes, Vec::new(), rows, cols);
         let mut got = vec![0.0f32; n];
-        run(&launch::dequant(
+        run_some(launch::dequant(
             format,
             at(&halves),
             0,
@@ -584,7 +584,7 @@ fn float_weight_conversions_match_the_cpu() {
     let m = cpu.matrix(&w, Precision::Bf16).unwrap();
     let want = cpu.read(&cpu.embed(&m, &ids).unwrap()).unwrap();
     let mut got = vec![0u16; n];
-    run(&launch::dequant(
+    run_some(launch::dequant(
         WeightFormat::F16,
         at(&halves),
         0,
@@ -596,12 +596,22 @@ fn float_weight_conversions_match_the_cpu() {
     ));
     let widened: Vec<f32> = got.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
     assert_bits("f16 → bf16", &widened, &want);
+    // A part already in the wanted precision is a copy: no kernel (a conversion kernel would
+    // write the other width into `out`).
+    let none = |f, bf16| launch::dequant(f, 1, 0, 2, 0, rows, cols, bf16).is_none();
+    assert!(none(WeightFormat::F32, false) && none(WeightFormat::Bf16, true));
     // The raw values too (the CPU path above goes through f32 the same way).
     let direct: Vec<f32> = halves
         .iter()
         .map(|&h| bf16::from_f32(f16::from_bits(h).to_f32()).to_f32())
         .collect();
     assert_bits("f16 → bf16 (half)", &widened, &direct);
+}
+
+/// Runs a launch the planner must have produced.
+#[track_caller]
+fn run_some(launch: Option<launch::Launch>) {
+    run(&launch.expect("a conversion kernel"));
 }
 
 fn scoring_code(s: Scoring) -> i32 {
@@ -747,6 +757,31 @@ fn moe_route_top_k_matches_the_cpu_within_8_ulp() {
                 );
             }
         }
+    }
+    // Exact ties (equal logits score equally on both sides): the lower expert id first, as
+    // the CPU's stable sort orders them.
+    let (experts, top_k) = (9, 4);
+    let logits = [0.5f32, 3.0, 3.0, -1.0, 3.0, 0.5, 0.5, 3.0, 0.5];
+    for scoring in [Scoring::SqrtSoftplus, Scoring::Sigmoid, Scoring::Softmax] {
+        let t = cpu.tensor(&logits).unwrap();
+        let routing = cpu
+            .route(&RouteArgs {
+                logits: &t,
+                rows: 1,
+                experts,
+                top_k,
+                scoring,
+                normalize: true,
+                scale: 1.0,
+                kind: RouteKind::TopK { bias: None },
+            })
+            .unwrap();
+        let want = cpu.read_index(&routing.experts).unwrap();
+        assert_eq!(want, [1, 2, 4, 7], "the CPU's tie order");
+        let got = route_emulated(
+            &logits, None, None, 1, experts, top_k, scoring, true, 1.0, 0, 4,
+        );
+        assert_eq!(got.experts, want, "ties, {scoring:?}");
     }
     assert!(
         compared * 10 >= cases * 9,
