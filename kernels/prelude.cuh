@@ -13,8 +13,8 @@
 //
 // Only IEEE basic operations are used (kernels are compiled with --fmad=false --ftz=false
 // --prec-div=true --prec-sqrt=true), so the results equal the CPU's. The file also compiles as
-// host C++ (tests/prelude_host.rs defines DSV4_FN and the bit-cast shims first) so the
-// conversions are checked against the Rust ones without a GPU.
+// host C++ (src/backend/cuda/emulate.rs supplies the CUDA built-ins first) so every kernel is
+// checked against the CPU backend without a GPU.
 
 #ifndef DSV4_PRELUDE_CUH
 #define DSV4_PRELUDE_CUH

@@ -3,6 +3,8 @@
 //! machine has before cudarc can panic.
 
 pub mod device;
+#[cfg(test)]
+mod emulate;
 pub mod launch;
 
 pub mod nvrtc;
