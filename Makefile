@@ -6,7 +6,7 @@
 #                freshness, install + CMake/ctest, the C tests under valgrind, pkg-config
 #                build, pytest
 # Other targets: lib, header, install PREFIX=..., kernels-check, stress (a minute of concurrent load, then the
-# books), fuzz (AFL++ on the params, config.json and safetensors-header parsers), clean.
+# books), fuzz (AFL++ on the params, config.json and safetensors-header parsers and the PD frame decoder), clean.
 
 CARGO   ?= cargo
 PREFIX  ?= /usr/local

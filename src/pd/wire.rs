@@ -34,7 +34,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn from_u8(v: u8) -> Option<Self> {
+    pub fn from_u8(v: u8) -> Option<Self> {
         use Kind::*;
         Some(match v {
             1 => Hello,
@@ -51,7 +51,7 @@ impl Kind {
     }
 
     /// The largest payload a frame of this kind may have.
-    fn max_payload(self) -> usize {
+    pub fn max_payload(self) -> usize {
         match self {
             Kind::Data => DATA_CHUNK + 8,
             // A state header lists every region of a long sequence (tens of thousands).
@@ -166,10 +166,17 @@ pub fn write_all(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
     w.write_all(bytes)
 }
 
-/// Parses a JSON payload, naming the frame on failure.
-pub fn parse<'a, T: Deserialize<'a>>(frame: &'a Frame) -> Result<T, String> {
-    serde_json::from_slice(&frame.payload)
-        .map_err(|e| format!("a {:?} frame's payload is not valid: {e}", frame.kind))
+/// Parses a JSON payload and checks its lengths ([`super::limits`]), naming the frame on
+/// failure.
+pub fn parse<'a, T: Deserialize<'a> + super::limits::Bounded>(
+    frame: &'a Frame,
+) -> Result<T, String> {
+    let value: T = serde_json::from_slice(&frame.payload)
+        .map_err(|e| format!("a {:?} frame's payload is not valid: {e}", frame.kind))?;
+    value
+        .check()
+        .map_err(|e| format!("a {:?} frame's payload is out of bounds: {e}", frame.kind))?;
+    Ok(value)
 }
 
 /// Which side of the pipeline an engine is on.
