@@ -343,6 +343,13 @@ typedef struct {
     uint64_t kv_transfer_failures_mismatch_total;
     uint64_t kv_transfer_failures_checksum_total;
     uint64_t kv_transfer_failures_capacity_total;
+    /**
+     * PD rooms claimed: seconds from registration to claim, summed, and how many (prefill:
+     * waiting for the decode's claim; decode: waiting for destination pages). The buckets,
+     * and those of the transfer latency and bytes per room, are in the Prometheus exposition.
+     */
+    double kv_transfer_claim_wait_seconds_sum;
+    uint64_t kv_transfer_claim_wait_count;
 } dsv4_metrics;
 
 /**

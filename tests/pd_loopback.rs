@@ -125,6 +125,23 @@ fn a_prefill_decode_pair_is_bit_equal_to_a_unified_engine() {
     assert_eq!((mp.pd.pages_held, md.pd.pages_held), (0, 0));
     assert_eq!((mp.pd.peers, md.pd.peers), (1, 1));
     assert_eq!(mp.queued + md.queued, 0);
+    // Every room is observed once in each side's histograms; the rooms' bytes add up to the
+    // byte counter; a longer prompt never carries fewer bytes, so the nine rooms spread over
+    // more than one byte bucket.
+    for (m, side) in [(&mp, "prefill"), (&md, "decode")] {
+        assert_eq!(m.pd.side, side);
+        for h in [&m.transfer_latency, &m.transfer_bytes, &m.claim_wait] {
+            assert_eq!(h.count, room, "{side}");
+        }
+        assert_eq!(m.transfer_bytes.sum, m.kv_transfer.bytes as f64);
+        assert!(m.transfer_bytes.counts.iter().filter(|&&c| c > 0).count() >= 2);
+        assert!((m.transfer_latency.sum - m.kv_transfer.seconds).abs() < 1e-9);
+    }
+    let text = p.prometheus();
+    assert!(text.contains(&format!(
+        "dsv4_kv_transfer_claim_wait_seconds_count{{side=\"prefill\"}} {room}"
+    )));
+    assert!(!unified.prometheus().contains("kv_transfer_latency_seconds"));
 }
 
 /// Waits for the terminal event of each of `ids`, within `limit`.

@@ -22,6 +22,21 @@ pub const STEP_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 ];
 
+/// Bytes; PD state per room (64 KiB to 64 GiB, by fours).
+pub const BYTE_BUCKETS: &[f64] = &[
+    65536.0,
+    262144.0,
+    1048576.0,
+    4194304.0,
+    16777216.0,
+    67108864.0,
+    268435456.0,
+    1073741824.0,
+    4294967296.0,
+    17179869184.0,
+    68719476736.0,
+];
+
 /// A fixed-bucket histogram (Prometheus semantics: `le` upper bounds, +Inf implied).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Histogram {
@@ -179,6 +194,8 @@ pub struct KvTransfer {
 /// SGLang's for the same meaning.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PdGauges {
+    /// `"prefill"` or `"decode"`; empty in the unified role.
+    pub side: &'static str,
     /// Prefill: rooms waiting for the decode's claim.
     pub prefill_bootstrap: u64,
     /// Prefill: claimed rooms whose state is being computed or sent.
@@ -227,6 +244,10 @@ pub struct MetricsSnapshot {
     pub cache: CacheStats,
     pub kv_transfer: KvTransfer,
     pub pd: PdGauges,
+    /// PD rooms transferred: claim → done, state bytes, registration → claim.
+    pub transfer_latency: Histogram,
+    pub transfer_bytes: Histogram,
+    pub claim_wait: Histogram,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
@@ -275,6 +296,9 @@ impl Default for MetricsSnapshot {
             cache: CacheStats::default(),
             kv_transfer: KvTransfer::default(),
             pd: PdGauges::default(),
+            transfer_latency: Histogram::new(LATENCY_BUCKETS),
+            transfer_bytes: Histogram::new(BYTE_BUCKETS),
+            claim_wait: Histogram::new(LATENCY_BUCKETS),
             ttft: Histogram::new(LATENCY_BUCKETS),
             itl: Histogram::new(STEP_BUCKETS),
             e2e: Histogram::new(LATENCY_BUCKETS),

@@ -34,7 +34,7 @@ pub use event::{Event, EventCallback, EventKind, EventStats, FinishReason, Origi
 use inbox::Control;
 pub use metrics::{
     Histogram, KvTransfer, MetricsSnapshot, Outcome, PdGauges, PoolGauges, Rejection, Units,
-    LATENCY_BUCKETS, STEP_BUCKETS,
+    BYTE_BUCKETS, LATENCY_BUCKETS, STEP_BUCKETS,
 };
 pub use phase::Phase;
 pub use request::RequestSpec;
@@ -617,7 +617,14 @@ impl Engine {
                 seconds: s.seconds,
                 failures: s.failures.iter().sum(),
             };
+            m.transfer_latency = s.transfer_latency;
+            m.transfer_bytes = s.transfer_bytes;
+            m.claim_wait = s.claim_wait;
             let g = &mut m.pd;
+            g.side = match node.side() {
+                Side::Prefill => "prefill",
+                Side::Decode => "decode",
+            };
             if node.side() == Side::Prefill {
                 g.prefill_bootstrap = s.bootstrapping;
                 g.prefill_inflight = s.transferring;

@@ -285,6 +285,32 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
     for (name, help, h) in histograms {
         o.histogram(name, help, h);
     }
+    // PD engines only, labelled with their side, so one dashboard shows both ends of a
+    // transfer (the GB/s panel is rate(kv_transfer_bytes_total) / rate(kv_transfer_seconds_total)).
+    if !m.pd.side.is_empty() {
+        let side = [("side", m.pd.side)];
+        let pd: [(&str, &str, &Histogram); 3] = [
+            (
+                "kv_transfer_latency_seconds",
+                "PD rooms transferred: claim to done.",
+                &m.transfer_latency,
+            ),
+            (
+                "kv_transfer_room_bytes",
+                "PD rooms transferred: state bytes per room.",
+                &m.transfer_bytes,
+            ),
+            (
+                "kv_transfer_claim_wait_seconds",
+                "PD rooms claimed: registration to claim (prefill: waiting for the decode's \
+                 claim; decode: waiting for destination pages).",
+                &m.claim_wait,
+            ),
+        ];
+        for (name, help, h) in pd {
+            o.histogram_with(name, help, &side, h);
+        }
+    }
     out.text
 }
 
@@ -327,14 +353,24 @@ impl Exposition {
     }
 
     fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.histogram_with(name, help, &[], h);
+    }
+
+    /// A histogram family with `labels` on every sample (before `le`).
+    fn histogram_with(&mut self, name: &str, help: &str, labels: &[(&str, &str)], h: &Histogram) {
         self.header(name, help, "histogram");
         let bucket = format!("{name}_bucket");
         for (i, c) in h.cumulative().into_iter().enumerate() {
             let le = h.bounds.get(i).map_or("+Inf".to_string(), |b| number(*b));
-            self.sample(&bucket, &[("le", &le)], c as f64);
+            let with_le: Vec<(&str, &str)> = labels
+                .iter()
+                .copied()
+                .chain([("le", le.as_str())])
+                .collect();
+            self.sample(&bucket, &with_le, c as f64);
         }
-        self.sample(&format!("{name}_sum"), &[], h.sum);
-        self.sample(&format!("{name}_count"), &[], h.count as f64);
+        self.sample(&format!("{name}_sum"), labels, h.sum);
+        self.sample(&format!("{name}_count"), labels, h.count as f64);
     }
 }
 

@@ -119,6 +119,11 @@ pub struct dsv4_metrics {
     pub kv_transfer_failures_mismatch_total: u64,
     pub kv_transfer_failures_checksum_total: u64,
     pub kv_transfer_failures_capacity_total: u64,
+    /// PD rooms claimed: seconds from registration to claim, summed, and how many (prefill:
+    /// waiting for the decode's claim; decode: waiting for destination pages). The buckets,
+    /// and those of the transfer latency and bytes per room, are in the Prometheus exposition.
+    pub kv_transfer_claim_wait_seconds_sum: f64,
+    pub kv_transfer_claim_wait_count: u64,
 }
 
 // SAFETY: repr(C); integers and floats only.
@@ -192,8 +197,10 @@ assert_offsets!(dsv4_metrics {
 assert_offsets!(dsv4_metrics {
     num_prefill_bootstrap_queue_reqs: METRICS_V1,
     kv_transfer_failures_capacity_total: 608,
+    kv_transfer_claim_wait_seconds_sum: 616,
+    kv_transfer_claim_wait_count: 624,
 });
-const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == 616);
+const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == 632);
 const METRICS_SIZE: usize = std::mem::size_of::<dsv4_metrics>();
 /// `struct_size` is at most 4096 bytes: room for hundreds more fields, and an uninitialised
 /// field is caught.
@@ -277,6 +284,8 @@ fn to_c(m: &MetricsSnapshot) -> dsv4_metrics {
         kv_transfer_failures_mismatch_total: m.pd.failures[4],
         kv_transfer_failures_checksum_total: m.pd.failures[5],
         kv_transfer_failures_capacity_total: m.pd.failures[6],
+        kv_transfer_claim_wait_seconds_sum: m.claim_wait.sum,
+        kv_transfer_claim_wait_count: m.claim_wait.count,
     }
 }
 

@@ -20,6 +20,7 @@ use super::link::{spawn, Bulk, Handler, Link};
 use super::room::{FailReason, RoomState};
 use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
 use crate::config::params::Endpoint;
+use crate::engine::{Histogram, BYTE_BUCKETS, LATENCY_BUCKETS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::state::LayoutFingerprint;
 
@@ -71,8 +72,8 @@ pub struct Config {
     pub layout: LayoutFingerprint,
 }
 
-/// Counters and gauges for the metrics.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Counters, histograms and gauges for the metrics.
+#[derive(Debug, Clone, PartialEq)]
 pub struct PdStats {
     /// Rooms transferred whole (prefill: acknowledged; decode: landed).
     pub transfers: u64,
@@ -89,6 +90,31 @@ pub struct PdStats {
     pub peers: u64,
     /// Prefill: claims waiting for their request.
     pub early_claims: u64,
+    /// Claim → done of each transferred room (seconds).
+    pub transfer_latency: Histogram,
+    /// State bytes of each transferred room.
+    pub transfer_bytes: Histogram,
+    /// Registration → claim of each claimed room (seconds): on a prefill how long a room
+    /// waited for the decode's claim, on a decode how long it waited for its destination.
+    pub claim_wait: Histogram,
+}
+
+impl Default for PdStats {
+    fn default() -> Self {
+        Self {
+            transfers: 0,
+            bytes: 0,
+            seconds: 0.0,
+            failures: [0; 7],
+            bootstrapping: 0,
+            transferring: 0,
+            peers: 0,
+            early_claims: 0,
+            transfer_latency: Histogram::new(LATENCY_BUCKETS),
+            transfer_bytes: Histogram::new(BYTE_BUCKETS),
+            claim_wait: Histogram::new(LATENCY_BUCKETS),
+        }
+    }
 }
 
 /// Where a room's bytes stand on the decode.
@@ -108,6 +134,7 @@ struct Room {
     peer: Option<String>,
     link: Option<u64>,
     deadline: Instant,
+    registered_at: Instant,
     claimed_at: Option<Instant>,
     claim: Option<Claim>,
     /// Prefill: the state, once computed.
@@ -165,9 +192,12 @@ impl Table {
     /// remembers it ended so.
     fn transferred(&mut self, room: u64, bytes: usize, claimed_at: Option<Instant>) {
         let s = &mut self.stats;
+        let seconds = claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
         s.transfers += 1;
         s.bytes += bytes as u64;
-        s.seconds += claimed_at.map_or(0.0, |c| c.elapsed().as_secs_f64());
+        s.seconds += seconds;
+        s.transfer_latency.observe(seconds);
+        s.transfer_bytes.observe(bytes as f64);
         self.ended
             .insert(room, (Instant::now(), "it was transferred".into()));
     }
@@ -329,6 +359,7 @@ impl Node {
                 peer,
                 link: None,
                 deadline: Instant::now() + inner.cfg.bootstrap_timeout,
+                registered_at: Instant::now(),
                 claimed_at: None,
                 claim: None,
                 outgoing: None,
@@ -423,6 +454,9 @@ impl Node {
             let peer = r.peer.clone().unwrap_or_default();
             r.state = RoomState::Claimed;
             r.claimed_at = Some(now);
+            let waited = now.duration_since(r.registered_at);
+            t.stats.claim_wait.observe_duration(waited);
+            let r = t.rooms.get_mut(&room).expect("looked up above");
             r.deadline = now + inner.cfg.transfer_timeout;
             r.max_bytes = max_bytes;
             r.claim = Some(claim);
@@ -692,7 +726,9 @@ impl Inner {
         r.claimed_at = Some(now);
         r.deadline = now + self.cfg.transfer_timeout;
         r.claim = Some(claim);
-        if r.outgoing.is_some() {
+        let (waited, computed) = (now.duration_since(r.registered_at), r.outgoing.is_some());
+        t.stats.claim_wait.observe_duration(waited);
+        if computed {
             self.start_sending(t, room, notices);
         }
     }

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import dsv4
 
@@ -110,6 +111,32 @@ def test_a_pair_gives_a_unified_engines_tokens(pair, unified):
                 m["pd_pages_held"], m["pd_early_claims"], m["pd_peers"]) == (0, 0, 0, 0, 0, 0, 1)
     assert prefill.metrics()["kv_transfer_bytes_total"] == decode.metrics()[
         "kv_transfer_bytes_total"]
+
+    # The PD histograms, read with the Prometheus client's parser, labelled with each side.
+    for e, side in ((prefill, "prefill"), (decode, "decode")):
+        m = e.metrics()
+        got = {}
+        for family in text_string_to_metric_families(e.prometheus()):
+            for s in family.samples:
+                got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        lab = (("side", side),)
+        for name in ("kv_transfer_latency_seconds", "kv_transfer_room_bytes",
+                     "kv_transfer_claim_wait_seconds"):
+            buckets = sorted((float(dict(k[1])["le"]), v) for k, v in got.items()
+                             if k[0] == "dsv4_" + name + "_bucket")
+            assert [v for _, v in buckets] == sorted(v for _, v in buckets), name
+            assert buckets[-1] == (float("inf"), 2), (side, name)
+            assert got[("dsv4_" + name + "_count", lab)] == 2, (side, name)
+        # Each room's bytes were observed once: the histogram's sum is the byte counter, and
+        # both rooms (the same prompt) fall in one bucket.
+        assert got[("dsv4_kv_transfer_room_bytes_sum", lab)] == m["kv_transfer_bytes_total"]
+        counts = sorted(v for (n, _), v in got.items() if n == "dsv4_kv_transfer_room_bytes_bucket")
+        assert 0 in counts and 2 in counts
+        assert abs(got[("dsv4_kv_transfer_latency_seconds_sum", lab)]
+                   - m["kv_transfer_seconds_total"]) < 1e-6
+        assert m["kv_transfer_claim_wait_count"] == 2
+        assert m["kv_transfer_claim_wait_seconds_sum"] == pytest.approx(
+            got[("dsv4_kv_transfer_claim_wait_seconds_sum", lab)])
 
 
 def test_a_missing_peer_fails_with_a_kv_transfer_error(pair):
