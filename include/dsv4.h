@@ -350,6 +350,11 @@ typedef struct {
      */
     double kv_transfer_claim_wait_seconds_sum;
     uint64_t kv_transfer_claim_wait_count;
+    /**
+     * State bytes sent (prefill) or received (decode) while the prompt was still computing:
+     * complete pages overlapping the transfer with compute.
+     */
+    uint64_t kv_transfer_early_bytes_total;
 } dsv4_metrics;
 
 /**

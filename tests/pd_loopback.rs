@@ -492,3 +492,58 @@ fn heartbeats_keep_a_busy_link_alive() {
     }
     assert_eq!(d.metrics().pd.failures.iter().sum::<u64>(), 0);
 }
+
+/// Overlap: with the decode's claim in before the prefill computes, the prompt's complete
+/// pages go out chunk by chunk while the rest computes; the tokens are still a unified
+/// engine's, bit for bit, and both sides count the same early bytes (less than the whole: the
+/// last partial page and the per-request state go at hand-over).
+#[test]
+fn complete_pages_go_out_while_the_prompt_computes() {
+    let ids = common::ids("flash-like");
+    let chunked = json!({"scheduler": {"chunked_prefill_tokens": 64}});
+    let unified = engine_with(chunked.clone());
+    let p = prefill(chunked.clone());
+    let d = decode(chunked);
+    let endpoint = p.pd_endpoint().unwrap();
+    for (room, sampled) in [(1, false), (2, true)] {
+        // A prompt of its own per room: a prefix-cache hit would leave nothing to overlap.
+        let prompt: Vec<u32> = ids
+            .iter()
+            .copied()
+            .cycle()
+            .skip(room as usize)
+            .take(700)
+            .collect();
+        let s = spec(&prompt, sampled, 6);
+        let uid = unified.submit(s.clone()).unwrap();
+        let want = collect(&unified, &[uid]).remove(&uid).unwrap();
+        let before = p.metrics().kv_transfer.early_bytes;
+        // The decode first: its claim waits on the prefill before the prompt computes.
+        let did = d.submit(pd(&s, room, Some(&endpoint))).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while p.metrics().pd.early_claims == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the decode's claim never reached the prefill"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let pid = p.submit(pd(&s, room, None)).unwrap();
+        let from_d = collect(&d, &[did]).remove(&did).unwrap();
+        let from_p = collect(&p, &[pid]).remove(&pid).unwrap();
+        assert_eq!(
+            terminal(&from_p).finish_reason(),
+            Some(FinishReason::Transferred)
+        );
+        assert_eq!(stream(&from_d), stream(&want), "room {room}");
+        assert!(
+            p.metrics().kv_transfer.early_bytes > before,
+            "room {room}: nothing went early"
+        );
+    }
+    let (mp, md) = (p.metrics(), d.metrics());
+    assert_eq!(mp.kv_transfer.early_bytes, md.kv_transfer.early_bytes);
+    assert!(mp.kv_transfer.early_bytes < mp.kv_transfer.bytes);
+    assert_eq!((mp.kv_transfer.failures, md.kv_transfer.failures), (0, 0));
+    assert_eq!((mp.pd.pages_held, md.pd.pages_held), (0, 0));
+}

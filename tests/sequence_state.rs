@@ -569,3 +569,61 @@ fn transfer_cost_against_memcpy() {
         );
     }
 }
+
+/// What a PD prefill sends early: the complete pages of a prompt still computing, at their
+/// offsets in the finished prompt's state, are exactly those bytes of the state read once the
+/// whole prompt is in (chunk by chunk, several page sizes, with and without pages from an
+/// earlier chunk already sent).
+#[test]
+fn complete_pages_are_the_final_states_bytes_at_their_offsets() {
+    let m = model("flash-like");
+    for (page_size, len, chunk) in [
+        (128, 300, 64),
+        (128, 256, 100),
+        (256, 700, 256),
+        (128, 130, 7),
+    ] {
+        let kv = json!({"page_size": page_size});
+        let tokens = prompt("flash-like", len);
+        let mut pools = pools_with(&m, kv);
+        let mut seq = pools.open().unwrap();
+        let mut sent: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut from = 0;
+        let mut at = 0;
+        while at < len {
+            let end = (at + chunk).min(len);
+            step(&m, &mut pools, &mut seq, &tokens[at..end], Logits::Last);
+            at = end;
+            let (pieces, done) = state::complete_pages(&pools, &seq, len, from).unwrap();
+            assert_eq!(done, (at / page_size).min(seq.pages().len()));
+            assert!(done >= from);
+            from = done;
+            sent.extend(pieces);
+        }
+        let all = state::read(&pools, &state::export(&pools, &seq)).unwrap();
+        let full_pages = len / page_size;
+        // Every complete page of every paged pool was sent once, none past the end, and each
+        // piece is the final state's bytes at its offset.
+        let paged_pools = [PoolId::C4Kv, PoolId::C4Indexer, PoolId::C128Kv]
+            .iter()
+            .filter(|&&p| pools.layout().unit_bytes(p) > 0)
+            .count();
+        assert_eq!(
+            sent.len(),
+            full_pages * paged_pools,
+            "page size {page_size}, {len} tokens"
+        );
+        let mut offsets: Vec<usize> = sent.iter().map(|(o, _)| *o).collect();
+        offsets.sort_unstable();
+        offsets.dedup();
+        assert_eq!(offsets.len(), sent.len(), "a page sent twice");
+        for (offset, bytes) in &sent {
+            assert!(offset + bytes.len() <= all.len());
+            assert!(
+                all[*offset..offset + bytes.len()] == bytes[..],
+                "page size {page_size}, {len} tokens: the piece at {offset} differs"
+            );
+        }
+        pools.close(seq);
+    }
+}

@@ -155,6 +155,7 @@ impl<B: Backend> Worker<B> {
                 // Hand-overs first: they move no request, and end none here (a failed one is
                 // ended below by id, after the indices stop mattering).
                 let failed = self.hand_over(handed);
+                self.send_complete_pages();
                 // Highest index first: swap_remove leaves the lower ones in place.
                 ended.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
                 for (i, end) in ended {

@@ -188,6 +188,8 @@ pub struct KvTransfer {
     pub bytes: u64,
     pub seconds: f64,
     pub failures: u64,
+    /// Of `bytes`, those sent (prefill) or received (decode) while the prompt was computing.
+    pub early_bytes: u64,
 }
 
 /// Prefill/decode rooms and their transfers (zero in the unified role). The queue names are

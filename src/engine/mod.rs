@@ -616,6 +616,7 @@ impl Engine {
                 bytes: s.bytes,
                 seconds: s.seconds,
                 failures: s.failures.iter().sum(),
+                early_bytes: s.early_bytes,
             };
             m.transfer_latency = s.transfer_latency;
             m.transfer_bytes = s.transfer_bytes;

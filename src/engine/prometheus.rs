@@ -88,7 +88,7 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
         }
     }
 
-    let counters: [(&str, &str, f64); 20] = [
+    let counters: [(&str, &str, f64); 21] = [
         ("num_requests_total", "Requests accepted by submit.", m.requests as f64),
         (
             "num_aborted_requests_total",
@@ -137,6 +137,11 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
             t.requests as f64,
         ),
         ("kv_transfer_bytes_total", "KV bytes transferred between prefill and decode engines.", t.bytes as f64),
+        (
+            "kv_transfer_early_bytes_total",
+            "KV bytes sent (prefill) or received (decode) while the prompt was still computing.",
+            t.early_bytes as f64,
+        ),
     ];
     for (name, help, value) in counters {
         o.single("counter", name, help, value);

@@ -13,7 +13,7 @@ use super::worker::Worker;
 use crate::backend::Backend;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::state;
-use crate::pd::{Claim, Delivery, FailReason, Notice, StateHeader};
+use crate::pd::{Claim, Delivery, FailReason, Notice, Side, StateHeader};
 
 impl<B: Backend> Worker<B> {
     /// Prefill: the requests that sampled their first token hand their state to their rooms.
@@ -46,6 +46,31 @@ impl<B: Backend> Worker<B> {
             }
         }
         failed
+    }
+
+    /// Prefill: requests still computing their prompt send the pages completed so far to
+    /// their claimed rooms, so the transfer overlaps the rest of the compute (hand-over sends
+    /// what is left). A room not claimed yet gets them all at hand-over.
+    pub(super) fn send_complete_pages(&mut self) {
+        let Some(node) = self.pd.as_ref().filter(|n| n.side() == Side::Prefill) else {
+            return;
+        };
+        for r in self.sched.running.iter_mut() {
+            let room = r.spec.pd_room;
+            if r.phase() != Phase::Prefilling || room == 0 || !node.sends_early(room) {
+                continue;
+            }
+            // A read that fails here fails again at hand-over, which ends the request.
+            let Ok((pieces, done)) =
+                self.cache
+                    .complete_pages(&r.req, r.prefill_len, r.pages_sent_early)
+            else {
+                continue;
+            };
+            if done > r.pages_sent_early && node.send_early(room, pieces) {
+                r.pages_sent_early = done;
+            }
+        }
     }
 
     /// Closes the room of a request that is ending with `end` (a no-op when the room already

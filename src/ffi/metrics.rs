@@ -124,6 +124,9 @@ pub struct dsv4_metrics {
     /// and those of the transfer latency and bytes per room, are in the Prometheus exposition.
     pub kv_transfer_claim_wait_seconds_sum: f64,
     pub kv_transfer_claim_wait_count: u64,
+    /// State bytes sent (prefill) or received (decode) while the prompt was still computing:
+    /// complete pages overlapping the transfer with compute.
+    pub kv_transfer_early_bytes_total: u64,
 }
 
 // SAFETY: repr(C); integers and floats only.
@@ -199,8 +202,9 @@ assert_offsets!(dsv4_metrics {
     kv_transfer_failures_capacity_total: 608,
     kv_transfer_claim_wait_seconds_sum: 616,
     kv_transfer_claim_wait_count: 624,
+    kv_transfer_early_bytes_total: 632,
 });
-const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == 632);
+const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == 640);
 const METRICS_SIZE: usize = std::mem::size_of::<dsv4_metrics>();
 /// `struct_size` is at most 4096 bytes: room for hundreds more fields, and an uninitialised
 /// field is caught.
@@ -286,6 +290,7 @@ fn to_c(m: &MetricsSnapshot) -> dsv4_metrics {
         kv_transfer_failures_capacity_total: m.pd.failures[6],
         kv_transfer_claim_wait_seconds_sum: m.claim_wait.sum,
         kv_transfer_claim_wait_count: m.claim_wait.count,
+        kv_transfer_early_bytes_total: m.kv_transfer.early_bytes,
     }
 }
 

@@ -198,15 +198,31 @@ impl SequenceState {
 /// The regions of the sequence at `position` in slot `slot` with page table `pages`
 /// (`pages.len() >= pages_for(position)`), in export order.
 fn regions(layout: &KvLayout, slot: u32, pages: &[PageId], position: usize) -> Vec<Region> {
+    tagged_regions(layout, slot, pages, position)
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect()
+}
+
+/// [`regions`], each whole-page region tagged with its index in the page table.
+fn tagged_regions(
+    layout: &KvLayout,
+    slot: u32,
+    pages: &[PageId],
+    position: usize,
+) -> Vec<(Region, Option<usize>)> {
     let mut out = Vec::new();
-    let mut push = |pool, offset, len| {
+    let mut push_tagged = |pool, offset, len, page| {
         if len > 0 {
-            out.push(Region {
-                pool,
-                tier: RegionTier::Device,
-                offset,
-                len,
-            })
+            out.push((
+                Region {
+                    pool,
+                    tier: RegionTier::Device,
+                    offset,
+                    len,
+                },
+                page,
+            ))
         }
     };
     for (pool, kind, ratio, row) in [
@@ -236,30 +252,67 @@ fn regions(layout: &KvLayout, slot: u32, pages: &[PageId], position: usize) -> V
         let per_page = layout.page_size / ratio;
         let closed = position / ratio;
         let (full, partial) = (closed / per_page, closed % per_page);
-        for &page in &pages[..full] {
-            push(pool, page.index() * unit, unit);
+        for (k, &page) in pages[..full].iter().enumerate() {
+            push_tagged(pool, page.index() * unit, unit, Some(k));
         }
         if partial > 0 {
             let base = pages[full].index() * unit;
             for j in 0..layers {
-                push(pool, base + j * per_page * row, partial * row);
+                push_tagged(pool, base + j * per_page * row, partial * row, None);
             }
         }
     }
     let swa = layout.unit_bytes(PoolId::Swa);
     if position >= layout.window {
-        push(PoolId::Swa, slot as usize * swa, swa);
+        push_tagged(PoolId::Swa, slot as usize * swa, swa, None);
     } else {
         for l in 0..layout.swa_layers() {
             let ring = layout.ring::<[u32]>(slot, l);
-            push(PoolId::Swa, ring.offset, position * ring.row_bytes);
+            push_tagged(PoolId::Swa, ring.offset, position * ring.row_bytes, None);
         }
     }
     for pool in [PoolId::C4State, PoolId::C4IndexerState, PoolId::C128State] {
         let unit = layout.unit_bytes(pool);
-        push(pool, slot as usize * unit, unit);
+        push_tagged(pool, slot as usize * unit, unit, None);
     }
     out
+}
+
+/// Pieces of a state's bytes, each at its offset in the whole ([`read`]'s order).
+pub type Pieces = Vec<(usize, Vec<u8>)>;
+
+/// Bytes of `seq`'s complete pages, page-table indices `from..` up to the pages complete now,
+/// each with its offset in the bytes of the state the sequence will have at `final_position`
+/// ([`read`]'s order), and how many pages are complete now. A page is complete once the
+/// sequence is past its last token: no row of it changes after that (the prefix cache shares
+/// such pages for the same reason). What a PD prefill sends while the rest of the prompt is
+/// still computing.
+pub fn complete_pages<B: Backend>(
+    pools: &KvPools<B>,
+    seq: &SeqKv,
+    final_position: usize,
+    from: usize,
+) -> Result<(Pieces, usize)> {
+    let layout = pools.layout();
+    let done = (seq.position().min(final_position) / layout.page_size).min(seq.pages().len());
+    if done <= from {
+        return Ok((Vec::new(), done));
+    }
+    // The final state's page table: the pages held now, then placeholders for the pages the
+    // rest of the prompt takes (only the offsets of the regions before them matter here).
+    let mut pages = seq.pages().to_vec();
+    pages.resize(pools.pages_for(final_position).max(pages.len()), PageId(0));
+    let mut at = 0;
+    let mut out = Vec::new();
+    for (r, page) in tagged_regions(layout, seq.slot(), &pages, final_position) {
+        if page.is_some_and(|k| (from..done).contains(&k)) {
+            let mut bytes = vec![0; r.len];
+            pools.read_bytes(r.pool, r.offset, &mut bytes)?;
+            out.push((at, bytes));
+        }
+        at += r.len;
+    }
+    Ok((out, done))
 }
 
 /// The state of `seq` in `pools`: its regions and position. Copies nothing; `last_token` and

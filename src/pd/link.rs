@@ -23,20 +23,29 @@ pub trait Handler: Send + Sync + 'static {
     fn on_down(&self, link: &Arc<Link>, why: String);
 }
 
-/// One room's state on its way out: the STATE frame, the bytes, the DONE frame.
+/// A piece of a room's outgoing bytes: a ready frame (STATE, DONE), or state bytes that go out
+/// as DATA frames of at most [`wire::DATA_CHUNK`] bytes.
+pub enum Segment {
+    Frame(Vec<u8>),
+    /// `bytes[range]` is the state's bytes from offset `at`.
+    Data {
+        at: u64,
+        bytes: Arc<Vec<u8>>,
+        range: std::ops::Range<usize>,
+    },
+}
+
+/// One room's bytes on their way out, in order: complete pages sent early while the prompt
+/// is still computing, then the STATE frame, the rest of the bytes and the DONE frame.
 pub struct Bulk {
     pub room: u64,
-    pub state_frame: Vec<u8>,
-    pub data: Arc<Vec<u8>>,
-    pub done_frame: Vec<u8>,
+    segments: VecDeque<Segment>,
     /// Set when the room ends: the rest is not sent.
     pub cancel: Arc<AtomicBool>,
-    /// Progress: the STATE frame went out; then bytes of `data` sent.
-    started: bool,
-    sent: usize,
 }
 
 impl Bulk {
+    /// The whole state at once: STATE, every byte of `data`, DONE.
     pub fn new(
         room: u64,
         state_frame: Vec<u8>,
@@ -44,30 +53,58 @@ impl Bulk {
         done_frame: Vec<u8>,
         cancel: Arc<AtomicBool>,
     ) -> Self {
+        let range = 0..data.len();
+        Self::of(
+            room,
+            vec![
+                Segment::Frame(state_frame),
+                Segment::Data {
+                    at: 0,
+                    bytes: data,
+                    range,
+                },
+                Segment::Frame(done_frame),
+            ],
+            cancel,
+        )
+    }
+
+    /// `segments`, in order.
+    pub fn of(room: u64, segments: Vec<Segment>, cancel: Arc<AtomicBool>) -> Self {
         Self {
             room,
-            state_frame,
-            data,
-            done_frame,
+            segments: segments.into(),
             cancel,
-            started: false,
-            sent: 0,
         }
     }
 
-    /// The next frame to write and whether it was the last.
+    /// The next frame to write and whether it was the last one queued.
     fn next_frame(&mut self) -> (Vec<u8>, bool) {
-        if !self.started {
-            self.started = true;
-            return (std::mem::take(&mut self.state_frame), false);
-        }
-        if self.sent < self.data.len() {
-            let end = (self.sent + wire::DATA_CHUNK).min(self.data.len());
-            let frame = wire::encode_data(self.room, self.sent as u64, &self.data[self.sent..end]);
-            self.sent = end;
-            return (frame, false);
-        }
-        (std::mem::take(&mut self.done_frame), true)
+        let frame = loop {
+            match self.segments.front_mut() {
+                None => return (wire::encode(Kind::Heartbeat, 0, &[]), true),
+                Some(Segment::Frame(f)) => {
+                    let f = std::mem::take(f);
+                    self.segments.pop_front();
+                    break f;
+                }
+                Some(Segment::Data { at, bytes, range }) => {
+                    if range.start >= range.end {
+                        self.segments.pop_front();
+                        continue;
+                    }
+                    let end = (range.start + wire::DATA_CHUNK).min(range.end);
+                    let f = wire::encode_data(self.room, *at, &bytes[range.start..end]);
+                    *at += (end - range.start) as u64;
+                    range.start = end;
+                    if range.start >= range.end {
+                        self.segments.pop_front();
+                    }
+                    break f;
+                }
+            }
+        };
+        (frame, self.segments.is_empty())
     }
 }
 
@@ -159,13 +196,17 @@ impl Link {
         true
     }
 
-    /// Queues a room's state. False when the link is down.
-    pub fn send_bulk(&self, bulk: Bulk) -> bool {
+    /// Queues a room's bytes after any of the same room's still queued (a room's frames go
+    /// out in the order queued). False when the link is down.
+    pub fn send_bulk(&self, mut bulk: Bulk) -> bool {
         let mut o = self.outbox();
         if o.closed {
             return false;
         }
-        o.bulk.push_back(bulk);
+        match o.bulk.iter_mut().find(|b| b.room == bulk.room) {
+            Some(queued) => queued.segments.append(&mut bulk.segments),
+            None => o.bulk.push_back(bulk),
+        }
         self.ready.notify_one();
         true
     }

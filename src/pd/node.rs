@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::link::{spawn, Bulk, Handler, Link};
+use super::link::{spawn, Bulk, Handler, Link, Segment};
 use super::room::{FailReason, RoomState};
 use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
 use crate::config::params::Endpoint;
@@ -80,6 +80,9 @@ pub struct PdStats {
     pub bytes: u64,
     /// Claim → done, summed over the transferred rooms.
     pub seconds: f64,
+    /// State bytes sent ahead of the rest (prefill) or received before the STATE frame
+    /// (decode): complete pages overlapping the prompt's compute.
+    pub early_bytes: u64,
     /// Failed rooms by reason (`FailReason::ALL` order).
     pub failures: [u64; 7],
     /// Live rooms waiting for their claim (a decode room: for its destination).
@@ -105,6 +108,7 @@ impl Default for PdStats {
             transfers: 0,
             bytes: 0,
             seconds: 0.0,
+            early_bytes: 0,
             failures: [0; 7],
             bootstrapping: 0,
             transferring: 0,
@@ -117,12 +121,52 @@ impl Default for PdStats {
     }
 }
 
-/// Where a room's bytes stand on the decode.
+/// Where a room's bytes stand on the decode: complete pages may arrive before the STATE
+/// frame (the prefill sends them while the prompt is still computing), at any offset the
+/// reserved destination can hold; no byte may arrive twice.
 struct Incoming {
-    header: StateHeader,
+    header: Option<StateHeader>,
+    /// CRC-32C of the STATE payload (the bytes' CRC is taken once all are in).
+    header_crc: u32,
     bytes: Vec<u8>,
+    /// Byte ranges received: start → end, disjoint.
+    ranges: std::collections::BTreeMap<usize, usize>,
     received: usize,
-    crc: u32,
+}
+
+impl Incoming {
+    fn new(capacity: usize) -> Self {
+        Self {
+            header: None,
+            header_crc: 0,
+            bytes: vec![0; capacity],
+            ranges: Default::default(),
+            received: 0,
+        }
+    }
+
+    /// Takes `data` at `offset`, or says why not (past the end, or over bytes already in).
+    fn put(&mut self, offset: u64, data: &[u8]) -> std::result::Result<(), String> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let end = start.saturating_add(data.len());
+        if end > self.bytes.len() {
+            return Err(format!(
+                "DATA for bytes {offset}..{} runs past the {} bytes the state can hold",
+                offset.saturating_add(data.len() as u64),
+                self.bytes.len()
+            ));
+        }
+        let before = self.ranges.range(..end).next_back();
+        if before.is_some_and(|(_, &e)| e > start) {
+            return Err(format!(
+                "DATA for bytes {start}..{end} overlaps bytes already received"
+            ));
+        }
+        self.bytes[start..end].copy_from_slice(data);
+        self.ranges.insert(start, end);
+        self.received += data.len();
+        Ok(())
+    }
 }
 
 struct Room {
@@ -139,6 +183,8 @@ struct Room {
     claim: Option<Claim>,
     /// Prefill: the state, once computed.
     outgoing: Option<(StateHeader, Arc<Vec<u8>>)>,
+    /// Prefill: byte ranges of the state sent ahead of it (complete pages), in order sent.
+    early: Vec<std::ops::Range<usize>>,
     /// Decode: the most bytes the reserved destination can take.
     max_bytes: usize,
     incoming: Option<Incoming>,
@@ -363,6 +409,7 @@ impl Node {
                 claimed_at: None,
                 claim: None,
                 outgoing: None,
+                early: Vec::new(),
                 max_bytes: 0,
                 incoming: None,
                 left_queue: false,
@@ -438,6 +485,63 @@ impl Node {
         };
         inner.emit(notices);
         result
+    }
+
+    /// Prefill: whether [`Self::send_early`] would send now (the room is claimed, its state
+    /// not yet computed, its connection up): a cheap check before reading pages out.
+    pub fn sends_early(&self, room: u64) -> bool {
+        let t = self.inner.table();
+        t.rooms.get(&room).is_some_and(|r| {
+            r.state == RoomState::Claimed
+                && r.outgoing.is_none()
+                && r.link.is_some_and(|l| t.links.contains_key(&l))
+        })
+    }
+
+    /// Prefill: bytes of a claimed room's state known before the rest — its complete pages,
+    /// each at its offset in the state ([`crate::kv::state::complete_pages`]) — go out now,
+    /// overlapping the transfer with the rest of the prompt's compute. False when the room is
+    /// not claimed yet (or no longer sending): those bytes then go out with the rest.
+    pub fn send_early(&self, room: u64, pieces: crate::kv::state::Pieces) -> bool {
+        let mut t = self.inner.table();
+        let link = {
+            let Some(r) = t.rooms.get(&room) else {
+                return false;
+            };
+            if r.state != RoomState::Claimed || r.outgoing.is_some() {
+                return false;
+            }
+            match r.link.and_then(|l| t.links.get(&l)) {
+                Some(l) => l.clone(),
+                None => return false,
+            }
+        };
+        let r = t.rooms.get_mut(&room).expect("looked up above");
+        let mut segments = Vec::with_capacity(pieces.len());
+        let mut ranges = Vec::with_capacity(pieces.len());
+        // A page computed again (its request requeued) was sent already: once is enough.
+        let fresh = pieces
+            .into_iter()
+            .filter(|(at, _)| !r.early.iter().any(|e| e.start == *at));
+        for (at, bytes) in fresh {
+            let range = 0..bytes.len();
+            ranges.push(at..at + bytes.len());
+            segments.push(Segment::Data {
+                at: at as u64,
+                bytes: Arc::new(bytes),
+                range,
+            });
+        }
+        if segments.is_empty() {
+            return true;
+        }
+        if !link.send_bulk(Bulk::of(room, segments, r.cancel.clone())) {
+            return false;
+        }
+        let sent: usize = ranges.iter().map(|e| e.len()).sum();
+        r.early.extend(ranges);
+        t.stats.early_bytes += sent as u64;
+        true
     }
 
     /// Decode: the destination is reserved; claims the room from its prefill (connecting to
@@ -751,7 +855,16 @@ impl Inner {
             self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
             return;
         }
+        if r.early.iter().any(|e| e.end > bytes.len()) {
+            let msg = format!(
+                "pages sent early lie past the {} bytes of the finished state (a dsv4 bug)",
+                bytes.len()
+            );
+            self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
+            return;
+        }
         let state_frame = wire::encode_json(Kind::State, room, header);
+        // Over the STATE payload and every byte in offset order, however they were sent.
         let crc = crc32c::crc32c_append(crc32c::crc32c(&state_frame[wire::HEADER..]), bytes);
         let done = wire::encode_json(
             Kind::Done,
@@ -761,7 +874,27 @@ impl Inner {
                 crc32c: crc,
             },
         );
-        let bulk = Bulk::new(room, state_frame, bytes.clone(), done, r.cancel.clone());
+        // The bytes not sent early, in offset order.
+        let mut early = r.early.clone();
+        early.sort_unstable_by_key(|e| e.start);
+        let mut segments = vec![Segment::Frame(state_frame)];
+        let mut gap = |from: usize, to: usize| {
+            if to > from {
+                segments.push(Segment::Data {
+                    at: from as u64,
+                    bytes: bytes.clone(),
+                    range: from..to,
+                });
+            }
+        };
+        let mut at = 0;
+        for e in &early {
+            gap(at, e.start);
+            at = at.max(e.end);
+        }
+        gap(at, bytes.len());
+        segments.push(Segment::Frame(done));
+        let bulk = Bulk::of(room, segments, r.cancel.clone());
         r.state = RoomState::Transferring;
         let link = r.link.and_then(|l| t.links.get(&l)).cloned();
         if !link.is_some_and(|l| l.send_bulk(bulk)) {
@@ -1324,36 +1457,42 @@ impl Inner {
                         ),
                     ));
                 }
-                r.incoming = Some(Incoming {
-                    header,
-                    bytes: vec![0; len],
-                    received: 0,
-                    crc: crc32c::crc32c(&frame.payload),
-                });
+                let max_bytes = r.max_bytes;
+                let inc = r.incoming.get_or_insert_with(|| Incoming::new(max_bytes));
+                // Pages sent early must lie inside the state the header describes.
+                if let Some((_, &end)) = inc.ranges.iter().next_back() {
+                    if end > len {
+                        return Err(mismatch(format!(
+                            "pages sent early reach byte {end}, past the {len} bytes of the state"
+                        )));
+                    }
+                }
+                inc.bytes.truncate(len);
+                inc.header_crc = crc32c::crc32c(&frame.payload);
+                inc.header = Some(header);
                 r.state = RoomState::Transferring;
             }
             Kind::Data => {
-                let Some(inc) = r.incoming.as_mut() else {
-                    return Err(mismatch("DATA arrived before the STATE frame".into()));
-                };
+                // Before the STATE frame only while claimed: complete pages sent early.
+                if r.incoming.is_none() {
+                    if r.state != RoomState::Claimed {
+                        return Err(mismatch(format!(
+                            "DATA arrived in state {}",
+                            r.state.label()
+                        )));
+                    }
+                    r.incoming = Some(Incoming::new(r.max_bytes));
+                }
+                let inc = r.incoming.as_mut().expect("set above");
                 let (offset, bytes) = wire::split_data(&frame.payload)
                     .ok_or_else(|| mismatch("a DATA frame without its offset".into()))?;
-                let end = inc.received + bytes.len();
-                if offset != inc.received as u64 || end > inc.bytes.len() {
-                    return Err(mismatch(format!(
-                        "DATA for bytes {offset}..{} arrived after {} of {} bytes: out of order \
-                         or past the end",
-                        offset + bytes.len() as u64,
-                        inc.received,
-                        inc.bytes.len()
-                    )));
+                inc.put(offset, bytes).map_err(mismatch)?;
+                if inc.header.is_none() {
+                    t.stats.early_bytes += bytes.len() as u64;
                 }
-                inc.bytes[inc.received..end].copy_from_slice(bytes);
-                inc.crc = crc32c::crc32c_append(inc.crc, bytes);
-                inc.received = end;
             }
             Kind::Done => {
-                let Some(inc) = r.incoming.as_ref() else {
+                let Some(inc) = r.incoming.as_mut().filter(|i| i.header.is_some()) else {
                     return Err(mismatch("DONE arrived before the STATE frame".into()));
                 };
                 let done: Done = wire::parse(frame).map_err(mismatch)?;
@@ -1365,31 +1504,26 @@ impl Inner {
                         inc.bytes.len()
                     )));
                 }
-                if done.crc32c != inc.crc {
+                // Disjoint ranges adding up to the length cover every byte once.
+                let crc = crc32c::crc32c_append(inc.header_crc, &inc.bytes);
+                if done.crc32c != crc {
                     return Err((
                         FailReason::Checksum,
                         format!(
-                            "the bytes arrived with CRC-32C {:#010x}, the prefill sent {:#010x}",
-                            inc.crc, done.crc32c
+                            "the bytes arrived with CRC-32C {crc:#010x}, the prefill sent {:#010x}",
+                            done.crc32c
                         ),
                     ));
                 }
-                let inc = r.incoming.take().expect("checked");
-                // Kept for the transferred byte count.
-                r.incoming = Some(Incoming {
-                    header: inc.header.clone(),
-                    bytes: Vec::new(),
-                    received: inc.received,
-                    crc: inc.crc,
-                });
+                let header = inc.header.take().expect("checked");
+                let bytes = std::mem::take(&mut inc.bytes);
+                // Kept (without its bytes) for the transferred byte count.
+                inc.ranges.clear();
                 r.state = RoomState::Delivered;
                 notices.push(Notice::Received {
                     room,
                     request: r.request_id,
-                    delivery: Box::new(Delivery {
-                        header: inc.header,
-                        bytes: inc.bytes,
-                    }),
+                    delivery: Box::new(Delivery { header, bytes }),
                 });
             }
             _ => {}

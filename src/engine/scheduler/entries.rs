@@ -134,6 +134,8 @@ pub struct Running<S> {
     /// Still counted in the admission's `queued_requests` (a PD decode's reservation, until
     /// its state arrives).
     pub holds_queue_slot: bool,
+    /// PD prefill: pages of its prompt already sent to the claimed room ahead of the rest.
+    pub pages_sent_early: usize,
 }
 
 impl<S: SeqView> Running<S> {
@@ -152,6 +154,7 @@ impl<S: SeqView> Running<S> {
             phase: w.phase.become_(phase),
             queued_tokens: 0,
             holds_queue_slot: false,
+            pages_sent_early: 0,
         }
     }
 

@@ -20,6 +20,21 @@ impl<B: Backend> PrefixCache<B> {
         Ok(state::export(&self.pools, &req.kv))
     }
 
+    /// Bytes of `req`'s pages complete so far, page-table indices `from..`, at their offsets in
+    /// the state it will have at `final_position` ([`state::complete_pages`]), and how many
+    /// pages are complete; nothing while it loads back from the host tier.
+    pub fn complete_pages(
+        &self,
+        req: &Request,
+        final_position: usize,
+        from: usize,
+    ) -> Result<(state::Pieces, usize)> {
+        if req.is_loading() {
+            return Ok((Vec::new(), from));
+        }
+        state::complete_pages(&self.pools, &req.kv, final_position, from)
+    }
+
     /// A request rebuilt from an exported state and its bytes ([`state::import`]), evicting
     /// cached prefixes when the free pages run short (only once the state passed its checks).
     /// It continues a prompt of `prompt_len` tokens under `salt`: snapshots, insertion and
