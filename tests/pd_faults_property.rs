@@ -32,8 +32,10 @@ const MAX_NEW: u32 = 4;
 /// Prompt lengths: one page, a few pages, and one whose state spans several DATA frames.
 const PROMPTS: [usize; 3] = [40, 300, 700];
 const BOOTSTRAP_MS: u64 = 1000;
-const TRANSFER_MS: u64 = 2000;
-/// Heartbeats every 50 ms, dead after 10 missed: benign delays stay well under 500 ms.
+/// Room for a loaded 2-core machine: four rooms' prefills and transfers take well under a second.
+const TRANSFER_MS: u64 = 3000;
+/// Heartbeats every 50 ms, dead after 20 missed (1 s): benign delays (at most 200 ms) and a
+/// busy machine never make a peer look dead; peer deaths here are closed connections.
 const HEARTBEAT_MS: u64 = 50;
 
 /// What one room's frames suffer (one scripted fault, aimed at this room's frames).
@@ -372,7 +374,7 @@ impl Rig {
             "bootstrap_timeout_ms": BOOTSTRAP_MS,
             "transfer_timeout_ms": TRANSFER_MS,
             "heartbeat_interval_ms": HEARTBEAT_MS,
-            "heartbeat_misses": 10,
+            "heartbeat_misses": 20,
         });
         let p = engine_with(json!({"role": "prefill", "pd": pd.clone()}));
         let d = engine_with(json!({"role": "decode", "pd": pd}));
