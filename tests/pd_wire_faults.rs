@@ -1,6 +1,5 @@
-//! A man-in-the-middle proxy between a decode and a prefill engine, speaking raw sockets and
-//! parsing only the 16-byte frame header (kind, 3 zero bytes, payload length u32 LE, room u64
-//! LE), corrupts one thing on the way: a flipped state byte, a dropped DATA frame, a DONE frame
+//! A man-in-the-middle proxy between a decode and a prefill engine (tests/common/fault_proxy.rs,
+//! which parses only the 16-byte frame header) corrupts one thing on the way: a flipped state byte, a dropped DATA frame, a DONE frame
 //! that claims a different length. Each must fail the room on both engines with the named
 //! reason and leave both pools empty: nothing truncated, nothing imported (issue "PD 1").
 
@@ -8,77 +7,37 @@ mod common;
 
 use common::requests::*;
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use common::fault_proxy::{At, Dir, Fault, FaultProxy, Plan, Rule, DATA, DONE};
 use dsv4::engine::{Engine, Event, EventKind, RequestSpec, SamplingParams};
 use dsv4::error::ErrorKind;
 use serde_json::json;
 
-const DATA: u8 = 5;
-const DONE: u8 = 6;
-
-/// What the proxy does to the prefill → decode direction.
-#[derive(Clone, Copy)]
-enum Fault {
-    FlipByteInSecondData,
-    DropSecondData,
-    DoneSaysOneByteMore,
+/// The DONE frame's JSON with one byte more than was sent.
+fn one_byte_more(payload: &[u8]) -> Vec<u8> {
+    let mut done: serde_json::Value = serde_json::from_slice(payload).unwrap();
+    done["bytes"] = (done["bytes"].as_u64().unwrap() + 1).into();
+    serde_json::to_vec(&done).unwrap()
 }
 
-fn read_frame(s: &mut TcpStream) -> Option<(Vec<u8>, Vec<u8>)> {
-    let mut header = vec![0u8; 16];
-    s.read_exact(&mut header).ok()?;
-    let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
-    let mut payload = vec![0u8; len];
-    s.read_exact(&mut payload).ok()?;
-    Some((header, payload))
-}
-
-/// Accepts one connection (the decode's) and relays it to `prefill`, applying `fault`.
-fn proxy(fault: Fault, prefill: String) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = format!("tcp://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        let (mut from_decode, _) = listener.accept().unwrap();
-        let mut to_prefill = TcpStream::connect(prefill.trim_start_matches("tcp://")).unwrap();
-        let (mut d2, mut p2) = (
-            from_decode.try_clone().unwrap(),
-            to_prefill.try_clone().unwrap(),
-        );
-        // Decode → prefill: untouched.
-        std::thread::spawn(move || {
-            let _ = std::io::copy(&mut d2, &mut p2);
-            let _ = p2.shutdown(Shutdown::Both);
-        });
-        let mut data_frames = 0;
-        while let Some((mut header, mut payload)) = read_frame(&mut to_prefill) {
-            if header[0] == DATA {
-                data_frames += 1;
-                if data_frames == 2 {
-                    match fault {
-                        Fault::FlipByteInSecondData => payload[8 + 1000] ^= 0x40,
-                        Fault::DropSecondData => continue,
-                        Fault::DoneSaysOneByteMore => {}
-                    }
-                }
-            }
-            if header[0] == DONE {
-                if let Fault::DoneSaysOneByteMore = fault {
-                    let mut done: serde_json::Value = serde_json::from_slice(&payload).unwrap();
-                    done["bytes"] = (done["bytes"].as_u64().unwrap() + 1).into();
-                    payload = serde_json::to_vec(&done).unwrap();
-                    header[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-                }
-            }
-            if from_decode.write_all(&header).is_err() || from_decode.write_all(&payload).is_err() {
-                break;
-            }
-        }
-        let _ = from_decode.shutdown(Shutdown::Both);
-    });
-    addr
+/// A proxy to `prefill` that applies `fault` to the `nth` frame of `kind` going to the decode.
+fn proxy(prefill: &str, kind: u8, nth: usize, fault: Fault) -> FaultProxy {
+    let rule = Rule {
+        dir: Dir::ToDecode,
+        kind: Some(kind),
+        room: None,
+        nth,
+        fault,
+    };
+    FaultProxy::start(
+        prefill,
+        Plan {
+            rules: vec![rule],
+            chances: vec![],
+        },
+        0,
+    )
 }
 
 fn pd_engine(role: &str) -> Engine {
@@ -105,14 +64,19 @@ fn corrupted_dropped_or_misstated_state_bytes_fail_the_room_on_both_sides() {
         },
         ..RequestSpec::default()
     };
-    for (room, fault, reason) in [
-        (1, Fault::FlipByteInSecondData, "checksum"),
-        (2, Fault::DropSecondData, "mismatch"),
-        (3, Fault::DoneSaysOneByteMore, "mismatch"),
+    let flip = Fault::Corrupt {
+        at: At::Payload(8 + 1000),
+        mask: 0x40,
+    };
+    for (room, (kind, nth, fault), reason) in [
+        (1, (DATA, 2, flip), "checksum"),
+        (2, (DATA, 2, Fault::Drop), "mismatch"),
+        (3, (DONE, 1, Fault::Rewrite(one_byte_more)), "mismatch"),
     ] {
         let p = pd_engine("prefill");
         let d = pd_engine("decode");
-        let via = proxy(fault, p.pd_endpoint().unwrap());
+        let proxy = proxy(&p.pd_endpoint().unwrap(), kind, nth, fault);
+        let via = proxy.addr().to_string();
         let pid = p
             .submit(RequestSpec {
                 pd_room: room,
@@ -130,6 +94,8 @@ fn corrupted_dropped_or_misstated_state_bytes_fail_the_room_on_both_sides() {
         let from_d = collect(&d, &[did]);
         let from_p = collect(&p, &[pid]);
         assert!(start.elapsed() < Duration::from_secs(10));
+        // The fault was applied, once.
+        assert_eq!(proxy.log().len(), 1, "{}", proxy.report());
         for (side, events) in [("decode", &from_d[&did]), ("prefill", &from_p[&pid])] {
             let (kind, message) = error_of(events);
             assert_eq!(kind, ErrorKind::KvTransfer, "{side}: {message}");

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod books;
+pub mod fault_proxy;
 pub mod machine;
 pub mod requests;
 
