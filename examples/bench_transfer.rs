@@ -280,6 +280,9 @@ fn per_byte_steps(room_bytes: usize) -> Steps {
     }
 }
 
+/// One poll step of an overload run: (first-token TTFTs in ms, terminal events, errors).
+type PollStep = dyn Fn(&Mutex<Vec<f64>>, &AtomicUsize, &AtomicUsize) + Send + Sync;
+
 /// What one overload run saw.
 struct Overload {
     admitted: u64,
@@ -296,7 +299,7 @@ fn offer(
     seconds: f64,
     prompts: &mut dyn FnMut() -> RequestSpec,
     submit: &dyn Fn(RequestSpec) -> bool,
-    poll: Box<dyn Fn(&Mutex<Vec<f64>>, &AtomicUsize, &AtomicUsize) + Send + Sync>,
+    poll: Box<PollStep>,
 ) -> Overload {
     let stop = Arc::new(AtomicBool::new(false));
     let ttft = Arc::new(Mutex::new(Vec::new()));
