@@ -1,12 +1,16 @@
 # dsv4 — quick start on a fresh machine (Rust, gcc, make, python3):
 #   make demo    the built-in tiny DeepSeek V4 model serving an agentic workload on the CPU
 #                backend (HiCache on, small device pool): latencies, cache tiers, Prometheus;
-#                first the memory plans of a V4-Flash prefill node, HiCache by ratio and by size
+#                first the memory plans of a V4-Flash prefill node, HiCache by ratio and by size;
+#                then the same workload on a prefill + decode pair over TCP loopback (TTFT,
+#                transfer rate, rooms per side against the unified run)
 #   make test    everything: the CUDA kernels through NVRTC, fmt, clippy, Rust tests, header
 #                freshness, install + CMake/ctest, the C tests under valgrind, pkg-config
 #                build, pytest
 # Other targets: lib, header, install PREFIX=..., kernels-check, stress (a minute of concurrent load, then the
 # books), fuzz (AFL++ on the params, config.json and safetensors-header parsers and the PD frame decoder), clean.
+# Benchmarks: bench-forward, bench-radix, bench-hicache, bench-prefix, bench-overload, bench-pd,
+# bench-transfer (PD room transfer vs raw TCP, PD vs unified TTFT under 10x overload), bench-compare.
 
 CARGO   ?= cargo
 PREFIX  ?= /usr/local
@@ -18,7 +22,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test kernels-check test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-compare fuzz gpu-bundle
+.PHONY: all deps venv lib header install demo test kernels-check test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-compare fuzz gpu-bundle
 
 all: lib
 
@@ -153,6 +157,13 @@ gpu-bundle: deps
 # moved against raw TCP.
 bench-pd: deps
 	$(CARGO) run --release --example bench_pd
+
+# PD room transfer throughput (claim -> done, rooms one at a time) against raw TCP loopback
+# moving the same bytes in the same 256 KiB chunks, then TTFT under 10x overload on a prefill +
+# decode pair against a unified engine with the same admission bound. About 40 s; last line
+# `ratios transfer_vs_tcp=... ttft_p99_pd_vs_unified=...`.
+bench-transfer: deps
+	$(CARGO) run --release --example bench_transfer
 
 # Speed across commits on this machine: builds each commit in REVS and runs bench_forward,
 # bench_prefix and bench_overload round-robin ROUNDS times (3), printing medians and ratios to the

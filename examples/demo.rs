@@ -1,7 +1,9 @@
 //! `make demo`: the built-in tiny DeepSeek V4 model served on the CPU backend under an agentic
 //! workload — a long shared system prompt, many users, multi-turn conversations — with HiCache
 //! on and a deliberately small device pool, so prefixes move between the device and host tiers.
-//! Prints a summary and an excerpt of the Prometheus exposition.
+//! Prints a summary and an excerpt of the Prometheus exposition. Then the same conversations
+//! through a prefill engine and a decode engine (PD disaggregation over TCP loopback, both in
+//! this process): TTFT, transfer rate and room counts, against the unified run.
 //!
 //!   cargo run --release --example demo [-- --users N --turns N]
 //!
@@ -10,13 +12,19 @@
 
 #[path = "common/agentic.rs"]
 mod agentic;
+#[allow(dead_code)]
+#[path = "common/pd.rs"]
+mod pd;
 
 use std::io::{IsTerminal, Write};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use agentic::{quantile_ms, replay, Workload};
+use agentic::{quantile_ms, replay, Report, Workload};
 use dsv4::config::params::Params;
 use dsv4::engine::{Engine, Outcome, Rejection};
+use dsv4::error::Error;
+use pd::Pair;
 use serde_json::json;
 
 fn main() {
@@ -77,26 +85,7 @@ fn run() -> dsv4::error::Result<()> {
          {} new tokens; admission.max_queued_requests = 8 (a refused user retries 50 ms later)",
         w.users, w.turns, w.system_tokens, w.message_tokens, w.max_new_tokens
     );
-    // Redrawn in place on a terminal; a line per quarter in a log.
-    let tty = std::io::stdout().is_terminal();
-    let report = replay(&engine, &w, |done, total| {
-        let width = 40;
-        let filled = done * width / total;
-        let bar = format!(
-            "  [{}{}] {done}/{total} requests",
-            "#".repeat(filled),
-            ".".repeat(width - filled)
-        );
-        if tty {
-            print!("\r{bar}");
-            let _ = std::io::stdout().flush();
-        } else if (done * 4).is_multiple_of(total) || done == total {
-            println!("{bar}");
-        }
-    });
-    if tty {
-        println!();
-    }
+    let report = replay(&engine, &w, progress_bar());
     let m = engine.metrics();
     println!("summary ({:.1} s):", report.wall.as_secs_f64());
     println!(
@@ -168,8 +157,139 @@ fn run() -> dsv4::error::Result<()> {
         }
     }
     if report.errors > 0 {
-        return Err(dsv4::error::Error::internal(format!(
+        return Err(Error::internal(format!(
             "{} requests ended with an error",
+            report.errors
+        )));
+    }
+    drop(engine);
+    pd_section(dir.to_str().expect("a UTF-8 path"), &w, &report)
+}
+
+/// A progress bar for `replay`: redrawn in place on a terminal, a line per quarter in a log.
+fn progress_bar() -> impl FnMut(usize, usize) {
+    let tty = std::io::stdout().is_terminal();
+    move |done, total| {
+        let width = 40;
+        let filled = done * width / total;
+        let bar = format!(
+            "  [{}{}] {done}/{total} requests",
+            "#".repeat(filled),
+            ".".repeat(width - filled)
+        );
+        if tty {
+            print!("\r{bar}");
+            let _ = std::io::stdout().flush();
+            if done == total {
+                println!();
+            }
+        } else if (done * 4).is_multiple_of(total) || done == total {
+            println!("{bar}");
+        }
+    }
+}
+
+/// The same conversations through a prefill + decode pair over TCP loopback.
+fn pd_section(dir: &str, w: &Workload, unified: &Report) -> dsv4::error::Result<()> {
+    println!();
+    println!(
+        "== The same workload disaggregated: a prefill and a decode engine over TCP loopback =="
+    );
+    let t = Instant::now();
+    // The prefill keeps the unified engine's cache, HiCache and admission settings: it serves
+    // the prompts, so it is where the shared system prompt and earlier turns hit the cache.
+    let prefill = Engine::create(Params::from_value(&json!({
+        "model_path": dir, "threads": 2, "role": "prefill",
+        "pd": {"listen": "tcp://127.0.0.1:0"},
+        "kv": {"dtype": "fp8", "indexer_dtype": "fp4", "page_size": 128,
+               "device_memory_bytes": "3MiB", "max_running_requests": 8, "snapshot_fraction": 0.3},
+        "scheduler": {"chunked_prefill_tokens": 512, "max_batch_tokens": 1024},
+        "hicache": {"enabled": true, "ratio": 6.0, "write_policy": "write_through"},
+        "admission": {"max_queued_requests": 8},
+        "metrics": {"labels": {"instance": "demo-prefill"}},
+    }))?)?;
+    // The decode takes every prompt's state whole (it does not use its own prefix cache for a
+    // PD request), so no HiCache. Its queue covers the rooms whose state has not landed, at
+    // most what the prefill holds (8 running + 8 queued): with 16 it never refuses a request
+    // the prefill took, and the prefill's refusals are the ones users retry.
+    let decode = Engine::create(Params::from_value(&json!({
+        "model_path": dir, "threads": 2, "role": "decode",
+        "pd": {"listen": "tcp://127.0.0.1:0"},
+        "kv": {"dtype": "fp8", "indexer_dtype": "fp4", "page_size": 128,
+               "device_memory_bytes": "3MiB", "max_running_requests": 8},
+        "scheduler": {"chunked_prefill_tokens": 512, "max_batch_tokens": 1024},
+        "admission": {"max_queued_requests": 16},
+        "metrics": {"labels": {"instance": "demo-decode"}},
+    }))?)?;
+    let pair = Pair::new(prefill, decode)?;
+    println!(
+        "engines: prefill at {} (HiCache as above), decode (3 MiB device KV), 2 threads each \
+         on this machine's cores, created in {:.2} s",
+        pair.prefill.pd_endpoint()?,
+        t.elapsed().as_secs_f64()
+    );
+    let report = replay(&pair, w, progress_bar());
+    // The last prefill requests end when their ACK arrives, just after the decode's events.
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    let mut pm = pair.prefill.metrics();
+    let ended = |pm: &dsv4::engine::MetricsSnapshot| {
+        pm.finished(Outcome::Transferred) + pair.prefill_errors.load(Ordering::Relaxed) as u64
+    };
+    while ended(&pm) < report.requests as u64 && Instant::now() < deadline {
+        pair.poll_prefill(std::time::Duration::from_millis(20));
+        pm = pair.prefill.metrics();
+    }
+    let dm = pair.decode.metrics();
+    let prefill_errors = pair.prefill_errors.load(Ordering::Relaxed);
+    println!("summary ({:.1} s):", report.wall.as_secs_f64());
+    println!(
+        "  requests        {} finished on the decode, {} errors ({} on the prefill); {} \
+         TRANSFERRED on the prefill; {} submits refused at once (prefill queue full) and retried",
+        report.requests,
+        report.errors,
+        prefill_errors,
+        pm.finished(Outcome::Transferred),
+        pm.rejected(Rejection::QueueFull)
+    );
+    let (p50, p99) = (
+        quantile_ms(&report.ttft_us, 0.5),
+        quantile_ms(&report.ttft_us, 0.99),
+    );
+    println!("  TTFT (decode)   p50 {p50:.1} ms   p99 {p99:.1} ms   (submit → first TOKEN event)");
+    println!(
+        "  ITL             p50 {:.1} ms   p99 {:.1} ms",
+        quantile_ms(&report.itl_us, 0.5),
+        quantile_ms(&report.itl_us, 0.99)
+    );
+    println!(
+        "  rooms (claim → done includes the prefill computing a prompt claimed before it ran):"
+    );
+    for line in pd::room_lines("prefill", &pm)
+        .into_iter()
+        .chain(pd::room_lines("decode", &dm))
+    {
+        println!("    {line}");
+    }
+    let (u50, u99) = (
+        quantile_ms(&unified.ttft_us, 0.5),
+        quantile_ms(&unified.ttft_us, 0.99),
+    );
+    println!(
+        "  vs unified      TTFT p50 {:.2}×, p99 {:.2}×; wall {:.2}× ({:.1} s vs {:.1} s); \
+         generated tokens/s {:.2}×",
+        p50 / u50,
+        p99 / u99,
+        report.wall.as_secs_f64() / unified.wall.as_secs_f64(),
+        report.wall.as_secs_f64(),
+        unified.wall.as_secs_f64(),
+        report.tokens_per_s() / unified.tokens_per_s()
+    );
+    if let Some(e) = pair.first_prefill_error.lock().unwrap().as_ref() {
+        println!("  first prefill error: {e}");
+    }
+    if report.errors > 0 || prefill_errors > 0 {
+        return Err(Error::internal(format!(
+            "PD: {} requests ended with an error on the decode, {prefill_errors} on the prefill",
             report.errors
         )));
     }

@@ -7,8 +7,31 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use dsv4::engine::{Engine, EventKind, RequestSpec, SamplingParams};
+use dsv4::engine::{Engine, Event, EventKind, RequestSpec, SamplingParams};
 use dsv4::error::ErrorKind;
+
+/// What `replay` drives: one engine, or a router in front of a prefill + decode pair
+/// (`common/pd.rs`), so both modes replay the same conversations with the same client logic.
+pub trait Serve {
+    fn vocab_size(&self) -> usize;
+    fn submit(&self, spec: RequestSpec) -> dsv4::error::Result<u64>;
+    /// The events of submitted requests (waits up to `timeout` for the first).
+    fn poll_events(&self, timeout: Duration) -> Vec<Event>;
+}
+
+impl Serve for Engine {
+    fn vocab_size(&self) -> usize {
+        Engine::vocab_size(self)
+    }
+
+    fn submit(&self, spec: RequestSpec) -> dsv4::error::Result<u64> {
+        Engine::submit(self, spec)
+    }
+
+    fn poll_events(&self, timeout: Duration) -> Vec<Event> {
+        self.poll(512, Some(timeout)).expect("poll")
+    }
+}
 
 /// The shape of the conversation set.
 #[derive(Debug, Clone)]
@@ -133,7 +156,7 @@ struct User {
 }
 
 /// Replays `w` against `engine`; `progress(done, total)` after each finished request.
-pub fn replay(engine: &Engine, w: &Workload, mut progress: impl FnMut(usize, usize)) -> Report {
+pub fn replay(engine: &impl Serve, w: &Workload, mut progress: impl FnMut(usize, usize)) -> Report {
     let vocab = engine.vocab_size();
     let system = w.tokens(vocab, u64::MAX, w.system_tokens);
     let mut users: Vec<User> = (0..w.users)
@@ -187,9 +210,7 @@ pub fn replay(engine: &Engine, w: &Workload, mut progress: impl FnMut(usize, usi
                 Err(e) => panic!("submit failed: {e}"),
             }
         }
-        let events = engine
-            .poll(512, Some(Duration::from_millis(5)))
-            .expect("poll");
+        let events = engine.poll_events(Duration::from_millis(5));
         for e in events {
             let Some(&u) = owner.get(&e.request_id()) else {
                 continue;
