@@ -154,6 +154,7 @@ fn delta(after: KvTransfer, before: KvTransfer) -> KvTransfer {
         bytes: after.bytes - before.bytes,
         seconds: after.seconds - before.seconds,
         failures: after.failures - before.failures,
+        early_bytes: after.early_bytes - before.early_bytes,
     }
 }
 
