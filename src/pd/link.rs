@@ -79,14 +79,14 @@ impl Bulk {
     }
 
     /// The next frame to write and whether it was the last one queued.
-    fn next_frame(&mut self) -> (Vec<u8>, bool) {
-        let frame = loop {
+    fn next_frame(&mut self) -> (Out, bool) {
+        let out = loop {
             match self.segments.front_mut() {
-                None => return (wire::encode(Kind::Heartbeat, 0, &[]), true),
+                None => return (Out::Frame(wire::encode(Kind::Heartbeat, 0, &[])), true),
                 Some(Segment::Frame(f)) => {
                     let f = std::mem::take(f);
                     self.segments.pop_front();
-                    break f;
+                    break Out::Frame(f);
                 }
                 Some(Segment::Data { at, bytes, range }) => {
                     if range.start >= range.end {
@@ -94,18 +94,62 @@ impl Bulk {
                         continue;
                     }
                     let end = (range.start + wire::DATA_CHUNK).min(range.end);
-                    let f = wire::encode_data(self.room, *at, &bytes[range.start..end]);
+                    let out = Out::Data {
+                        prefix: wire::data_prefix(self.room, *at, end - range.start),
+                        bytes: bytes.clone(),
+                        range: range.start..end,
+                    };
                     *at += (end - range.start) as u64;
                     range.start = end;
                     if range.start >= range.end {
                         self.segments.pop_front();
                     }
-                    break f;
+                    break out;
                 }
             }
         };
-        (frame, self.segments.is_empty())
+        (out, self.segments.is_empty())
     }
+}
+
+/// One frame for the writer: whole, or a DATA frame's header and offset then a slice of the
+/// room's bytes (written together, without copying the bytes into a frame first).
+enum Out {
+    Frame(Vec<u8>),
+    Data {
+        prefix: [u8; wire::HEADER + 8],
+        bytes: Arc<Vec<u8>>,
+        range: std::ops::Range<usize>,
+    },
+}
+
+impl Out {
+    fn write_to(&self, stream: &mut TcpStream) -> io::Result<()> {
+        match self {
+            Out::Frame(f) => stream.write_all(f),
+            Out::Data {
+                prefix,
+                bytes,
+                range,
+            } => write_both(stream, prefix, &bytes[range.clone()]),
+        }
+    }
+}
+
+/// Writes `a` then `b` with vectored writes (one system call when the socket takes it all).
+fn write_both(stream: &mut TcpStream, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+    while !a.is_empty() || !b.is_empty() {
+        let n = match stream.write_vectored(&[io::IoSlice::new(a), io::IoSlice::new(b)]) {
+            Ok(0) => return Err(io::Error::new(IoKind::WriteZero, "the peer took no bytes")),
+            Ok(n) => n,
+            Err(e) if e.kind() == IoKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let from_a = n.min(a.len());
+        a = &a[from_a..];
+        b = &b[n - from_a..];
+    }
+    Ok(())
 }
 
 #[derive(Default)]
@@ -239,7 +283,7 @@ impl Link {
         }
     }
 
-    fn next_to_write(&self) -> Option<Vec<u8>> {
+    fn next_to_write(&self) -> Option<Out> {
         let mut o = self.outbox();
         let deadline = Instant::now() + self.interval;
         loop {
@@ -247,7 +291,7 @@ impl Link {
                 return None;
             }
             if let Some(f) = o.control.pop_front() {
-                return Some(f);
+                return Some(Out::Frame(f));
             }
             if o.finishing {
                 return None;
@@ -265,7 +309,7 @@ impl Link {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Some(wire::encode(Kind::Heartbeat, 0, &[]));
+                return Some(Out::Frame(wire::encode(Kind::Heartbeat, 0, &[])));
             }
             o = self
                 .ready
@@ -279,7 +323,7 @@ impl Link {
         crate::threads::mark_internal();
         // Ends when closed (the link went down) or finished (its last frames are out).
         while let Some(frame) = self.next_to_write() {
-            if let Err(e) = stream.write_all(&frame) {
+            if let Err(e) = frame.write_to(&mut stream) {
                 let why = match e.kind() {
                     IoKind::WouldBlock | IoKind::TimedOut => format!(
                         "the peer accepted no data for {} ms (it stopped reading)",

@@ -106,6 +106,17 @@ pub fn encode_data(room: u64, offset: u64, bytes: &[u8]) -> Vec<u8> {
     encode(Kind::Data, room, &payload)
 }
 
+/// The header and offset of a DATA frame carrying `len` bytes at `offset`: written before the
+/// bytes themselves (one vectored write, no copy of the bytes into a frame).
+pub fn data_prefix(room: u64, offset: u64, len: usize) -> [u8; HEADER + 8] {
+    let mut out = [0u8; HEADER + 8];
+    out[0] = Kind::Data as u8;
+    out[4..8].copy_from_slice(&((len + 8) as u32).to_le_bytes());
+    out[8..16].copy_from_slice(&room.to_le_bytes());
+    out[16..24].copy_from_slice(&offset.to_le_bytes());
+    out
+}
+
 /// Splits a DATA payload into its offset and bytes.
 pub fn split_data(payload: &[u8]) -> Option<(u64, &[u8])> {
     let (offset, bytes) = payload.split_first_chunk::<8>()?;
@@ -282,6 +293,14 @@ mod tests {
             read_frame_from(&mut &cut[..cut.len() - 1]),
             Err(ReadError::Io(_))
         ));
+    }
+
+    #[test]
+    fn a_data_prefix_and_its_bytes_are_the_encoded_frame() {
+        let bytes = b"some state bytes";
+        let mut framed = data_prefix(42, 4096, bytes.len()).to_vec();
+        framed.extend_from_slice(bytes);
+        assert_eq!(framed, encode_data(42, 4096, bytes));
     }
 
     #[test]
