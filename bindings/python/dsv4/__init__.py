@@ -33,8 +33,8 @@ refused before the call with dsv4.InvalidArgument (also a ValueError), a value o
 (a float or bool where an integer is expected) with TypeError; nothing is truncated.
 
 The package is pure Python and typed (PEP 561); libdsv4 is installed separately and found
-through DSV4_LIBRARY, a source checkout's build, or an installed prefix (see dsv4/_native.py for
-the order; the ImportError-time OSError lists every place looked).
+through DSV4_LIBRARY, a source checkout's build, or an installed prefix (dsv4/_native.py has the
+order); when none has it, `import dsv4` raises an OSError listing every place looked.
 """
 
 import ctypes
