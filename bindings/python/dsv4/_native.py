@@ -58,7 +58,7 @@ def _pkg_config_libdir() -> Tuple[str, Optional[Path]]:
         out = subprocess.run(["pkg-config", "--variable=libdir", "dsv4"], capture_output=True,
                              text=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
-        return "pkg-config not usable ({})".format(e.__class__.__name__), None
+        return "pkg-config: not usable ({})".format(e.__class__.__name__), None
     libdir = out.stdout.strip()
     if out.returncode != 0 or not libdir:
         return "pkg-config --variable=libdir dsv4: no dsv4.pc on PKG_CONFIG_PATH", None
@@ -68,7 +68,8 @@ def _pkg_config_libdir() -> Tuple[str, Optional[Path]]:
 def _places(here: Path) -> Iterator[Tuple[str, List[Path]]]:
     """(description, candidate files) of every place after DSV4_LIBRARY, in search order;
     lazily, so pkg-config only runs when the earlier places had nothing."""
-    yield "next to the package", sorted(here.glob("libdsv4.so*"))
+    # The pattern itself stands for "nothing matched" in the error (it is never a file).
+    yield "next to the package", sorted(here.glob("libdsv4.so*")) or [here / "libdsv4.so*"]
     root = _checkout_root(here)
     if root is not None:
         target = os.environ.get("CARGO_TARGET_DIR")
@@ -107,7 +108,8 @@ def _load() -> ctypes.CDLL:
         for p in paths:
             if p.is_file():
                 return _open(str(p))
-        looked.append("{}: {}".format(what, ", ".join(str(p) for p in paths) or "nothing"))
+        # pkg-config without a dsv4.pc has no paths: its description says why.
+        looked.append("{}: {}".format(what, ", ".join(map(str, paths))) if paths else what)
     found = ctypes.util.find_library("dsv4")  # a soname for dlopen's own search, not a path
     if found:
         return _open(found)
