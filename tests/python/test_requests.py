@@ -1,6 +1,7 @@
 """The request API from Python: generate, stream, submit/poll, abort, shutdown, routing of
 events across threads, admission errors, the PD interface on a unified engine."""
 
+import pickle
 import threading
 from pathlib import Path
 
@@ -44,6 +45,43 @@ def test_stream_events_carry_the_c_fields(engine):
     assert (end.prompt_tokens, end.generated_tokens, end.user_tag) == (len(PROMPT), 5, 9)
     assert all(e.logprob < 0 for e in events[:-1])
     assert end.elapsed_us >= end.ttft_us > 0
+
+
+def test_generate_returns_the_tokens_and_how_the_request_ended(engine):
+    greedy = dict(temperature=0, logit_bias_tokens=[1], logit_bias_values=[-1000.0])
+    # LENGTH: EOS (token 1) pushed down, the budget runs out. The result is the stream's tokens,
+    # as a list (old callers compare it to one), with the FINISHED event's fields.
+    events = list(engine.stream(PROMPT, max_new_tokens=4, logprobs=True, **greedy))
+    out = engine.generate(PROMPT, max_new_tokens=4, logprobs=True, **greedy)
+    assert isinstance(out, dsv4.Generation) and isinstance(out, list)
+    assert out == [e.token for e in events[:-1]] and out.tokens == list(out) and len(out) == 4
+    assert out.finish_reason == dsv4.FinishReason.LENGTH == events[-1].finish_reason
+    assert out.logprobs == pytest.approx([e.logprob for e in events[:-1]])
+    assert all(lp < 0 for lp in out.logprobs)
+    assert (out.prompt_tokens, out.generated_tokens) == (len(PROMPT), 4)
+    assert out.event.kind == dsv4.EventKind.FINISHED and out.request_id == out.event.request_id
+    assert out.cached_tokens == out.event.cached_tokens_device + out.event.cached_tokens_host
+    assert repr(out) == "Generation({}, finish_reason=LENGTH)".format(list(out))
+    # Copies keep the tokens and the finish reason (a list subclass with attributes).
+    back = pickle.loads(pickle.dumps(out))
+    assert back == out and back.finish_reason == out.finish_reason and back.logprobs == out.logprobs
+
+    # STOP on a stop token: the request ends at its first occurrence, which is the last token.
+    stop_at = out[2]
+    stopped = engine.generate(PROMPT, max_new_tokens=8, stop_tokens=[stop_at], **greedy)
+    assert stopped == out[:out.index(stop_at) + 1]
+    assert stopped.finish_reason == dsv4.FinishReason.STOP and stopped.logprobs is None
+
+    # STOP on EOS, forced.
+    eos = engine.generate(PROMPT, max_new_tokens=8, temperature=0, logit_bias_tokens=[1],
+                          logit_bias_values=[1000.0])
+    assert (eos, eos.finish_reason) == ([1], dsv4.FinishReason.STOP)
+
+    # TIMEOUT: a deadline far shorter than the 100000 tokens asked for; whatever was generated
+    # before it is returned, not lost.
+    late = engine.generate(PROMPT, max_new_tokens=100000, deadline_ms=1, **greedy)
+    assert late.finish_reason == dsv4.FinishReason.TIMEOUT
+    assert late.generated_tokens == len(late) < 100000
 
 
 def test_threads_never_steal_each_others_events(engine):

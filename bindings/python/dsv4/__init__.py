@@ -10,7 +10,9 @@
     with dsv4.Engine({"model_path": "/models/DeepSeek-V4-Flash"}) as engine:
         logits = engine.score([0, 1234, 5678])   # numpy float32 [3, vocab]
         engine.model_info()                      # dict
-        tokens = engine.generate([0, 1234], max_new_tokens=32, temperature=0)
+        out = engine.generate([0, 1234], max_new_tokens=32, temperature=0)
+        out.finish_reason                        # dsv4.FinishReason.LENGTH / STOP / ...
+        list(out)                                # the token ids (out is a list of them)
         for event in engine.stream([0, 1234], max_new_tokens=32, top_p=0.9, seed=7):
             ...                                  # dsv4.Event: TOKEN events, then FINISHED
         rid = engine.submit([0, 1234], user_tag=5)   # raises dsv4.QueueFull when refused
@@ -20,7 +22,7 @@
     # request, with the same pd_room, goes to both engines):
     #   endpoint = prefill.pd_endpoint()         # "tcp://host:port"; InvalidArgument if unified
     #   prefill.submit(prompt, pd_room=7)
-    #   decode.generate(prompt, pd_room=7, pd_peer=endpoint)    # the tokens
+    #   decode.generate(prompt, pd_room=7, pd_peer=endpoint)    # the tokens (a Generation)
     #   the prefill request ends FINISHED with FinishReason.TRANSFERRED once decode has its KV;
     #   a failed transfer ends a request with an ERROR event (generate(): KVTransferError, or
     #   Timeout for a PD deadline)
@@ -30,16 +32,21 @@ type cannot hold (a token id beyond int32_t, a negative count, a NUL inside a st
 refused before the call with dsv4.InvalidArgument (also a ValueError), a value of the wrong kind
 (a float or bool where an integer is expected) with TypeError; nothing is truncated.
 
-The library is found through DSV4_LIBRARY, next to this package, or in a source checkout's
-target/release.
+The package is pure Python and typed (PEP 561); libdsv4 is installed separately and found
+through DSV4_LIBRARY, a source checkout's build, or an installed prefix (dsv4/_native.py has the
+order); when none has it, `import dsv4` raises an OSError listing every place looked.
 """
 
 import ctypes
 import json
 import queue
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, \
+    Optional, Union
 
 from . import _cvalues, _native
-from .requests import Event, EventKind, FinishReason, Router, ShutdownMode, build_request
+from ._version import __version__
+from .requests import Event, EventKind, FinishReason, Generation, RequestFields, Router, \
+    ShutdownMode, build_request
 from .errors import (  # noqa: F401  (re-exported)
     Aborted,
     BufferTooSmall,
@@ -59,12 +66,21 @@ from .errors import (  # noqa: F401  (re-exported)
     from_status,
 )
 
+if TYPE_CHECKING:
+    import numpy
+    import numpy.typing
+    from typing_extensions import Unpack
+
 __all__ = [
+    "__version__",
     "Engine",
     "Event",
     "EventKind",
     "FinishReason",
+    "Generation",
+    "RequestFields",
     "ShutdownMode",
+    "Params",
     "version",
     "default_params",
     "validate_params",
@@ -88,15 +104,21 @@ __all__ = [
     "InternalError",
 ]
 
+#: A params document: a dict (serialised to JSON) or JSON text. See docs/params.md.
+Params = Union[Mapping[str, Any], str, bytes, bytearray]
+
 _lib = _native.lib
 
+# A C function of the (buf, cap, needed) shape, returning a status.
+_TextCall = Callable[[Any, int, Any], int]
 
-def _check(status):
+
+def _check(status: int) -> None:
     if status != 0:
         raise from_status(status, _lib.dsv4_last_error().decode("utf-8", "replace"))
 
 
-def _read_text(call):
+def _read_text(call: _TextCall) -> str:
     """Runs a (buf, cap, needed) C function until its output fits; returns the text."""
     needed = ctypes.c_size_t(0)
     _check(call(None, 0, ctypes.byref(needed)))
@@ -106,46 +128,56 @@ def _read_text(call):
         if status == BufferTooSmall.status:
             continue  # reports with live readings can grow between calls
         _check(status)
-        return buf.value.decode("utf-8")
+        text: str = buf.value.decode("utf-8")
+        return text
     raise InternalError("the output kept growing between calls", InternalError.status)
 
 
-def _params_bytes(params):
+def _params_bytes(params: Params) -> bytes:
     """The params as the NUL-terminated JSON text the C API takes (a dict is serialised; JSON text
     with a NUL in it is refused rather than cut short)."""
     if not isinstance(params, (str, bytes, bytearray)):
         params = json.dumps(params)
-    return _cvalues.value("params", params, ctypes.c_char_p)
+    raw: bytes = _cvalues.value("params", params, ctypes.c_char_p)
+    return raw
 
 
-def version():
-    """The library's version, "MAJOR.MINOR.PATCH"."""
-    return _lib.dsv4_version().decode("ascii")
+def version() -> str:
+    """The loaded library's version, "MAJOR.MINOR.PATCH" (the package's is __version__)."""
+    text: str = _lib.dsv4_version().decode("ascii")
+    return text
 
 
-def status_name(status):
+def status_name(status: int) -> str:
     """The name of a status code, e.g. "DSV4_ERR_CONFIG"."""
-    return _lib.dsv4_status_name(_cvalues.value("status", status, ctypes.c_int32)).decode("ascii")
+    name: str = _lib.dsv4_status_name(_cvalues.value("status", status, ctypes.c_int32)).decode(
+        "ascii")
+    return name
 
 
-def default_params():
+def _json(text: str) -> Dict[str, Any]:
+    doc: Dict[str, Any] = json.loads(text)
+    return doc
+
+
+def default_params() -> Dict[str, Any]:
     """The full default params document."""
-    return json.loads(_read_text(_lib.dsv4_params_default))
+    return _json(_read_text(_lib.dsv4_params_default))
 
 
-def validate_params(params):
+def validate_params(params: Params) -> Dict[str, Any]:
     """Validates params (a dict or JSON text) and returns the resolved document."""
     raw = _params_bytes(params)
-    return json.loads(_read_text(lambda b, c, n: _lib.dsv4_params_validate(raw, b, c, n)))
+    return _json(_read_text(lambda b, c, n: _lib.dsv4_params_validate(raw, b, c, n)))
 
 
-def plan(params):
+def plan(params: Params) -> Dict[str, Any]:
     """The per-rank memory plan for params (a dict or JSON text), as a dict."""
     raw = _params_bytes(params)
-    return json.loads(_read_text(lambda b, c, n: _lib.dsv4_plan(raw, b, c, n)))
+    return _json(_read_text(lambda b, c, n: _lib.dsv4_plan(raw, b, c, n)))
 
 
-def plan_text(params):
+def plan_text(params: Params) -> str:
     """The same plan as an aligned table."""
     raw = _params_bytes(params)
     return _read_text(lambda b, c, n: _lib.dsv4_plan_text(raw, b, c, n))
@@ -159,15 +191,17 @@ class Engine:
     call waiting for it, or to the queue read by poll() for requests made with submit().
     """
 
-    def __init__(self, params):
+    _handle: Optional[ctypes.c_void_p]
+
+    def __init__(self, params: Params) -> None:
         raw = _params_bytes(params)
         handle = ctypes.c_void_p()
         _check(_lib.dsv4_engine_create(raw, ctypes.byref(handle)))
         self._handle = handle
         self._router = Router(handle)
-        self._vocab = self.model_info()["vocab_size"]
+        self._vocab: int = self.model_info()["vocab_size"]
 
-    def close(self):
+    def close(self) -> None:
         """Aborts what is in flight and frees the engine (idempotent)."""
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
@@ -177,33 +211,33 @@ class Engine:
             self._router.close()
             _lib.dsv4_engine_destroy(handle)
 
-    def __enter__(self):
+    def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.close()
 
-    def _live(self):
+    def _live(self) -> ctypes.c_void_p:
         if not self._handle:
             raise InvalidArgument("the engine is closed", InvalidArgument.status)
         return self._handle
 
-    def model_info(self):
+    def model_info(self) -> Dict[str, Any]:
         """Configuration summary, parameter count and resident bytes by dtype."""
         handle = self._live()
-        return json.loads(_read_text(lambda b, c, n: _lib.dsv4_model_info(handle, b, c, n)))
+        return _json(_read_text(lambda b, c, n: _lib.dsv4_model_info(handle, b, c, n)))
 
-    def pd_endpoint(self):
+    def pd_endpoint(self) -> str:
         """The address PD peers reach this engine at, "tcp://host:port" (`pd.advertise`, else
         the address `pd.listen` bound): a prefill engine's endpoint is what decode requests
         pass as `pd_peer`. InvalidArgument in the unified role, which has none."""
         handle = self._live()
         return _read_text(lambda b, c, n: _lib.dsv4_pd_endpoint(handle, b, c, n))
 
-    def score(self, tokens):
+    def score(self, tokens: Iterable[int]) -> "numpy.typing.NDArray[numpy.float32]":
         """Logits of every position of one fresh sequence: numpy float32 [len(tokens), vocab]."""
         import numpy as np
 
@@ -221,7 +255,7 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def submit(self, prompt, **fields):
+    def submit(self, prompt: Iterable[int], **fields: "Unpack[RequestFields]") -> int:
         """Submits a request; returns its id. Keyword fields are struct dsv4_request's
         (max_new_tokens, stop_tokens, temperature, top_k, top_p, min_p, seed,
         logit_bias_tokens, logit_bias_values, priority, deadline_ms, cache_salt, user_tag,
@@ -235,11 +269,11 @@ class Engine:
         del keep
         return rid
 
-    def poll(self, timeout_s=0.0):
+    def poll(self, timeout_s: Optional[float] = 0.0) -> List[Event]:
         """Events of requests made with submit(): waits up to timeout_s (None: forever) for
         the first, then returns every one already there."""
         self._live()
-        out = []
+        out: List[Event] = []
         try:
             out.append(self._router.general.get(timeout=timeout_s) if timeout_s != 0
                        else self._router.general.get_nowait())
@@ -251,18 +285,20 @@ class Engine:
             except queue.Empty:
                 return out
 
-    def abort(self, request_id):
+    def abort(self, request_id: int) -> None:
         """Ends a request (FINISHED / ABORTED); NotFound if it is unknown or already ended."""
         rid = _cvalues.value("request_id", request_id, ctypes.c_uint64)
         _check(_lib.dsv4_abort(self._live(), rid))
 
-    def stream(self, prompt, **fields):
+    def stream(self, prompt: Iterable[int],
+               **fields: "Unpack[RequestFields]") -> Iterator[Event]:
         """Submits and yields the request's events: TOKEN events, then the terminal one.
         Closing the iterator early aborts the request and waits for it to end."""
         self._live()
         req, keep = build_request(prompt, fields)
         rid, q = self._router.submit(req, private=True)
         del keep
+        assert q is not None  # private=True always makes the request's queue
         done = False
         try:
             while True:
@@ -281,24 +317,32 @@ class Engine:
                 while not q.get(timeout=60).terminal:
                     pass
 
-    def generate(self, prompt, **fields):
-        """The generated tokens (blocking). An ERROR event raises the matching dsv4.Error."""
-        tokens = []
+    def generate(self, prompt: Iterable[int], **fields: "Unpack[RequestFields]") -> Generation:
+        """Runs a request to its end (blocking) and returns a Generation: the generated token
+        ids (a list, as generate() always returned) with `.finish_reason`, `.logprobs` (with
+        logprobs=True) and the FINISHED event's usage. An ERROR event raises the matching
+        dsv4.Error."""
+        tokens: List[int] = []
+        logprobs: List[float] = []
         for event in self.stream(prompt, **fields):
             if event.kind == EventKind.TOKEN:
                 tokens.append(event.token)
+                logprobs.append(event.logprob)
             elif event.kind == EventKind.ERROR:
                 raise from_status(event.status, "request {} failed: {}".format(
                     event.request_id, event.message or status_name(event.status)))
-        return tokens
+            else:
+                return Generation(tokens, event, logprobs if fields.get("logprobs") else None)
+        # stream() returns only after a terminal event, and an ERROR one raised above.
+        raise InternalError("request ended without a terminal event", InternalError.status)
 
-    def cache_stats(self):
+    def cache_stats(self) -> Dict[str, Any]:
         """The prefix cache per pool and tier (used / total units and bytes) and its counters
         (hits by tier, load-backs, backups, evictions): a dict, see docs/hicache.md."""
         handle = self._live()
-        return json.loads(_read_text(lambda b, c, n: _lib.dsv4_cache_stats(handle, b, c, n)))
+        return _json(_read_text(lambda b, c, n: _lib.dsv4_cache_stats(handle, b, c, n)))
 
-    def metrics(self):
+    def metrics(self) -> Dict[str, Any]:
         """Counters (totals since creation), latency sums/counts and gauges as a flat dict
         (struct dsv4_metrics; pool units as nested dicts). Cheap: never waits for a step."""
         m = _native.Metrics()
@@ -308,25 +352,27 @@ class Engine:
             raise InternalError("dsv4_metrics layout mismatch: the library filled {} bytes, this "
                                 "binding expects {}: reinstall matching versions".format(
                                     m.struct_size, ctypes.sizeof(m)))
-        out = {}
-        for name, kind in m._fields_[1:]:
+        out: Dict[str, Any] = {}
+        for field in m._fields_[1:]:
+            name, kind = field[0], field[1]
             value = getattr(m, name)
             if kind is _native.Units:
-                value = {k: getattr(value, k) for k, _ in _native.Units._fields_}
+                value = {f[0]: getattr(value, f[0]) for f in _native.Units._fields_}
             out[name] = value
         return out
 
-    def prometheus(self):
+    def prometheus(self) -> str:
         """The metrics in the Prometheus text format (serve as text/plain; version=0.0.4)."""
         handle = self._live()
         return _read_text(lambda b, c, n: _lib.dsv4_metrics_prometheus(handle, b, c, n))
 
-    def cache_flush(self, tier="all"):
+    def cache_flush(self, tier: str = "all") -> None:
         """Drops every unlocked cached prefix from "device" (host copies stay), "host" or
         "all"."""
         _check(_lib.dsv4_cache_flush(self._live(), _cvalues.value("tier", tier, ctypes.c_char_p)))
 
-    def shutdown(self, mode=ShutdownMode.DRAIN, timeout_s=None):
+    def shutdown(self, mode: ShutdownMode = ShutdownMode.DRAIN,
+                 timeout_s: Optional[float] = None) -> None:
         """Stops intake; DRAIN lets accepted requests finish, ABORT ends them. Waits up to
         timeout_s (None: as long as it takes, else 0 to 2147483.647); raises Timeout if still
         draining."""

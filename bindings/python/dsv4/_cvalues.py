@@ -12,13 +12,17 @@ both name the argument, the value and what the C type allows.
 import ctypes
 import math
 import operator
+from typing import Any, Iterable, Optional, Tuple, Type
 
 from .errors import InvalidArgument
+
+# A ctypes scalar type (c_int32, c_float, c_char_p, ...).
+CType = Type[Any]
 
 _REAL_TYPES = (ctypes.c_float, ctypes.c_double)
 
 
-def _int_range(ctype):
+def _int_range(ctype: CType) -> Tuple[str, int, int]:
     """(C name, lowest, highest) of an integer ctype, from its size and signedness (ctypes
     aliases types, e.g. c_size_t is c_uint64 on LP64, so the name comes from the layout)."""
     bits = 8 * ctypes.sizeof(ctype)
@@ -28,22 +32,22 @@ def _int_range(ctype):
     return "uint{}_t".format(bits), 0, (1 << bits) - 1
 
 
-def _shown(value):
+def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:45] + "..." + text[-12:]
 
 
-def _label(name, index):
+def _label(name: str, index: Optional[int]) -> str:
     return name if index is None else "{}[{}]".format(name, index)
 
 
-def _is_bool(value):
+def _is_bool(value: object) -> bool:
     # numpy's bool is not a Python bool but is refused the same way (it has no __index__ in
     # numpy 2, and True as a token id or a count is a mistake, not 1).
     return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")
 
 
-def value(name, v, ctype, index=None):
+def value(name: str, v: Any, ctype: CType, index: Optional[int] = None) -> Any:
     """`v` as the Python value to store in a `ctype` field or argument, or an exception naming
     `name` (and `index` within it). ctype: an integer type, c_float / c_double, or c_char_p (a
     str, UTF-8 encoded, or bytes; returned as bytes)."""
@@ -54,7 +58,7 @@ def value(name, v, ctype, index=None):
     return _integer(name, v, ctype, index)
 
 
-def _integer(name, v, ctype, index):
+def _integer(name: str, v: Any, ctype: CType, index: Optional[int]) -> int:
     cname, lo, hi = _int_range(ctype)
     if _is_bool(v):
         raise TypeError("{} must be an integer ({}), not a bool: {}".format(
@@ -73,12 +77,13 @@ def _integer(name, v, ctype, index):
 _BIGGEST = {ctypes.c_float: 3.4028234663852886e38, ctypes.c_double: 1.7976931348623157e308}
 
 
-def _real(name, v, ctype, index):
+def _real(name: str, v: Any, ctype: CType, index: Optional[int]) -> float:
     cname = "float" if ctype is ctypes.c_float else "double"
     wrong = TypeError("{} must be a number ({}), not {}: {}".format(
         _label(name, index), cname, type(v).__name__, _shown(v)))
     if _is_bool(v) or isinstance(v, (str, bytes)):
         raise wrong  # float() would parse a string
+    x: Optional[float]
     try:
         x = float(v)
     except OverflowError:  # an int beyond any double
@@ -94,7 +99,7 @@ def _real(name, v, ctype, index):
     return x
 
 
-def _text(name, v, index):
+def _text(name: str, v: Any, index: Optional[int]) -> bytes:
     if isinstance(v, str):
         raw = v.encode("utf-8")
     elif isinstance(v, (bytes, bytearray)):
@@ -109,7 +114,7 @@ def _text(name, v, index):
     return raw
 
 
-def array(name, values, ctype):
+def array(name: str, values: Iterable[Any], ctype: CType) -> Any:
     """A ctypes array of `ctype` holding `values` (any iterable; numpy integer arrays are
     checked without a Python loop), each element checked as `value` does."""
     if hasattr(values, "dtype") and hasattr(values, "ndim") and ctype not in _REAL_TYPES \
@@ -126,7 +131,7 @@ def array(name, values, ctype):
     return (ctype * len(items))(*[value(name, v, ctype, i) for i, v in enumerate(items)])
 
 
-def _int_ndarray(name, a, ctype):
+def _int_ndarray(name: str, a: Any, ctype: CType) -> Any:
     import numpy as np
 
     cname, lo, hi = _int_range(ctype)
@@ -147,7 +152,7 @@ def _int_ndarray(name, a, ctype):
     return (ctype * len(out)).from_buffer_copy(out)
 
 
-def timeout_ms(name, seconds):
+def timeout_ms(name: str, seconds: Optional[float]) -> int:
     """A timeout in seconds (None: wait as long as it takes) as the int32_t milliseconds of the C
     API (-1 = no limit). A positive timeout is rounded up, so it never becomes "do not wait"."""
     if seconds is None:

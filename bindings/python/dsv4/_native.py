@@ -1,37 +1,121 @@
-"""Loads libdsv4 with ctypes and declares the C functions' signatures."""
+"""Loads libdsv4 with ctypes and declares the C functions' signatures.
+
+The package is pure Python: the native library is installed separately (`make install
+PREFIX=...`) and found at import time, in this order:
+
+1. `DSV4_LIBRARY`: the library file (or a directory holding it). When set it is the only place
+   looked, so a wrong setting is an error rather than a silent fallback to another copy.
+2. Next to the package (`dsv4/libdsv4.so*`, for a bundle that ships the two together).
+3. When the package is imported from a source checkout (bindings/python/dsv4, or an editable
+   install of it): the checkout's own build, `$CARGO_TARGET_DIR/release` then `target/release`.
+   It comes before any installed copy because the binding's structs match that build's header.
+4. Installed prefixes: `<sys.prefix>/lib` (a virtualenv or conda prefix), the `libdir` of
+   `pkg-config dsv4` (honours PKG_CONFIG_PATH), `/usr/local/lib` (`make install`'s default),
+   then the dynamic linker's own search (ldconfig's cache, LD_LIBRARY_PATH) through
+   ctypes.util.find_library.
+
+In each directory the soname `libdsv4.so.<MAJOR>` is preferred to the development symlink
+`libdsv4.so`, which a runtime-only install may lack. If nothing is found, the OSError names
+every place looked and how to fix it.
+"""
 
 import ctypes
+import ctypes.util
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any, Iterator, List, Optional, Tuple
 
-_SONAME = "libdsv4.so"
+from ._version import __version__
+
+#: The soname's major version this binding's struct layouts belong to.
+ABI_MAJOR = int(__version__.split(".")[0])
+_NAMES = ("libdsv4.so.{}".format(ABI_MAJOR), "libdsv4.so")
+_FIX = ("set DSV4_LIBRARY to the library file (e.g. /opt/dsv4/lib/libdsv4.so.{0}), install it "
+        "into one of the prefixes above (`make install PREFIX=...`; for another prefix add "
+        "<prefix>/lib/pkgconfig to PKG_CONFIG_PATH), or in a source checkout build it with "
+        "`make lib`".format(ABI_MAJOR))
 
 
-def _candidates():
+def _in_dir(directory: Path) -> List[Path]:
+    return [directory / name for name in _NAMES]
+
+
+def _checkout_root(here: Path) -> Optional[Path]:
+    """The repository root when `here` (the package directory) is bindings/python/dsv4 of a
+    dsv4 checkout, else None (an installed package never looks for a `target` directory)."""
+    root = here.parent.parent.parent
+    if here.parent.name == "python" and here.parent.parent.name == "bindings" \
+            and (root / "Cargo.toml").is_file():
+        return root
+    return None
+
+
+def _pkg_config_libdir() -> Tuple[str, Optional[Path]]:
+    """(what pkg-config said, its libdir or None)."""
+    try:
+        out = subprocess.run(["pkg-config", "--variable=libdir", "dsv4"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return "pkg-config: not usable ({})".format(e.__class__.__name__), None
+    libdir = out.stdout.strip()
+    if out.returncode != 0 or not libdir:
+        return "pkg-config --variable=libdir dsv4: no dsv4.pc on PKG_CONFIG_PATH", None
+    return "pkg-config --variable=libdir dsv4", Path(libdir)
+
+
+def _places(here: Path) -> Iterator[Tuple[str, List[Path]]]:
+    """(description, candidate files) of every place after DSV4_LIBRARY, in search order;
+    lazily, so pkg-config only runs when the earlier places had nothing."""
+    # The pattern itself stands for "nothing matched" in the error (it is never a file).
+    yield "next to the package", sorted(here.glob("libdsv4.so*")) or [here / "libdsv4.so*"]
+    root = _checkout_root(here)
+    if root is not None:
+        target = os.environ.get("CARGO_TARGET_DIR")
+        if target:
+            yield "the checkout's build ($CARGO_TARGET_DIR/release)", \
+                _in_dir((root / target).resolve() / "release")
+        yield "the checkout's build (target/release)", _in_dir(root / "target" / "release")
+    yield "the Python prefix (<sys.prefix>/lib)", _in_dir(Path(sys.prefix) / "lib")
+    what, libdir = _pkg_config_libdir()
+    yield what, _in_dir(libdir) if libdir else []
+    yield "make install's default prefix", _in_dir(Path("/usr/local/lib"))
+
+
+def _open(path: str) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:
+        # A file that exists but does not load: another architecture, a missing dependency.
+        raise OSError("libdsv4 at {} exists but did not load: {}".format(path, e)) from e
+
+
+def _load() -> ctypes.CDLL:
+    here = Path(__file__).resolve().parent
     env = os.environ.get("DSV4_LIBRARY")
     if env:
-        yield Path(env)
-        return
-    here = Path(__file__).resolve().parent
-    yield from sorted(here.glob(_SONAME + "*"))
-    # A source checkout: bindings/python/dsv4 → repository root → target/release.
-    for parent in here.parents:
-        built = parent / "target" / "release" / _SONAME
-        if built.exists():
-            yield built
-            break
-
-
-def _load():
-    tried = []
-    for path in _candidates():
-        tried.append(str(path))
-        if path.exists():
-            return ctypes.CDLL(str(path))
-    raise OSError(
-        "libdsv4 not found (tried: {}): set DSV4_LIBRARY to the library's path, put it next to "
-        "the dsv4 package, or build it with `make lib`".format(", ".join(tried) or "nothing")
-    )
+        path = Path(env)
+        files = [p for p in _in_dir(path) if p.exists()] if path.is_dir() else [path]
+        if files and files[0].is_file():
+            return _open(str(files[0]))
+        raise OSError("libdsv4 not found: DSV4_LIBRARY={} {}; point it at the library file (e.g. "
+                      "<prefix>/lib/libdsv4.so.{}) or unset it to search the usual places".format(
+                          env, "holds no libdsv4.so" if path.is_dir() else "does not exist",
+                          ABI_MAJOR))
+    looked = ["DSV4_LIBRARY: not set"]
+    for what, paths in _places(here):
+        for p in paths:
+            if p.is_file():
+                return _open(str(p))
+        # pkg-config without a dsv4.pc has no paths: its description says why.
+        looked.append("{}: {}".format(what, ", ".join(map(str, paths))) if paths else what)
+    found = ctypes.util.find_library("dsv4")  # a soname for dlopen's own search, not a path
+    if found:
+        return _open(found)
+    looked.append("the dynamic linker's search path (ldconfig, LD_LIBRARY_PATH): no libdsv4")
+    raise OSError("libdsv4 not found. Looked in:\n  {}\nFix: {}.".format(
+        "\n  ".join(looked), _FIX))
 
 
 lib = _load()
@@ -141,9 +225,9 @@ class Units(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("used", "total", "used_bytes", "total_bytes")]
 
 
-def _metric_fields():
+def _metric_fields() -> List[Tuple[str, Any]]:
     u64, f64 = ctypes.c_uint64, ctypes.c_double
-    fields = [("struct_size", ctypes.c_uint32)]
+    fields: List[Tuple[str, Any]] = [("struct_size", ctypes.c_uint32)]
     fields += [(n, u64) for n in ("num_running_reqs", "num_loading_reqs", "num_queue_reqs",
                                   "num_queue_tokens")]
     fields += [(n, Units) for n in ("device_pages", "device_slots", "device_snapshots",

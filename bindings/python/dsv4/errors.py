@@ -1,18 +1,21 @@
 """One exception class per dsv4 status code."""
 
+from typing import Dict, Optional, Type
+
 
 class Error(Exception):
     """A failed dsv4 call. `status` is the DSV4_ERR_* code, `message` dsv4's explanation."""
 
-    status = None
+    #: The DSV4_ERR_* code (negative); None only on the base class.
+    status: Optional[int] = None
 
-    def __init__(self, message, status=None):
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.message
 
 
@@ -77,7 +80,7 @@ class InternalError(Error):
     status = -99
 
 
-BY_STATUS = {
+BY_STATUS: Dict[Optional[int], Type[Error]] = {
     cls.status: cls
     for cls in (
         InvalidArgument,
@@ -98,7 +101,7 @@ BY_STATUS = {
 }
 
 
-def from_status(status, message):
+def from_status(status: int, message: str) -> Error:
     """The exception for a status code (the base Error for codes dsv4 never returns)."""
     cls = BY_STATUS.get(status, Error)
     return cls(message, status)

@@ -5,7 +5,7 @@ import dataclasses
 import enum
 import queue
 import threading
-from typing import Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, TypedDict, Union
 
 from . import _cvalues, _native
 from .errors import from_status
@@ -63,11 +63,12 @@ class Event:
     message: Optional[str] = None
 
     @property
-    def terminal(self):
+    def terminal(self) -> bool:
+        """FINISHED or ERROR: the request's last event."""
         return self.kind != EventKind.TOKEN
 
     @classmethod
-    def from_c(cls, e):
+    def from_c(cls, e: _native.Event) -> "Event":
         return cls(
             request_id=e.request_id, user_tag=e.user_tag, kind=EventKind(e.kind), token=e.token,
             logprob=e.logprob, finish_reason=FinishReason(e.finish_reason), status=e.status,
@@ -79,6 +80,78 @@ class Event:
             if e.struct_size > _MESSAGE_OFFSET and e.message else None)
 
 
+class Generation(List[int]):
+    """What Engine.generate() returns: the generated token ids, as a list, with how the request
+    ended.
+
+    It is a list subclass so that code written when generate() returned a plain list keeps
+    working (indexing, len, slicing, `== [..]`); equality is therefore the tokens' alone, and
+    slices or sums are plain lists. The rest: `finish_reason` (LENGTH, STOP: EOS or a stop
+    token, which is then the last token, ABORTED, TIMEOUT, TRANSFERRED), `logprobs` (one per
+    token when the request asked for them, else None) and `event`, the terminal FINISHED event
+    with the request's usage and timings (the common ones are properties here too)."""
+
+    finish_reason: FinishReason
+    logprobs: Optional[List[float]]
+    event: Event
+
+    def __init__(self, tokens: Iterable[int], event: Event,
+                 logprobs: Optional[List[float]] = None) -> None:
+        super().__init__(tokens)
+        self.event = event
+        self.finish_reason = event.finish_reason
+        self.logprobs = logprobs
+
+    @property
+    def tokens(self) -> List[int]:
+        """The token ids as a plain list."""
+        return list(self)
+
+    @property
+    def request_id(self) -> int:
+        return self.event.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.event.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (device and host tiers together)."""
+        return self.event.cached_tokens_device + self.event.cached_tokens_host
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.event.generated_tokens
+
+    def __repr__(self) -> str:
+        return "Generation({}, finish_reason={})".format(list.__repr__(self),
+                                                        self.finish_reason.name)
+
+
+class RequestFields(TypedDict, total=False):
+    """The keyword fields of Engine.submit / stream / generate: struct dsv4_request's fields
+    (see include/dsv4.h and docs/engine.md), each checked against its C type before the call.
+    Kept equal to _FIELDS below by tests/python/test_packaging.py."""
+
+    max_new_tokens: int
+    stop_tokens: Iterable[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    logit_bias_tokens: Iterable[int]
+    logit_bias_values: Iterable[float]
+    priority: int
+    deadline_ms: int
+    cache_salt: Union[str, bytes, None]
+    user_tag: int
+    logprobs: Union[bool, int]
+    pd_room: int
+    pd_peer: Union[str, bytes, None]
+
+
 _SCALARS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "priority",
             "deadline_ms", "user_tag", "pd_room"}
 # NUL-terminated strings (None: NULL, the default).
@@ -86,10 +159,11 @@ _STRINGS = ("cache_salt", "pd_peer")
 _FIELDS = _SCALARS | set(_STRINGS) | {"stop_tokens", "logit_bias_tokens", "logit_bias_values",
                                       "logprobs"}
 # The C type of each field, from the struct's own declaration.
-_CTYPE = dict(_native.Request._fields_)
+_CTYPE: Dict[str, Any] = {f[0]: f[1] for f in _native.Request._fields_}
 
 
-def build_request(prompt, fields):
+def build_request(prompt: Iterable[int],
+                  fields: Mapping[str, Any]) -> Tuple[_native.Request, List[Any]]:
     """A dsv4_request for `prompt` and keyword fields; returns it with the buffers it points to
     (they must stay alive until dsv4_submit returns). Every value is checked against its C type
     first (see _cvalues): InvalidArgument or TypeError name the field."""
@@ -101,9 +175,9 @@ def build_request(prompt, fields):
     status = _lib.dsv4_request_init(ctypes.byref(req), ctypes.sizeof(req))
     if status != 0:
         raise from_status(status, _lib.dsv4_last_error().decode("utf-8", "replace"))
-    keep = []
+    keep: List[Any] = []
 
-    def ids(name, values):
+    def ids(name: str, values: Iterable[int]) -> Tuple[Any, int]:
         arr = _cvalues.array(name, values, ctypes.c_int32)
         keep.append(arr)
         return arr, len(arr)
@@ -137,28 +211,29 @@ class Router:
     """The one poller of an engine: routes each event to the queue of the request that waits
     for it (generate / stream), or to the general queue read by Engine.poll."""
 
-    def __init__(self, handle):
+    def __init__(self, handle: ctypes.c_void_p) -> None:
         self._handle = handle
         self._lock = threading.Lock()
-        self._mine = {}
-        self.general = queue.Queue()
+        self._mine: Dict[int, "queue.Queue[Event]"] = {}
+        self.general: "queue.Queue[Event]" = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsv4-events", daemon=True)
         self._thread.start()
 
-    def submit(self, req, private):
+    def submit(self, req: _native.Request,
+               private: bool) -> Tuple[int, "Optional[queue.Queue[Event]]"]:
         """Submits under the routing lock, so no event can be routed before its queue exists."""
         rid = ctypes.c_uint64(0)
         with self._lock:
             status = _lib.dsv4_submit(self._handle, ctypes.byref(req), ctypes.byref(rid))
             if status != 0:
                 raise from_status(status, _lib.dsv4_last_error().decode("utf-8", "replace"))
-            q = None
+            q: "Optional[queue.Queue[Event]]" = None
             if private:
                 q = self._mine[rid.value] = queue.Queue()
         return rid.value, q
 
-    def _run(self):
+    def _run(self) -> None:
         cap = 64
         buf = (_native.Event * cap)()
         n = ctypes.c_size_t(0)
@@ -179,6 +254,6 @@ class Router:
                         if e.terminal:
                             del self._mine[e.request_id]
 
-    def close(self):
+    def close(self) -> None:
         self._stop.set()
         self._thread.join()
