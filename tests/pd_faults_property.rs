@@ -128,8 +128,9 @@ impl Injected {
         match self {
             // The decode misses the STATE frame or bytes (DONE's length disagrees), gets a byte
             // twice or at another offset (an overlap, or past the end).
-            DropState | DropData(_) | FlipOffset(..) | DupState | DupData(_)
-            | WrongRoomData(_) => same(&["mismatch"]),
+            DropState | DropData(_) | FlipOffset(..) | DupState | DupData(_) | WrongRoomData(_) => {
+                same(&["mismatch"])
+            }
             // DATA carries its offset and may come before STATE (complete pages are sent
             // early), so a STATE or DATA frame swapped with the room's next DATA frame is
             // harmless; one swapped with DONE leaves DONE short of bytes.
