@@ -368,6 +368,13 @@ pub unsafe extern "C" fn dsv4_request_init(
         unsafe {
             let known = write_out(&request_defaults(struct_size as u32), request, struct_size);
             std::ptr::write_bytes(request.cast::<u8>().add(known), 0, struct_size - known);
+            // The tail padding after `ignore_eos` is no field, and a Rust value's padding
+            // bytes are unspecified: zero it, so that an older caller sees zeros in every byte
+            // past its own struct that it does not know (tests/c/abi_v1_test.c checks).
+            let pad = std::mem::offset_of!(dsv4_request, ignore_eos) + 1;
+            if known > pad {
+                std::ptr::write_bytes(request.cast::<u8>().add(pad), 0, known - pad);
+            }
         }
         Ok(())
     })
