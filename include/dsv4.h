@@ -80,6 +80,35 @@
 
 
 /**
+ * `dsv4_engine_state`: loading its weights. `dsv4_engine_create` returns only once loading
+ * has finished, so no engine handle reports it; it is for hosts that report a state before
+ * they have a handle.
+ */
+#define DSV4_STATE_LOADING 0
+
+/**
+ * Accepting requests.
+ */
+#define DSV4_STATE_READY 1
+
+/**
+ * A shutdown began (`dsv4_engine_shutdown`, drain, or an abort still ending requests):
+ * submits are refused; the requests in flight are still running.
+ */
+#define DSV4_STATE_DRAINING 2
+
+/**
+ * Shut down: every request has ended and the engine thread has stopped.
+ */
+#define DSV4_STATE_STOPPED 3
+
+/**
+ * The engine thread failed: every request got an ERROR event and every later call on the
+ * handle fails with the same message; destroy the engine and create a new one.
+ */
+#define DSV4_STATE_FAILED 4
+
+/**
  * Logging is off.
  */
 #define DSV4_LOG_OFF 0
@@ -135,7 +164,8 @@
 #define DSV4_FINISH_LENGTH 1
 
 /**
- * A stop token or the model's EOS was generated (it is the last TOKEN event).
+ * A stop token, the model's EOS (unless `ignore_eos`) or the last token of a stop sequence
+ * was generated (it is the last TOKEN event).
  */
 #define DSV4_FINISH_STOP 2
 
@@ -359,7 +389,8 @@ typedef struct {
 
 /**
  * A generation request (version 1: 128 bytes, up to `logprobs`; version 2 appends `pd_room` and
- * `pd_peer`: 144 bytes). Initialise with `dsv4_request_init`, then set
+ * `pd_peer`: 144 bytes; version 3 appends the stop sequences and `ignore_eos`: 176 bytes).
+ * Initialise with `dsv4_request_init`, then set
  * fields. Fields are only appended in later versions; `struct_size` tells the library which
  * you have, and a field your version lacks takes its default (which is not always zero).
  * Every pointer is read during `dsv4_submit` only.
@@ -379,7 +410,7 @@ typedef struct {
      */
     uint32_t max_new_tokens;
     /**
-     * Extra stopping tokens; the model's EOS always stops.
+     * Extra stopping tokens; the model's EOS stops too unless `ignore_eos` is set.
      */
     const int32_t *stop_tokens;
     size_t stop_tokens_len;
@@ -441,6 +472,30 @@ typedef struct {
      * `dsv4_pd_endpoint` returned there); NULL elsewhere. (Appended after version 1.)
      */
     const char *pd_peer;
+    /**
+     * Stop token sequences, flattened: the tokens of every sequence one after another
+     * (`stop_sequence_lens[0]` tokens of the first, then the second's, …). The request
+     * finishes with `DSV4_FINISH_STOP` once its generated tokens (never the prompt) end with
+     * one of them. Its tokens are emitted as TOKEN events as they arrive (the match is known
+     * only at its last token), so the matched sequence is part of the output, its last token
+     * the last TOKEN event; a host that hides stop text trims it. (Appended after version 2.)
+     */
+    const int32_t *stop_sequences;
+    /**
+     * `stop_sequences_len` lengths, each at least 1; together at most 4096 tokens.
+     * (Appended after version 2.)
+     */
+    const size_t *stop_sequence_lens;
+    /**
+     * The number of stop sequences; 0 = none. (Appended after version 2.)
+     */
+    size_t stop_sequences_len;
+    /**
+     * Non-zero: the model's EOS tokens (`eos_token_ids` in `dsv4_model_info`) do not end the
+     * request; they are emitted like any other token. Stop tokens, stop sequences and
+     * `max_new_tokens` still end it. (Appended after version 2.)
+     */
+    uint8_t ignore_eos;
 } dsv4_request;
 
 /**
@@ -687,13 +742,54 @@ dsv4_status dsv4_score(const dsv4_engine *engine,
 
 /**
  * Writes a JSON summary of the loaded model: configuration, layer kinds, parameter count and
- * resident bytes by dtype. `(buf, cap, needed)` convention; thread-safe, does not block.
+ * resident bytes by dtype, and the facts a server needs: `vocab_size`, `bos_token_id` (null
+ * when config.json has none), `eos_token_ids` (an array: every id that ends a request unless
+ * `ignore_eos`), `max_position_embeddings` (the model's) and `context_limit` (what one request
+ * can hold, prompt and output together: the smaller of `kv.max_context_tokens` and the device
+ * KV pages), `has_tokenizer` (`tokenizer.json` is in the model directory) and
+ * `has_chat_template` (`tokenizer_config.json` there has a `chat_template`); the last two say
+ * the files are present, nothing more. `(buf, cap, needed)` convention; thread-safe, does not
+ * block.
  *
  * # Safety
  * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
  * for one `size_t`.
  */
 dsv4_status dsv4_model_info(const dsv4_engine *engine, char *buf, size_t cap, size_t *needed);
+
+/**
+ * Where the engine stands: `*state` gets a `DSV4_STATE_*` and `reason` a sentence for a health
+ * endpoint or a log (e.g. `ready: 2 requests in flight`, `shutting down (drain): 3 requests
+ * still running`, `the engine thread failed: <its error>`). The state is checked in this
+ * order: FAILED, STOPPED, DRAINING, READY (never LOADING: a handle exists only once loaded).
+ *
+ * `reason` follows the `(buf, cap, needed)` convention, with one addition: `reason = NULL,
+ * cap = 0, needed = NULL` asks for the state alone. `*state` is written whenever `engine` and
+ * `state` are valid, also when the reason does not fit (`DSV4_ERR_BUFFER_TOO_SMALL`). Works on
+ * a stopped or failed engine (that is when it matters). Thread-safe, never blocks, may be
+ * called from a callback. NULL `engine` or `state`: `DSV4_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `engine` is a live handle; `state` is valid for one `int32_t`; `reason` is NULL or valid for
+ * `cap` bytes; `needed` is NULL or valid for one `size_t`.
+ */
+dsv4_status dsv4_engine_state(const dsv4_engine *engine,
+                              int32_t *state,
+                              char *reason,
+                              size_t cap,
+                              size_t *needed);
+
+/**
+ * Writes the params this engine runs with, as JSON: every default filled in, every size in
+ * bytes (what `dsv4_params_validate` returns for the document it was created from). Feeding it
+ * back to `dsv4_params_validate` or `dsv4_engine_create` gives the same params. `(buf, cap,
+ * needed)` convention; thread-safe, never blocks.
+ *
+ * # Safety
+ * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
+ * for one `size_t`.
+ */
+dsv4_status dsv4_params_resolved(const dsv4_engine *engine, char *buf, size_t cap, size_t *needed);
 
 /**
  * Sends dsv4's log records up to `max_level` (`DSV4_LOG_OFF` … `DSV4_LOG_TRACE`) to `callback`
@@ -809,6 +905,14 @@ dsv4_status dsv4_plan(const char *params_json, char *buf, size_t cap, size_t *ne
  * As `dsv4_params_validate`.
  */
 dsv4_status dsv4_plan_text(const char *params_json, char *buf, size_t cap, size_t *needed);
+
+/**
+ * The name of a `DSV4_FINISH_*` value: `"none"`, `"length"`, `"stop"`, `"aborted"`,
+ * `"timeout"`, `"transferred"` (the words OpenAI-style servers report), and `"unknown"` for
+ * any other value (never NULL, like `dsv4_status_name`, so it can go straight to printf).
+ * The string is static: never free it. Thread-safe.
+ */
+const char *dsv4_finish_reason_name(int32_t reason);
 
 /**
  * Fills `*request` with the defaults (max_new_tokens 128, temperature 1, top_p 1, everything

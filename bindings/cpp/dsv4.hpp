@@ -77,6 +77,26 @@ inline std::string plan_text(const std::string &params_json) {
     });
 }
 
+// The name of a DSV4_FINISH_* value ("stop", "length", ...; "unknown" for other values).
+inline const char *finish_reason_name(int32_t reason) noexcept {
+    return dsv4_finish_reason_name(reason);
+}
+
+// DSV4_STATE_*: where an engine stands (engine::state).
+enum class state : int32_t {
+    loading = DSV4_STATE_LOADING,  // never reported by an engine handle (it exists once loaded)
+    ready = DSV4_STATE_READY,
+    draining = DSV4_STATE_DRAINING,
+    stopped = DSV4_STATE_STOPPED,
+    failed = DSV4_STATE_FAILED,
+};
+
+// A state and the sentence that explains it (for a health endpoint or a log).
+struct engine_state {
+    dsv4::state state;
+    std::string reason;
+};
+
 // A request with the library's defaults (struct_size set); fill in the fields you need
 // (sampling, stop_tokens, cache_salt, ...; pd_room and pd_peer for prefill / decode engines, see
 // engine::pd_endpoint). The pointers it holds (prompt, stop_tokens, logit biases, cache_salt,
@@ -140,7 +160,25 @@ public:
         return out;
     }
 
-    // JSON: configuration, parameter count, resident bytes.
+    // Where the engine stands and why; also on a shut-down or failed engine. Never blocks.
+    engine_state state() const {
+        int32_t code = -1;
+        std::string reason = detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_engine_state(handle_, &code, buf, cap, needed);
+        });
+        return {static_cast<dsv4::state>(code), std::move(reason)};
+    }
+
+    // The params this engine runs with, every default filled in (JSON).
+    std::string params_resolved() const {
+        return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_params_resolved(handle_, buf, cap, needed);
+        });
+    }
+
+    // JSON: configuration, parameter count, resident bytes, and the facts a server needs
+    // (vocab_size, bos_token_id, eos_token_ids, context_limit, has_tokenizer,
+    // has_chat_template).
     std::string model_info() const {
         return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
             return dsv4_model_info(handle_, buf, cap, needed);

@@ -71,6 +71,9 @@ int main(int argc, char **argv) {
             std::cout << "pd_room = 7: " << e.status_name() << '\n';
         }
         engine.shutdown();
+        dsv4::engine_state st = engine.state();
+        std::cout << "state: " << static_cast<int>(st.state) << " (" << st.reason << ")\n";
+        if (st.state != dsv4::state::stopped) return 1;
         std::vector<int32_t> late = {5};
         engine.submit(dsv4::request(late));  // throws: the engine is shut down
     } catch (const dsv4::error &e) {

@@ -19,6 +19,8 @@ impl<B: Backend> Worker<B> {
             Control::Score(tokens, reply) => {
                 let _ = reply.send(self.exec.score(&mut self.cache, &tokens));
             }
+            #[cfg(test)]
+            Control::Panic(message) => panic!("{message}"),
             Control::Export(id, reply) => {
                 let _ = reply.send(self.export(id));
             }

@@ -27,6 +27,19 @@ pub enum FinishReason {
     Transferred,
 }
 
+impl FinishReason {
+    /// The lowercase name (`"stop"`, `"length"`, …), as OpenAI-style servers report it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Length => "length",
+            Self::Stop => "stop",
+            Self::Aborted => "aborted",
+            Self::Timeout => "timeout",
+            Self::Transferred => "transferred",
+        }
+    }
+}
+
 /// The request an event belongs to: every event carries both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Origin {

@@ -210,7 +210,12 @@ impl<B: Backend> Executor<B> {
         shared
             .sink
             .emit(Event::token(origin, token, logprob, stats));
-        let end = if self.eos.contains(&token) || r.spec.stop_tokens.contains(&token) {
+        let generated = &r.p.tokens[r.p.tokens.len() - r.p.generated..];
+        let eos = !r.spec.ignore_eos && self.eos.contains(&token);
+        let end = if eos
+            || r.spec.stop_tokens.contains(&token)
+            || r.spec.ends_with_stop_sequence(generated)
+        {
             Some(End::Finished(FinishReason::Stop))
         } else if r.p.generated >= r.max_gen {
             Some(End::Finished(FinishReason::Length))

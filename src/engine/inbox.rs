@@ -30,6 +30,9 @@ pub enum Control {
     CacheStats(Sender<Value>),
     /// A decoding request's state (it keeps running).
     Export(u64, Sender<Result<ExportedSequence>>),
+    /// Tests only: the engine thread panics with this message (the dead-engine path).
+    #[cfg(test)]
+    Panic(&'static str),
 }
 
 /// Everything taken from the inbox at once, in the order the engine thread handles it.
@@ -131,6 +134,11 @@ impl Inbox {
             s.shutdown = Some(mode);
         }
         self.ready.notify_one();
+    }
+
+    /// The shutdown asked for, if any (an abort overrides a drain).
+    pub fn shutdown_mode(&self) -> Option<ShutdownMode> {
+        self.lock().shutdown
     }
 
     pub fn accepting(&self) -> bool {

@@ -37,10 +37,10 @@ pub use metrics::{
     BYTE_BUCKETS, LATENCY_BUCKETS, STEP_BUCKETS,
 };
 pub use phase::Phase;
-pub use request::RequestSpec;
+pub use request::{RequestSpec, MAX_STOP_SEQUENCE_TOKENS};
 pub use sampling::{filtered, Sampler, SamplingParams};
 use scheduler::Limits;
-pub use shared::{ExportedSequence, PoolUsage, ShutdownMode};
+pub use shared::{EngineState, ExportedSequence, PoolUsage, ShutdownMode};
 use shared::{Pending, Shared};
 use worker::Worker;
 
@@ -153,6 +153,11 @@ fn start<B: Backend>(
     model_info["threads"] = threads.into();
     model_info["weight_dtype"] =
         serde_json::to_value(params.model.weight_dtype).unwrap_or_default();
+    model_info["bos_token_id"] = model.config.bos_token_id.into();
+    model_info["eos_token_ids"] = model.config.eos_token_ids.clone().into();
+    let (tokenizer, chat_template) = text_files(Path::new(path));
+    model_info["has_tokenizer"] = tokenizer.into();
+    model_info["has_chat_template"] = chat_template.into();
     let vocab_size = model.config.vocab_size;
     let pd = match params.role {
         Role::Unified => None,
@@ -208,10 +213,14 @@ impl Engine {
         let context_limit = (plan.max_context_tokens as usize).min(plan.device_tokens() as usize);
         let shared = Arc::new(Shared::new(params.admission.max_unpolled_events as usize));
         let started = start_on_backend(&params, &plan, shared.clone())?;
+        let mut model_info = started.model_info;
+        // What one request can hold, prompt and output together: the model's positions are
+        // not the limit, the KV pools and kv.max_context_tokens are.
+        model_info["context_limit"] = context_limit.into();
         Ok(Self {
             params,
             plan,
-            model_info: started.model_info,
+            model_info,
             vocab_size: started.vocab_size,
             shared,
             thread: std::sync::Mutex::new(Some(started.thread)),
@@ -537,6 +546,62 @@ impl Engine {
         Ok(())
     }
 
+    /// Where the engine stands and why, in words a health endpoint can show. Never blocks
+    /// (also from a callback). Checked in order: a dead engine thread is `Failed` (the reason
+    /// quotes its error), an ended one `Stopped`, a shutdown under way `Draining` (with the
+    /// requests still in flight), otherwise `Ready`. Never `Loading`: `create` returns a handle
+    /// only once the model is loaded.
+    pub fn state(&self) -> (EngineState, String) {
+        if let Some(message) = self.shared.dead() {
+            return (
+                EngineState::Failed,
+                format!("the engine thread failed: {message}"),
+            );
+        }
+        let in_flight = self.shared.live().len();
+        let requests = |n: usize| match n {
+            1 => "1 request".to_string(),
+            n => format!("{n} requests"),
+        };
+        if *self
+            .shared
+            .stopped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            return (
+                EngineState::Stopped,
+                "shut down: the engine thread has ended every request and stopped".into(),
+            );
+        }
+        match self.shared.inbox.shutdown_mode() {
+            Some(mode) => {
+                let mode = match mode {
+                    ShutdownMode::Drain => "drain",
+                    ShutdownMode::Abort => "abort",
+                };
+                (
+                    EngineState::Draining,
+                    format!(
+                        "shutting down ({mode}): {} still running",
+                        requests(in_flight)
+                    ),
+                )
+            }
+            None => (
+                EngineState::Ready,
+                format!("ready: {} in flight", requests(in_flight)),
+            ),
+        }
+    }
+
+    /// Tests only: makes the engine thread panic with `message` (the dead-engine path, which
+    /// no input reaches on purpose).
+    #[cfg(test)]
+    pub(crate) fn inject_panic(&self, message: &'static str) {
+        let _ = self.shared.inbox.control(Control::Panic(message));
+    }
+
     /// Calls that wait for the engine thread are refused on dsv4's own threads: there they run
     /// inside a host callback, and the engine thread (or the worker it waits for) is the one
     /// running it.
@@ -691,6 +756,53 @@ impl Drop for Engine {
         let _ = self.shutdown(ShutdownMode::Abort, None);
         self.shared.sink.clear();
     }
+}
+
+/// The largest tokenizer_config.json read when looking for a chat template: real ones are a
+/// few hundred KiB; anything past this is not one.
+const MAX_TOKENIZER_CONFIG_BYTES: u64 = 64 << 20;
+
+/// Whether the checkpoint at `model_path` (its directory, or its config.json) has a tokenizer
+/// (`tokenizer.json`) and a chat template (`tokenizer_config.json` with a `chat_template`
+/// key). Presence only: nothing here parses the tokenizer. An unreadable or malformed
+/// tokenizer_config.json counts as no template, with a warning naming the file.
+fn text_files(model_path: &Path) -> (bool, bool) {
+    let dir = if model_path.is_file() {
+        model_path.parent().unwrap_or(Path::new("."))
+    } else {
+        model_path
+    };
+    let tokenizer = dir.join("tokenizer.json").is_file();
+    let config = dir.join("tokenizer_config.json");
+    if !config.is_file() {
+        return (tokenizer, false);
+    }
+    let read = std::fs::File::open(&config).and_then(|f| {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        f.take(MAX_TOKENIZER_CONFIG_BYTES).read_to_end(&mut bytes)?;
+        Ok(bytes)
+    });
+    let template = match read.map(|b| serde_json::from_slice::<Value>(&b)) {
+        Ok(Ok(doc)) => doc
+            .get("chat_template")
+            .is_some_and(|t| !t.is_null() && t.as_str() != Some("")),
+        Ok(Err(e)) => {
+            log::warn!(
+                "{} is not valid JSON ({e}): the model has no chat template until it is fixed",
+                config.display()
+            );
+            false
+        }
+        Err(e) => {
+            log::warn!(
+                "cannot read {} ({e}): the model has no chat template until it is readable",
+                config.display()
+            );
+            false
+        }
+    };
+    (tokenizer, template)
 }
 
 fn shutting_down() -> Error {

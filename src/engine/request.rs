@@ -7,14 +7,27 @@ use crate::error::{Error, Result};
 /// logit + bias stays finite in f32.
 pub const MAX_LOGIT_BIAS: f64 = 1e6;
 
+/// The most tokens a request's stop sequences may hold together: every generated token is
+/// compared against each sequence's tail, so this bounds that work per token (a few thousand
+/// compares at most); real stop strings are a handful of tokens each.
+pub const MAX_STOP_SEQUENCE_TOKENS: usize = 4096;
+
 /// One generation request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestSpec {
     pub prompt: Vec<u32>,
     /// At least 1.
     pub max_new_tokens: u32,
-    /// Ending tokens besides the model's EOS (which always stops).
+    /// Ending tokens besides the model's EOS (which stops unless `ignore_eos`).
     pub stop_tokens: Vec<u32>,
+    /// Ending token sequences: the request finishes STOP once its generated tokens (never the
+    /// prompt) end with one of them. Each holds at least one token. The matched tokens were
+    /// already emitted as TOKEN events (they stream as they arrive, before the match is known);
+    /// the last of them is the request's last TOKEN event, as with a stop token.
+    pub stop_sequences: Vec<Vec<u32>>,
+    /// The model's EOS tokens do not end the request (they are sampled and emitted like any
+    /// other token); `stop_tokens`, `stop_sequences` and the length limit still do.
+    pub ignore_eos: bool,
     pub sampling: SamplingParams,
     /// 0 = drawn from the engine's RNG.
     pub seed: u64,
@@ -42,6 +55,8 @@ impl Default for RequestSpec {
             prompt: Vec::new(),
             max_new_tokens: 128,
             stop_tokens: Vec::new(),
+            stop_sequences: Vec::new(),
+            ignore_eos: false,
             sampling: SamplingParams::default(),
             seed: 0,
             priority: 0,
@@ -71,6 +86,26 @@ impl RequestSpec {
         };
         bad("prompt", &mut self.prompt.iter().copied(), &mut problems);
         bad("stop", &mut self.stop_tokens.iter().copied(), &mut problems);
+        for (i, seq) in self.stop_sequences.iter().enumerate() {
+            if seq.is_empty() {
+                problems.push(format!(
+                    "stop sequence {i} is empty: give each stop sequence at least one token (or \
+                     drop it)"
+                ));
+            }
+            bad(
+                &format!("stop sequence {i}:"),
+                &mut seq.iter().copied(),
+                &mut problems,
+            );
+        }
+        let stop_total: usize = self.stop_sequences.iter().map(Vec::len).sum();
+        if stop_total > MAX_STOP_SEQUENCE_TOKENS {
+            problems.push(format!(
+                "the stop sequences hold {stop_total} tokens together, more than \
+                 {MAX_STOP_SEQUENCE_TOKENS}: keep fewer or shorter stop sequences"
+            ));
+        }
         bad(
             "logit_bias",
             &mut self.sampling.logit_bias.iter().map(|b| b.0),
@@ -128,6 +163,17 @@ impl RequestSpec {
 }
 
 impl RequestSpec {
+    /// Whether `generated` (this request's generated tokens so far, the newest last) ends
+    /// with one of its stop sequences. Only generated tokens count: a sequence that would
+    /// straddle the prompt and the output does not match.
+    pub fn ends_with_stop_sequence(&self, generated: &[u32]) -> bool {
+        self.stop_sequences
+            .iter()
+            .any(|seq| !seq.is_empty() && generated.ends_with(seq))
+    }
+}
+
+impl RequestSpec {
     /// What a PD room's two engines must agree on, as one 64-bit FNV-1a digest: the prompt,
     /// the sampling params, the seed and the cache salt (a claim whose digest differs from the
     /// prefill's fails the room). Stable across processes and builds: fixed byte encoding.
@@ -176,6 +222,22 @@ impl Fnv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stop_sequences_match_the_generated_tail_only() {
+        let spec = RequestSpec {
+            stop_sequences: vec![vec![5, 6, 7], vec![9]],
+            ..Default::default()
+        };
+        assert!(!spec.ends_with_stop_sequence(&[]));
+        assert!(!spec.ends_with_stop_sequence(&[5, 6]));
+        assert!(spec.ends_with_stop_sequence(&[1, 5, 6, 7]));
+        assert!(!spec.ends_with_stop_sequence(&[5, 6, 7, 8]));
+        assert!(spec.ends_with_stop_sequence(&[9]));
+        // A partial match followed by a different token, then the full one.
+        assert!(!spec.ends_with_stop_sequence(&[5, 6, 5]));
+        assert!(spec.ends_with_stop_sequence(&[5, 6, 5, 6, 7]));
+    }
 
     #[test]
     fn pd_digest_covers_prompt_sampling_seed_and_salt() {

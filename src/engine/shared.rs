@@ -22,6 +22,37 @@ pub enum ShutdownMode {
     Abort,
 }
 
+/// Where an engine stands, for a host's health checks ([`super::Engine::state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineState {
+    /// Loading its weights. `Engine::create` returns only once loading has finished, so no
+    /// handle ever reports it; it exists for hosts that report a state before they have one.
+    Loading,
+    /// Accepting requests.
+    Ready,
+    /// A shutdown began (drain, or an abort still ending requests): submits are refused, the
+    /// requests in flight are still running to their end.
+    Draining,
+    /// Shut down: the engine thread has ended every request and stopped.
+    Stopped,
+    /// The engine thread died (a panic): every request got an ERROR event and every later call
+    /// fails; destroy the engine and create a new one.
+    Failed,
+}
+
+impl EngineState {
+    /// The lowercase name (`"ready"`, …), as in logs and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Loading => "loading",
+            Self::Ready => "ready",
+            Self::Draining => "draining",
+            Self::Stopped => "stopped",
+            Self::Failed => "failed",
+        }
+    }
+}
+
 /// Units in use per pool kind after a cache flush.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PoolUsage {

@@ -5,7 +5,7 @@ use std::ffi::c_char;
 use super::boundary::{c_bytes, guard, write_text};
 use super::status::dsv4_status;
 use crate::config::params::Params;
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineState};
 use crate::error::{Error, ErrorKind};
 
 /// An engine: a loaded model, its KV pools and prefix cache, and the engine thread that runs
@@ -170,7 +170,14 @@ pub unsafe extern "C" fn dsv4_score(
 }
 
 /// Writes a JSON summary of the loaded model: configuration, layer kinds, parameter count and
-/// resident bytes by dtype. `(buf, cap, needed)` convention; thread-safe, does not block.
+/// resident bytes by dtype, and the facts a server needs: `vocab_size`, `bos_token_id` (null
+/// when config.json has none), `eos_token_ids` (an array: every id that ends a request unless
+/// `ignore_eos`), `max_position_embeddings` (the model's) and `context_limit` (what one request
+/// can hold, prompt and output together: the smaller of `kv.max_context_tokens` and the device
+/// KV pages), `has_tokenizer` (`tokenizer.json` is in the model directory) and
+/// `has_chat_template` (`tokenizer_config.json` there has a `chat_template`); the last two say
+/// the files are present, nothing more. `(buf, cap, needed)` convention; thread-safe, does not
+/// block.
 ///
 /// # Safety
 /// `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
@@ -187,5 +194,230 @@ pub unsafe extern "C" fn dsv4_model_info(
         engine_text(engine, buf, cap, needed, |e| {
             Ok(serde_json::to_string_pretty(&e.model_info()).unwrap_or_default())
         })
+    }
+}
+
+/// `dsv4_engine_state`: loading its weights. `dsv4_engine_create` returns only once loading
+/// has finished, so no engine handle reports it; it is for hosts that report a state before
+/// they have a handle.
+pub const DSV4_STATE_LOADING: i32 = 0;
+/// Accepting requests.
+pub const DSV4_STATE_READY: i32 = 1;
+/// A shutdown began (`dsv4_engine_shutdown`, drain, or an abort still ending requests):
+/// submits are refused; the requests in flight are still running.
+pub const DSV4_STATE_DRAINING: i32 = 2;
+/// Shut down: every request has ended and the engine thread has stopped.
+pub const DSV4_STATE_STOPPED: i32 = 3;
+/// The engine thread failed: every request got an ERROR event and every later call on the
+/// handle fails with the same message; destroy the engine and create a new one.
+pub const DSV4_STATE_FAILED: i32 = 4;
+
+fn state_code(s: EngineState) -> i32 {
+    match s {
+        EngineState::Loading => DSV4_STATE_LOADING,
+        EngineState::Ready => DSV4_STATE_READY,
+        EngineState::Draining => DSV4_STATE_DRAINING,
+        EngineState::Stopped => DSV4_STATE_STOPPED,
+        EngineState::Failed => DSV4_STATE_FAILED,
+    }
+}
+
+/// Where the engine stands: `*state` gets a `DSV4_STATE_*` and `reason` a sentence for a health
+/// endpoint or a log (e.g. `ready: 2 requests in flight`, `shutting down (drain): 3 requests
+/// still running`, `the engine thread failed: <its error>`). The state is checked in this
+/// order: FAILED, STOPPED, DRAINING, READY (never LOADING: a handle exists only once loaded).
+///
+/// `reason` follows the `(buf, cap, needed)` convention, with one addition: `reason = NULL,
+/// cap = 0, needed = NULL` asks for the state alone. `*state` is written whenever `engine` and
+/// `state` are valid, also when the reason does not fit (`DSV4_ERR_BUFFER_TOO_SMALL`). Works on
+/// a stopped or failed engine (that is when it matters). Thread-safe, never blocks, may be
+/// called from a callback. NULL `engine` or `state`: `DSV4_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `engine` is a live handle; `state` is valid for one `int32_t`; `reason` is NULL or valid for
+/// `cap` bytes; `needed` is NULL or valid for one `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_engine_state(
+    engine: *const dsv4_engine,
+    state: *mut i32,
+    reason: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+) -> dsv4_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller's contract.
+        let engine = unsafe { engine_ref(engine) }?;
+        if state.is_null() {
+            return Err(Error::invalid_argument(
+                "state is NULL: pass the address of an int32_t to receive a DSV4_STATE_*",
+            ));
+        }
+        let (s, text) = engine.state();
+        // SAFETY: non-NULL and valid for one write per the contract.
+        unsafe { state.write(state_code(s)) };
+        if reason.is_null() && cap == 0 && needed.is_null() {
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { write_text(&text, reason, cap, needed) }
+    })
+}
+
+/// Writes the params this engine runs with, as JSON: every default filled in, every size in
+/// bytes (what `dsv4_params_validate` returns for the document it was created from). Feeding it
+/// back to `dsv4_params_validate` or `dsv4_engine_create` gives the same params. `(buf, cap,
+/// needed)` convention; thread-safe, never blocks.
+///
+/// # Safety
+/// `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
+/// for one `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn dsv4_params_resolved(
+    engine: *const dsv4_engine,
+    buf: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+) -> dsv4_status {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        engine_text(engine, buf, cap, needed, |e| {
+            Ok(serde_json::to_string_pretty(&e.params().to_json_value()).unwrap_or_default())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ffi::status::*;
+    use std::ffi::CStr;
+
+    fn create() -> *mut dsv4_engine {
+        let params = format!(
+            "{{\"model_path\": \"{}/tests/fixtures/flash-like/hf-f32\", \"threads\": 1, \
+             \"kv\": {{\"device_memory_bytes\": \"32MiB\", \"max_running_requests\": 4, \
+             \"page_size\": 128}}}}\0",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let mut engine = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated string and a live out pointer.
+        let status = unsafe { dsv4_engine_create(params.as_ptr().cast(), &mut engine) };
+        assert_eq!(status, DSV4_OK);
+        engine
+    }
+
+    /// The state and reason through the C entry point.
+    fn state_of(engine: *const dsv4_engine) -> (i32, String) {
+        let mut state = -1;
+        let mut buf = [0 as c_char; 512];
+        let mut needed = 0;
+        // SAFETY: live engine and locals of the stated sizes.
+        let status =
+            unsafe { dsv4_engine_state(engine, &mut state, buf.as_mut_ptr(), 512, &mut needed) };
+        assert_eq!(status, DSV4_OK);
+        // SAFETY: the call wrote a NUL-terminated string.
+        let text = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap();
+        assert_eq!(needed, text.len() + 1);
+        (state, text.to_string())
+    }
+
+    #[test]
+    fn engine_state_follows_the_buffer_convention_and_reports_a_failed_engine() {
+        let engine = create();
+        assert_eq!(
+            state_of(engine),
+            (DSV4_STATE_READY, "ready: 0 requests in flight".into())
+        );
+        let mut state = -1;
+        let mut needed = 0;
+        // SAFETY (all calls): live engine, live locals; NULLs where the contract allows them.
+        unsafe {
+            // The state alone: no reason buffer, no needed.
+            let s = dsv4_engine_state(
+                engine,
+                &mut state,
+                std::ptr::null_mut(),
+                0,
+                std::ptr::null_mut(),
+            );
+            assert_eq!((s, state), (DSV4_OK, DSV4_STATE_READY));
+            // A small buffer: BUFFER_TOO_SMALL, untouched, the state still written.
+            state = -1;
+            let mut small = [b'x' as c_char; 4];
+            let s = dsv4_engine_state(engine, &mut state, small.as_mut_ptr(), 4, &mut needed);
+            assert_eq!(s, DSV4_ERR_BUFFER_TOO_SMALL);
+            assert_eq!(state, DSV4_STATE_READY);
+            assert_eq!(needed, "ready: 0 requests in flight".len() + 1);
+            assert!(small.iter().all(|&c| c == b'x' as c_char));
+            // A buffer without a capacity is a mistake, as everywhere else.
+            let s = dsv4_engine_state(engine, &mut state, std::ptr::null_mut(), 8, &mut needed);
+            assert_eq!(s, DSV4_ERR_INVALID_ARGUMENT);
+            let s = dsv4_engine_state(
+                engine,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+                &mut needed,
+            );
+            assert_eq!(s, DSV4_ERR_INVALID_ARGUMENT);
+            let s = dsv4_engine_state(
+                std::ptr::null(),
+                &mut state,
+                std::ptr::null_mut(),
+                0,
+                &mut needed,
+            );
+            assert_eq!(s, DSV4_ERR_INVALID_ARGUMENT);
+        }
+        // The engine thread dies: FAILED, with its error in the reason.
+        // SAFETY: a live handle from dsv4_engine_create.
+        unsafe { &*engine }
+            .inner
+            .inject_panic("injected for the test");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let (state, reason) = loop {
+            let got = state_of(engine);
+            if got.0 == DSV4_STATE_FAILED || std::time::Instant::now() > deadline {
+                break got;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        assert_eq!(state, DSV4_STATE_FAILED, "{reason}");
+        assert!(
+            reason.starts_with(
+                "the engine thread failed: internal error: the engine thread \
+                                panicked (injected for the test)"
+            ),
+            "{reason}"
+        );
+        assert!(
+            reason.contains("destroy it and create a new one"),
+            "{reason}"
+        );
+        // SAFETY: destroyed once.
+        unsafe { dsv4_engine_destroy(engine) };
+    }
+
+    #[test]
+    fn params_resolved_round_trips_through_the_validator() {
+        let engine = create();
+        let mut needed = 0;
+        // SAFETY (all calls): live engine and buffers of the stated sizes.
+        unsafe {
+            let s = dsv4_params_resolved(engine, std::ptr::null_mut(), 0, &mut needed);
+            assert_eq!(s, DSV4_OK);
+            let mut buf = vec![0 as c_char; needed];
+            let s = dsv4_params_resolved(engine, buf.as_mut_ptr(), needed, std::ptr::null_mut());
+            assert_eq!(s, DSV4_OK);
+            let text = CStr::from_ptr(buf.as_ptr()).to_str().unwrap();
+            let parsed = Params::from_json(text).unwrap();
+            assert_eq!(&parsed, (*engine).inner.params());
+            assert_eq!(parsed.kv.max_running_requests, 4);
+            let s = dsv4_params_resolved(engine, buf.as_mut_ptr(), needed - 1, &mut needed);
+            assert_eq!(s, DSV4_ERR_BUFFER_TOO_SMALL);
+            let s = dsv4_params_resolved(std::ptr::null(), buf.as_mut_ptr(), needed, &mut needed);
+            assert_eq!(s, DSV4_ERR_INVALID_ARGUMENT);
+            dsv4_engine_destroy(engine);
+        }
     }
 }

@@ -18,7 +18,9 @@ mod versioned;
 pub use boundary::dsv4_last_error;
 pub use cache::{dsv4_cache_flush, dsv4_cache_stats};
 pub use engine::{
-    dsv4_engine, dsv4_engine_create, dsv4_engine_destroy, dsv4_model_info, dsv4_score,
+    dsv4_engine, dsv4_engine_create, dsv4_engine_destroy, dsv4_engine_state, dsv4_model_info,
+    dsv4_params_resolved, dsv4_score, DSV4_STATE_DRAINING, DSV4_STATE_FAILED, DSV4_STATE_LOADING,
+    DSV4_STATE_READY, DSV4_STATE_STOPPED,
 };
 pub use log_bridge::{dsv4_log_fn, dsv4_set_log_callback};
 pub use metrics::{dsv4_metrics, dsv4_metrics_get, dsv4_metrics_prometheus, dsv4_units};

@@ -8,8 +8,8 @@ use super::boundary::guard;
 use super::engine::{dsv4_engine, engine_ref};
 use super::status::{dsv4_status, status_of, DSV4_OK};
 use super::versioned::{assert_offsets, read_in, write_out, Layout, PlainData};
-use crate::engine::SamplingParams;
 use crate::engine::{Event, EventCallback, EventKind, FinishReason, RequestSpec, ShutdownMode};
+use crate::engine::{SamplingParams, MAX_STOP_SEQUENCE_TOKENS};
 use crate::error::{Error, Result};
 
 /// A TOKEN event: one generated token (`token`, and `logprob` when asked for).
@@ -23,7 +23,8 @@ pub const DSV4_EVENT_ERROR: i32 = 3;
 pub const DSV4_FINISH_NONE: i32 = 0;
 /// `max_new_tokens` generated, or the context limit reached.
 pub const DSV4_FINISH_LENGTH: i32 = 1;
-/// A stop token or the model's EOS was generated (it is the last TOKEN event).
+/// A stop token, the model's EOS (unless `ignore_eos`) or the last token of a stop sequence
+/// was generated (it is the last TOKEN event).
 pub const DSV4_FINISH_STOP: i32 = 2;
 /// `dsv4_abort`, or an abort shutdown.
 pub const DSV4_FINISH_ABORTED: i32 = 3;
@@ -33,13 +34,37 @@ pub const DSV4_FINISH_TIMEOUT: i32 = 4;
 /// continues the request (its TOKEN events come from the decode engine).
 pub const DSV4_FINISH_TRANSFERRED: i32 = 5;
 
+const FINISH_NAMES: &[(i32, &str)] = &[
+    (DSV4_FINISH_NONE, "none\0"),
+    (DSV4_FINISH_LENGTH, "length\0"),
+    (DSV4_FINISH_STOP, "stop\0"),
+    (DSV4_FINISH_ABORTED, "aborted\0"),
+    (DSV4_FINISH_TIMEOUT, "timeout\0"),
+    (DSV4_FINISH_TRANSFERRED, "transferred\0"),
+];
+
+/// The name of a `DSV4_FINISH_*` value: `"none"`, `"length"`, `"stop"`, `"aborted"`,
+/// `"timeout"`, `"transferred"` (the words OpenAI-style servers report), and `"unknown"` for
+/// any other value (never NULL, like `dsv4_status_name`, so it can go straight to printf).
+/// The string is static: never free it. Thread-safe.
+#[no_mangle]
+pub extern "C" fn dsv4_finish_reason_name(reason: i32) -> *const c_char {
+    FINISH_NAMES
+        .iter()
+        .find(|(code, _)| *code == reason)
+        .map_or("unknown\0", |(_, name)| name)
+        .as_ptr()
+        .cast()
+}
+
 /// Shutdown: every accepted request runs to its end.
 pub const DSV4_SHUTDOWN_DRAIN: i32 = 0;
 /// Shutdown: every accepted request ends now with FINISHED / ABORTED.
 pub const DSV4_SHUTDOWN_ABORT: i32 = 1;
 
 /// A generation request (version 1: 128 bytes, up to `logprobs`; version 2 appends `pd_room` and
-/// `pd_peer`: 144 bytes). Initialise with `dsv4_request_init`, then set
+/// `pd_peer`: 144 bytes; version 3 appends the stop sequences and `ignore_eos`: 176 bytes).
+/// Initialise with `dsv4_request_init`, then set
 /// fields. Fields are only appended in later versions; `struct_size` tells the library which
 /// you have, and a field your version lacks takes its default (which is not always zero).
 /// Every pointer is read during `dsv4_submit` only.
@@ -53,7 +78,7 @@ pub struct dsv4_request {
     pub prompt_len: usize,
     /// Default 128; at least 1.
     pub max_new_tokens: u32,
-    /// Extra stopping tokens; the model's EOS always stops.
+    /// Extra stopping tokens; the model's EOS stops too unless `ignore_eos` is set.
     pub stop_tokens: *const i32,
     pub stop_tokens_len: usize,
     /// Default 1.0; 0 = greedy.
@@ -88,6 +113,22 @@ pub struct dsv4_request {
     /// Decode role: the prefill engine's endpoint, NUL-terminated (`tcp://host:port`, what
     /// `dsv4_pd_endpoint` returned there); NULL elsewhere. (Appended after version 1.)
     pub pd_peer: *const c_char,
+    /// Stop token sequences, flattened: the tokens of every sequence one after another
+    /// (`stop_sequence_lens[0]` tokens of the first, then the second's, …). The request
+    /// finishes with `DSV4_FINISH_STOP` once its generated tokens (never the prompt) end with
+    /// one of them. Its tokens are emitted as TOKEN events as they arrive (the match is known
+    /// only at its last token), so the matched sequence is part of the output, its last token
+    /// the last TOKEN event; a host that hides stop text trims it. (Appended after version 2.)
+    pub stop_sequences: *const i32,
+    /// `stop_sequences_len` lengths, each at least 1; together at most 4096 tokens.
+    /// (Appended after version 2.)
+    pub stop_sequence_lens: *const usize,
+    /// The number of stop sequences; 0 = none. (Appended after version 2.)
+    pub stop_sequences_len: usize,
+    /// Non-zero: the model's EOS tokens (`eos_token_ids` in `dsv4_model_info`) do not end the
+    /// request; they are emitted like any other token. Stop tokens, stop sequences and
+    /// `max_new_tokens` still end it. (Appended after version 2.)
+    pub ignore_eos: u8,
 }
 
 /// One event (version 1: 88 bytes, up to `elapsed_us`). Fields are only appended in later
@@ -175,7 +216,15 @@ assert_offsets!(dsv4_request {
     pd_room: REQUEST_V1,
     pd_peer: 136,
 });
-const _: () = assert!(std::mem::size_of::<dsv4_request>() == 144);
+/// `sizeof(dsv4_request)` of version 2 (up to `pd_peer`), frozen.
+const REQUEST_V2: usize = 144;
+assert_offsets!(dsv4_request {
+    stop_sequences: REQUEST_V2,
+    stop_sequence_lens: 152,
+    stop_sequences_len: 160,
+    ignore_eos: 168,
+});
+const _: () = assert!(std::mem::size_of::<dsv4_request>() == 176);
 const REQUEST: Layout = Layout {
     name: "dsv4_request",
     v1: REQUEST_V1,
@@ -286,6 +335,10 @@ fn request_defaults(struct_size: u32) -> dsv4_request {
         logprobs: 0,
         pd_room: 0,
         pd_peer: std::ptr::null(),
+        stop_sequences: std::ptr::null(),
+        stop_sequence_lens: std::ptr::null(),
+        stop_sequences_len: 0,
+        ignore_eos: 0,
     }
 }
 
@@ -315,6 +368,13 @@ pub unsafe extern "C" fn dsv4_request_init(
         unsafe {
             let known = write_out(&request_defaults(struct_size as u32), request, struct_size);
             std::ptr::write_bytes(request.cast::<u8>().add(known), 0, struct_size - known);
+            // The tail padding after `ignore_eos` is no field, and a Rust value's padding
+            // bytes are unspecified: zero it, so that an older caller sees zeros in every byte
+            // past its own struct that it does not know (tests/c/abi_v1_test.c checks).
+            let pad = std::mem::offset_of!(dsv4_request, ignore_eos) + 1;
+            if known > pad {
+                std::ptr::write_bytes(request.cast::<u8>().add(pad), 0, known - pad);
+            }
         }
         Ok(())
     })
@@ -344,6 +404,58 @@ fn non_negative(v: &[i32], what: &str) -> Result<Vec<u32>> {
             })
         })
         .collect()
+}
+
+/// The flattened stop sequences of `r`, split by their lengths. The total is checked against
+/// the cap before it is read, so a garbage length cannot make this read far.
+///
+/// # Safety
+/// `r.stop_sequence_lens` is valid for `stop_sequences_len` reads and `r.stop_sequences` for
+/// their sum.
+unsafe fn stop_sequences_of(r: &dsv4_request) -> Result<Vec<Vec<u32>>> {
+    let n = r.stop_sequences_len;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if r.stop_sequence_lens.is_null() {
+        return Err(Error::invalid_argument(format!(
+            "stop_sequence_lens is NULL but stop_sequences_len is {n}: pass one length per \
+             stop sequence"
+        )));
+    }
+    if n > MAX_STOP_SEQUENCE_TOKENS {
+        return Err(Error::invalid_argument(format!(
+            "stop_sequences_len = {n}: at most {MAX_STOP_SEQUENCE_TOKENS} stop sequences (and \
+             tokens) per request; keep fewer"
+        )));
+    }
+    // SAFETY: non-NULL and valid for `n` reads per the contract.
+    let lens = unsafe { std::slice::from_raw_parts(r.stop_sequence_lens, n) };
+    let mut total = 0usize;
+    for (i, &len) in lens.iter().enumerate() {
+        if len == 0 {
+            return Err(Error::invalid_argument(format!(
+                "stop_sequence_lens[{i}] is 0: each stop sequence needs at least one token"
+            )));
+        }
+        total = total.saturating_add(len);
+    }
+    if total > MAX_STOP_SEQUENCE_TOKENS {
+        return Err(Error::invalid_argument(format!(
+            "the stop sequences hold {total} tokens together, more than \
+             {MAX_STOP_SEQUENCE_TOKENS}: keep fewer or shorter stop sequences"
+        )));
+    }
+    // SAFETY: valid for the sum of the lengths per the contract.
+    let flat = unsafe { ids(r.stop_sequences, total, "stop_sequences") }?;
+    let flat = non_negative(flat, "stop sequence")?;
+    let mut out = Vec::with_capacity(n);
+    let mut at = 0;
+    for &len in lens {
+        out.push(flat[at..at + len].to_vec());
+        at += len;
+    }
+    Ok(out)
 }
 
 /// # Safety
@@ -387,6 +499,8 @@ unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
                 .to_owned(),
         )
     };
+    // SAFETY: forwarded.
+    let stop_sequences = unsafe { stop_sequences_of(r) }?;
     if r.top_k < 0 {
         return Err(Error::invalid_argument(format!(
             "top_k = {} must be ≥ 0 (0 = off)",
@@ -397,6 +511,8 @@ unsafe fn spec_of(r: &dsv4_request) -> Result<RequestSpec> {
         prompt: non_negative(prompt, "prompt")?,
         max_new_tokens: r.max_new_tokens,
         stop_tokens: non_negative(stops, "stop")?,
+        stop_sequences,
+        ignore_eos: r.ignore_eos != 0,
         sampling: SamplingParams {
             temperature: r.temperature,
             top_k: r.top_k as u32,
@@ -671,4 +787,93 @@ pub unsafe extern "C" fn dsv4_engine_shutdown(
         let timeout = (timeout_ms >= 0).then(|| Duration::from_millis(timeout_ms as u64));
         engine.shutdown(mode, timeout)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(reason: i32) -> &'static str {
+        // SAFETY: the function returns a static NUL-terminated string, never NULL.
+        unsafe { CStr::from_ptr(dsv4_finish_reason_name(reason)) }
+            .to_str()
+            .unwrap()
+    }
+
+    #[test]
+    fn every_finish_reason_has_its_name_and_others_are_unknown() {
+        assert_eq!(name(DSV4_FINISH_NONE), "none");
+        assert_eq!(name(DSV4_FINISH_LENGTH), "length");
+        assert_eq!(name(DSV4_FINISH_STOP), "stop");
+        assert_eq!(name(DSV4_FINISH_ABORTED), "aborted");
+        assert_eq!(name(DSV4_FINISH_TIMEOUT), "timeout");
+        assert_eq!(name(DSV4_FINISH_TRANSFERRED), "transferred");
+        for other in [-1, 6, 100, i32::MIN, i32::MAX] {
+            assert_eq!(name(other), "unknown");
+        }
+        // The C names agree with the Rust ones for every reason an event can carry.
+        for r in [
+            FinishReason::Length,
+            FinishReason::Stop,
+            FinishReason::Aborted,
+            FinishReason::Timeout,
+            FinishReason::Transferred,
+        ] {
+            let e = Event::finished(
+                crate::engine::Origin {
+                    request_id: 1,
+                    user_tag: 0,
+                },
+                r,
+                Default::default(),
+            );
+            assert_eq!(name(to_c(&e, std::ptr::null()).finish_reason), r.name());
+        }
+    }
+
+    #[test]
+    fn flattened_stop_sequences_are_split_by_their_lengths() {
+        let flat = [7, 8, 9, 10, 11, 12];
+        let lens = [1usize, 2, 3];
+        let mut r = request_defaults(std::mem::size_of::<dsv4_request>() as u32);
+        r.stop_sequences = flat.as_ptr();
+        r.stop_sequence_lens = lens.as_ptr();
+        r.stop_sequences_len = 3;
+        // SAFETY (all calls): the pointers are to live locals of the stated lengths.
+        unsafe {
+            assert_eq!(
+                stop_sequences_of(&r).unwrap(),
+                vec![vec![7], vec![8, 9], vec![10, 11, 12]]
+            );
+            let zero = [1usize, 0];
+            r.stop_sequence_lens = zero.as_ptr();
+            r.stop_sequences_len = 2;
+            let e = stop_sequences_of(&r).unwrap_err();
+            assert!(e.message().contains("stop_sequence_lens[1] is 0"), "{e}");
+            r.stop_sequence_lens = std::ptr::null();
+            let e = stop_sequences_of(&r).unwrap_err();
+            assert!(e.message().contains("stop_sequence_lens is NULL"), "{e}");
+            // A huge length is refused before anything is read past the arrays.
+            let huge = [usize::MAX, 1];
+            r.stop_sequence_lens = huge.as_ptr();
+            let e = stop_sequences_of(&r).unwrap_err();
+            assert!(e.message().contains("keep fewer or shorter"), "{e}");
+            let neg = [3, -4];
+            let one = [2usize];
+            r.stop_sequences = neg.as_ptr();
+            r.stop_sequence_lens = one.as_ptr();
+            r.stop_sequences_len = 1;
+            let e = stop_sequences_of(&r).unwrap_err();
+            assert!(
+                e.message().contains("token id -4 at index 1 is negative"),
+                "{e}"
+            );
+            r.stop_sequences = std::ptr::null();
+            let e = stop_sequences_of(&r).unwrap_err();
+            assert!(e.message().contains("stop_sequences is NULL"), "{e}");
+        }
+        // Defaults: none, EOS honoured; an old caller's request gets them.
+        let d = request_defaults(REQUEST_V2 as u32);
+        assert_eq!((d.stop_sequences_len, d.ignore_eos), (0, 0));
+    }
 }

@@ -150,9 +150,10 @@ static void test_submit_and_poll_of_version_1(dsv4_engine *engine, int32_t *toke
     CHECK(poll_tokens(engine, id, sizeof(dsv4_event), 1, tokens) == MAX_NEW);
 }
 
-/* sizeof(dsv4_request) in the current header (version 2: pd_room and pd_peer appended);
+/* sizeof(dsv4_request) in the current header (version 2: pd_room and pd_peer appended;
+ * version 3: the stop sequences and ignore_eos);
  * requests_test.c, built against that header, asserts the same value. */
-#define LIBRARY_REQUEST_SIZE 144
+#define LIBRARY_REQUEST_SIZE 176
 
 /* The largest request a newer header may have: its bytes past what the library knows hold
  * garbage (fields the library cannot know) and are ignored: the same tokens as version 1. */

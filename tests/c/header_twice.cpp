@@ -7,6 +7,7 @@
 #include <string>
 
 static_assert(sizeof(dsv4_status) == 4, "dsv4_status is int32_t");
+static_assert(static_cast<int32_t>(dsv4::state::failed) == DSV4_STATE_FAILED, "state values");
 
 int main() {
     try {
@@ -15,5 +16,6 @@ int main() {
     } catch (const dsv4::error &e) {
         if (e.status() != DSV4_ERR_CONFIG) return 1;
     }
+    if (std::string(dsv4::finish_reason_name(DSV4_FINISH_STOP)) != "stop") return 1;
     return std::string(dsv4::version()) == DSV4_VERSION_STRING ? 0 : 1;
 }

@@ -11,7 +11,7 @@
 #include "check.h"
 
 /* abi_v1_test.c fills the bytes past this size with garbage as a newer header's fields. */
-_Static_assert(sizeof(dsv4_request) == 144, "dsv4_request of the current header: update abi_v1_test.c");
+_Static_assert(sizeof(dsv4_request) == 176, "dsv4_request of the current header: update abi_v1_test.c");
 
 static const char *PARAMS =
     "{\"model_path\": \"" DSV4_REPO "/tests/fixtures/flash-like/hf-f32\", \"threads\": 2, "

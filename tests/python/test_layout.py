@@ -120,10 +120,18 @@ def test_request_pd_fields_are_appended_after_version_1(current):
     pointer = ctypes.sizeof(ctypes.c_void_p)
     assert (_native.Request.pd_room.offset, _native.Request.pd_room.size) == (128, 8)
     assert (_native.Request.pd_peer.offset, _native.Request.pd_peer.size) == (136, pointer)
-    assert ctypes.sizeof(_native.Request) == 144
     fields = current["dsv4_request"]["fields"]
-    assert fields[-2:] == [("pd_room", 128, 8), ("pd_peer", 136, pointer)]
-    assert current["dsv4_request"]["size"] == 144
+    assert fields[19:21] == [("pd_room", 128, 8), ("pd_peer", 136, pointer)]
+
+
+def test_request_stop_sequences_and_ignore_eos_are_appended_after_version_2(current):
+    # Version 3 of dsv4_request: starts at version 2's size (144), never in its tail.
+    pointer = ctypes.sizeof(ctypes.c_void_p)
+    fields = current["dsv4_request"]["fields"]
+    assert fields[21:] == [("stop_sequences", 144, pointer), ("stop_sequence_lens", 152, pointer),
+                           ("stop_sequences_len", 160, 8), ("ignore_eos", 168, 1)]
+    assert ctypes.sizeof(_native.Request) == 176
+    assert current["dsv4_request"]["size"] == 176
 
 
 def test_version_1_fields_keep_their_place_and_new_ones_follow_its_size(current, version_1):

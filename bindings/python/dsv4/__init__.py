@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List,
 
 from . import _cvalues, _native
 from ._version import __version__
-from .requests import Event, EventKind, FinishReason, Generation, RequestFields, Router, \
-    ShutdownMode, build_request
+from .requests import (Event, EventKind, EngineState, FinishReason, Generation, RequestFields,
+                       Router, ShutdownMode, build_request, finish_reason_name)
 from .errors import (  # noqa: F401  (re-exported)
     Aborted,
     BufferTooSmall,
@@ -76,9 +76,11 @@ __all__ = [
     "Engine",
     "Event",
     "EventKind",
+    "EngineState",
     "FinishReason",
     "Generation",
     "RequestFields",
+    "finish_reason_name",
     "ShutdownMode",
     "Params",
     "version",
@@ -226,9 +228,27 @@ class Engine:
         return self._handle
 
     def model_info(self) -> Dict[str, Any]:
-        """Configuration summary, parameter count and resident bytes by dtype."""
+        """Configuration summary, parameter count and resident bytes by dtype, and what a server
+        needs: vocab_size, bos_token_id, eos_token_ids, context_limit, has_tokenizer,
+        has_chat_template (see dsv4_model_info)."""
         handle = self._live()
         return _json(_read_text(lambda b, c, n: _lib.dsv4_model_info(handle, b, c, n)))
+
+    def state(self) -> "tuple[EngineState, str]":
+        """(EngineState, reason): where the engine stands, e.g. (READY, "ready: 0 requests in
+        flight") or (DRAINING, "shutting down (drain): 3 requests still running"). Works on a
+        shut-down or failed engine; never blocks."""
+        handle = self._live()
+        state = ctypes.c_int32(-1)
+        reason = _read_text(
+            lambda b, c, n: _lib.dsv4_engine_state(handle, ctypes.byref(state), b, c, n))
+        return EngineState(state.value), reason
+
+    def params_resolved(self) -> Dict[str, Any]:
+        """The params this engine runs with, every default filled in (a dict that
+        validate_params and Engine() accept and resolve to the same params)."""
+        handle = self._live()
+        return _json(_read_text(lambda b, c, n: _lib.dsv4_params_resolved(handle, b, c, n)))
 
     def pd_endpoint(self) -> str:
         """The address PD peers reach this engine at, "tcp://host:port" (`pd.advertise`, else

@@ -146,13 +146,21 @@ lib.dsv4_score.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), size
                            ctypes.POINTER(ctypes.c_float), size_t]
 lib.dsv4_model_info.restype = status_t
 lib.dsv4_model_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
+lib.dsv4_params_resolved.restype = status_t
+lib.dsv4_params_resolved.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t,
+                                     ctypes.POINTER(size_t)]
+lib.dsv4_engine_state.restype = status_t
+lib.dsv4_engine_state.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32),
+                                  ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
+lib.dsv4_finish_reason_name.restype = c_char_p
+lib.dsv4_finish_reason_name.argtypes = [ctypes.c_int32]
 lib.dsv4_pd_endpoint.restype = status_t
 lib.dsv4_pd_endpoint.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
 
 
 class Request(ctypes.Structure):
-    """struct dsv4_request, version 2: version 1 plus the appended `pd_room` and `pd_peer`
-    (field order is the ABI)."""
+    """struct dsv4_request, version 3: version 1, the appended `pd_room` and `pd_peer`
+    (version 2), then the stop sequences and `ignore_eos` (field order is the ABI)."""
 
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -176,6 +184,10 @@ class Request(ctypes.Structure):
         ("logprobs", ctypes.c_uint8),
         ("pd_room", ctypes.c_uint64),
         ("pd_peer", c_char_p),
+        ("stop_sequences", ctypes.POINTER(ctypes.c_int32)),
+        ("stop_sequence_lens", ctypes.POINTER(size_t)),
+        ("stop_sequences_len", size_t),
+        ("ignore_eos", ctypes.c_uint8),
     ]
 
 

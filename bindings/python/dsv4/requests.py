@@ -36,6 +36,25 @@ class FinishReason(enum.IntEnum):
     TRANSFERRED = 5
 
 
+def finish_reason_name(reason: int) -> str:
+    """The library's name of a DSV4_FINISH_* value ("stop", "length", ...; "unknown" for a
+    value it does not define)."""
+    name: bytes = _lib.dsv4_finish_reason_name(
+        _cvalues.value("reason", reason, ctypes.c_int32))
+    return name.decode("ascii")
+
+
+class EngineState(enum.IntEnum):
+    """DSV4_STATE_*: what Engine.state() reports. LOADING is never reported by an engine (it
+    exists once loaded); it is there for hosts that report a state before they have one."""
+
+    LOADING = 0
+    READY = 1
+    DRAINING = 2
+    STOPPED = 3
+    FAILED = 4
+
+
 class ShutdownMode(enum.IntEnum):
     DRAIN = 0
     ABORT = 1
@@ -150,14 +169,17 @@ class RequestFields(TypedDict, total=False):
     logprobs: Union[bool, int]
     pd_room: int
     pd_peer: Union[str, bytes, None]
+    ignore_eos: Union[bool, int]
+    stop_sequences: Iterable[Iterable[int]]
 
 
 _SCALARS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "priority",
             "deadline_ms", "user_tag", "pd_room"}
 # NUL-terminated strings (None: NULL, the default).
 _STRINGS = ("cache_salt", "pd_peer")
-_FIELDS = _SCALARS | set(_STRINGS) | {"stop_tokens", "logit_bias_tokens", "logit_bias_values",
-                                      "logprobs"}
+_FLAGS = ("logprobs", "ignore_eos")
+_FIELDS = _SCALARS | set(_STRINGS) | set(_FLAGS) | {"stop_tokens", "stop_sequences",
+                                                    "logit_bias_tokens", "logit_bias_values"}
 # The C type of each field, from the struct's own declaration.
 _CTYPE: Dict[str, Any] = {f[0]: f[1] for f in _native.Request._fields_}
 
@@ -200,10 +222,25 @@ def build_request(prompt: Iterable[int],
             text = _cvalues.value(name, fields[name], ctypes.c_char_p)
             keep.append(text)
             setattr(req, name, text)
-    # A flag: a bool, or an integer that fits the uint8_t (non-zero: on).
-    logprobs = fields.get("logprobs", False)
-    req.logprobs = int(logprobs) if isinstance(logprobs, bool) else _cvalues.value(
-        "logprobs", logprobs, _CTYPE["logprobs"])
+    if fields.get("stop_sequences"):
+        # A list of token-id sequences, flattened for C: the tokens one after another and
+        # each sequence's length (the library refuses an empty one, naming it).
+        seqs = fields["stop_sequences"]
+        if isinstance(seqs, (str, bytes)) or not all(
+                hasattr(s, "__len__") and not isinstance(s, (str, bytes)) for s in seqs):
+            raise TypeError("stop_sequences must be a list of token-id lists, e.g. [[13, 13], "
+                            "[2]]: {!r}".format(seqs))
+        flat = [t for s in seqs for t in s]
+        tokens = _cvalues.array("stop_sequences", flat, ctypes.c_int32)
+        lens = _cvalues.array("stop_sequence_lens", [len(s) for s in seqs], _native.size_t)
+        keep.extend((tokens, lens))
+        req.stop_sequences, req.stop_sequence_lens = tokens, lens
+        req.stop_sequences_len = len(lens)
+    # Flags: a bool, or an integer that fits the uint8_t (non-zero: on).
+    for name in _FLAGS:
+        flag = fields.get(name, False)
+        setattr(req, name, int(flag) if isinstance(flag, bool) else _cvalues.value(
+            name, flag, _CTYPE[name]))
     return req, keep
 
 
