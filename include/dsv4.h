@@ -3,8 +3,8 @@
  *
  * CONVENTIONS
  *   - Every function returns a dsv4_status: DSV4_OK (0) or a negative DSV4_ERR_* code, except
- *     dsv4_last_error, dsv4_status_name and dsv4_version (which return static or thread-local
- *     strings, never NULL) and *_destroy functions (void, NULL-safe).
+ *     dsv4_last_error, dsv4_status_name, dsv4_finish_reason_name and dsv4_version (which return
+ *     static or thread-local strings, never NULL) and *_destroy functions (void, NULL-safe).
  *   - On failure, dsv4_last_error() returns this thread's message: what is wrong, with which
  *     value, and the fix. It stays valid until the next failing call on the same thread.
  *   - No function ever aborts the host: NULL arguments give DSV4_ERR_INVALID_ARGUMENT, and an
@@ -46,11 +46,12 @@
  *   - The log callback is process-global and is invoked from any dsv4 thread; see
  *     dsv4_set_log_callback.
  *   - CALLBACKS (event and log callbacks run on dsv4's own threads) may call dsv4_submit,
- *     dsv4_abort, dsv4_poll, dsv4_metrics_get, dsv4_metrics_prometheus, dsv4_model_info and the
- *     functions without an engine. Calls that wait for an engine thread — dsv4_score,
- *     dsv4_cache_stats, dsv4_cache_flush, dsv4_set_event_callback, dsv4_engine_shutdown — are
- *     refused there with DSV4_ERR_INVALID_ARGUMENT (they would wait for the thread running the
- *     callback); dsv4_engine_destroy from a callback stops the engine but cannot join it.
+ *     dsv4_abort, dsv4_poll, dsv4_metrics_get, dsv4_metrics_prometheus, dsv4_model_info,
+ *     dsv4_engine_state, dsv4_params_resolved and the functions without an engine. Calls that
+ *     wait for an engine thread — dsv4_score, dsv4_cache_stats, dsv4_cache_flush,
+ *     dsv4_set_event_callback, dsv4_engine_shutdown — are refused there with
+ *     DSV4_ERR_INVALID_ARGUMENT (they would wait for the thread running the callback);
+ *     dsv4_engine_destroy from a callback stops the engine but cannot join it.
  *   - If the engine thread panics (a dsv4 bug), every request in flight ends with
  *     DSV4_ERR_INTERNAL and the engine is dead: every later call on it returns
  *     DSV4_ERR_INTERNAL with the original message; destroy it.

@@ -1,6 +1,6 @@
 //! `dsv4`: the DeepSeek V4 prefill/decode serving pipeline behind a stable C ABI.
 //!
-//! Layout (see ARCHITECTURE.md): [`config`] parses and validates, [`plan`] sizes every memory
+//! Layout (see docs/architecture.md): [`config`] parses and validates, [`plan`] sizes every memory
 //! pool from config + params alone, and [`ffi`] is the only module that speaks C.
 
 pub mod backend;

@@ -1,4 +1,4 @@
-//! The memory planner against DeepSeek V4-Flash's published numbers (docs/model-dsv4.md §3.2)
+//! The memory planner against DeepSeek V4-Flash's published numbers (docs/model.md §3.2)
 //! and the HiCache sizing rules. Expected values are literals from the model reference, never
 //! numbers computed by planner code.
 

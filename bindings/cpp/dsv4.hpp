@@ -188,8 +188,7 @@ public:
     // The address PD peers reach this engine at, "tcp://host:port" (pd.advertise, else the
     // address pd.listen bound): a prefill engine's endpoint is what decode requests carry as
     // dsv4_request.pd_peer. Throws DSV4_ERR_INVALID_ARGUMENT in the unified role, which has
-    // none (prefill and decode engines are still refused at create until the PD transport
-    // lands).
+    // none.
     std::string pd_endpoint() const {
         return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
             return dsv4_pd_endpoint(handle_, buf, cap, needed);

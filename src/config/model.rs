@@ -8,7 +8,7 @@
 //! Both normalise to one [`ModelConfig`]. Every problem in the file is collected and reported at
 //! once. One pitfall is refused rather than guessed: with neither `layer_types` nor
 //! `compress_ratios`, transformers silently builds `[HCA, HCA, HCA, CSA, …]`, which is not the
-//! official layer order (docs/model-dsv4.md §1.2).
+//! official layer order (docs/model.md §1.2).
 
 use std::io::Read;
 use std::ops::RangeInclusive;
@@ -69,7 +69,7 @@ fn int_limit(key: &str) -> u64 {
         .map_or(u64::MAX, |&(_, max)| max)
 }
 
-/// Attention variant of one layer (docs/model-dsv4.md §2.10).
+/// Attention variant of one layer (docs/model.md §2.10).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
@@ -1231,7 +1231,7 @@ mod tests {
         assert_eq!(c.form, ConfigForm::HuggingFace);
         assert_eq!(c.num_layers, 43);
         assert_eq!(c.num_mtp_layers, 1);
-        // docs/model-dsv4.md §1.2: layers 0-1 SWA, even 2..42 CSA (21), odd 3..41 HCA (20).
+        // docs/model.md §1.2: layers 0-1 SWA, even 2..42 CSA (21), odd 3..41 HCA (20).
         assert_eq!(c.count(AttentionKind::Swa), 2);
         assert_eq!(c.count(AttentionKind::Csa), 21);
         assert_eq!(c.count(AttentionKind::Hca), 20);

@@ -1,5 +1,5 @@
 //! The tensors a DeepSeek V4 checkpoint holds, by official name, with logical shapes derived from
-//! the config (docs/model-dsv4.md §4.1). The planner sums their bytes per rank; the weight loader
+//! the config (docs/model.md §4.1). The planner sums their bytes per rank; the weight loader
 //! checks a checkpoint against the same list, so shapes are written down once.
 
 use serde::Serialize;
@@ -334,7 +334,7 @@ mod tests {
 
     #[test]
     fn flash_shapes_match_the_published_tensor_table() {
-        // Literal shapes from docs/model-dsv4.md §4.1 (V4-Flash).
+        // Literal shapes from docs/model.md §4.1 (V4-Flash).
         let c = load("deepseek-v4-flash");
         let t = checkpoint_tensors(&c);
         for (name, shape) in [
@@ -381,7 +381,7 @@ mod tests {
 
     #[test]
     fn parameter_totals_match_the_published_sizes() {
-        // docs/model-dsv4.md §1.2: Flash 284B and Pro 1.6T total parameters (main model; the
+        // docs/model.md §1.2: Flash 284B and Pro 1.6T total parameters (main model; the
         // published figures are rounded to 3 and 2 significant digits).
         for (name, published, digits) in [
             ("deepseek-v4-flash", 284e9, 3),

@@ -1,5 +1,5 @@
 //! The panic boundary, the thread-local last error, and the argument and output conventions
-//! every entry point shares (ARCHITECTURE.md "C API rules").
+//! every entry point shares (docs/architecture.md "C API rules").
 
 use std::any::Any;
 use std::cell::RefCell;

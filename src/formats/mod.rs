@@ -1,6 +1,6 @@
 //! The low-precision number formats of DeepSeek V4, exactly: FP8 `e4m3fn`, FP4 `e2m1`, the
 //! power-of-two `ue8m0` scales, and the official release's round trips built from them
-//! (docs/model-dsv4.md §2.11, §4.2). Encoders round to nearest, ties to even.
+//! (docs/model.md §2.11, §4.2). Encoders round to nearest, ties to even.
 
 pub mod rows;
 

@@ -1,4 +1,4 @@
-//! Row codecs: how one row of KV state is stored in a pool (ARCHITECTURE.md "row formats").
+//! Row codecs: how one row of KV state is stored in a pool (docs/kv-cache.md "Row formats").
 //!
 //! - `F32`, `Bf16`: plain little-endian values.
 //! - `Fp8Kv`: SGLang's packed K=V row — the non-rope channels as e4m3 in 64-channel blocks with

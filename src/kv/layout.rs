@@ -1,6 +1,7 @@
 //! Where every piece of a request's DeepSeek V4 state lives: the per-layer offsets, row
 //! formats and unit sizes of each pool, all derived from the plan's geometry
-//! (ARCHITECTURE.md "pool geometry"). Nothing here computes a size the plan does not own.
+//! (docs/kv-cache.md "Pools", docs/plan.md "Pools"). Nothing here computes a size the plan
+//! does not own.
 
 use crate::backend::{Placement, RowLayout};
 use crate::config::AttentionKind;

@@ -1,5 +1,5 @@
-//! The KV cache: DeepSeek V4 state in the pools the planner sizes (ARCHITECTURE.md "pool
-//! geometry"), and exact prefix reuse across requests.
+//! The KV cache: DeepSeek V4 state in the pools the planner sizes (docs/kv-cache.md
+//! "Pools"), and exact prefix reuse across requests.
 //!
 //! - [`ids`]: typed unit ids (device/host pages and snapshots, tree nodes).
 //! - [`layout`]: where each layer's rows, rings and frontiers live in each pool.

@@ -1,4 +1,4 @@
-//! RoPE inverse frequencies for the `main` and `compress` sets (docs/model-dsv4.md §2.4),
+//! RoPE inverse frequencies for the `main` and `compress` sets (docs/model.md §2.4),
 //! computed in f32 like transformers' `_compute_yarn_parameters` (truncated correction range,
 //! no magnitude scaling).
 
@@ -47,7 +47,7 @@ mod tests {
 
     #[test]
     fn flash_yarn_keeps_low_pairs_and_divides_high_pairs() {
-        // docs/model-dsv4.md §1.2: rd = 64, base 160000, orig 65536 → pairs 0-15 keep their
+        // docs/model.md §1.2: rd = 64, base 160000, orig 65536 → pairs 0-15 keep their
         // frequency, pairs ≥ 25 are divided by 16, pairs 16-24 ramp linearly.
         let rope = Rope {
             theta: 160_000.0,

@@ -1,5 +1,5 @@
 //! Row formats and pool geometry: the contract between model, kv, plan and pd
-//! (ARCHITECTURE.md "pool geometry"; docs/model-dsv4.md §3).
+//! (docs/plan.md "Pools", docs/kv-cache.md "Pools"; docs/model.md §3).
 
 use serde::Serialize;
 
@@ -124,7 +124,7 @@ impl Geometry {
         );
         // At a page boundary (a multiple of 128 tokens) every compressor window is closed, so a
         // snapshot holds the SWA ring plus only the CSA overlap halves ("Ca": the last window's
-        // first-half kv and score), docs/model-dsv4.md §6.2.
+        // first-half kv and score), docs/model.md §6.2.
         let halo = |width: u64| n_csa as u64 * csa * 2 * width * f32;
         let components = vec![
             ("swa", swa.unit_bytes),

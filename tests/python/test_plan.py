@@ -1,6 +1,6 @@
 """The Python binding over the real library: versions, params, plans and errors.
 
-Expected numbers are literals from docs/model-dsv4.md §3.2 (V4-Flash), not planner output."""
+Expected numbers are literals from docs/model.md §3.2 (V4-Flash), not planner output."""
 
 import json
 import re

@@ -13,7 +13,7 @@ times 128, SwiGLU clamps that trigger, ≥ 16 indexer heads) and writes, per mod
   golden.safetensors   input_ids, logits_f32, logits_q, logits_q_official
 
 `logits_q` is transformers' output on the exactly dequantised weights; `logits_q_official` (for
-`input_ids_official`) the same with the official release's low-precision emulation (docs/model-dsv4.md §2.11) inserted by
+`input_ids_official`) the same with the official release's low-precision emulation (docs/model.md §2.11) inserted by
 wrapping transformers' modules: an FP8 round trip (64-channel blocks, ue8m0 scales) of the
 non-rope channels of window kv and compressed rows, and a Hadamard + FP4 round trip (32-blocks)
 of the indexer's queries and keys. Its sequence is shorter and chosen so that no quantised value
@@ -42,7 +42,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 assert transformers.__version__ == "5.23.0", transformers.__version__
 
 # ---------------------------------------------------------------------------------------------
-# Models. Legacy keys, exactly as an official config.json spells them (docs/model-dsv4.md §5.2).
+# Models. Legacy keys, exactly as an official config.json spells them (docs/model.md §5.2).
 
 COMMON = dict(
     num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=48, o_groups=2,
@@ -125,7 +125,7 @@ def quantize_fp4(w, block=32):
     return packed, s, deq
 
 
-# The official numerics, written from docs/model-dsv4.md §2.11 (round to nearest even).
+# The official numerics, written from docs/model.md §2.11 (round to nearest even).
 
 def ceil_log2_exact(v):
     """ceil(log2 v) exactly for positive tensors: v = m·2^e with m in [0.5, 1)."""
@@ -264,7 +264,7 @@ def bf16_bytes(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Official ↔ Hugging Face names (docs/model-dsv4.md §4.3).
+# Official ↔ Hugging Face names (docs/model.md §4.3).
 
 HF_BLOCK = {
     "attn.indexer.compressor.wkv.weight": "self_attn.compressor.indexer.kv_proj.weight",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Encoded KV rows for dsv4's row-codec tests, computed independently with numpy + ml_dtypes.
 
-For each codec (ARCHITECTURE.md "row formats", src/formats/rows.rs) and a few widths, writes
+For each codec (docs/kv-cache.md "Row formats", src/formats/rows.rs) and a few widths, writes
 random rows (with edge cases: zeros, tiny and huge values, exact rounding ties) and their encoded
 bytes to tests/fixtures/row_codecs.safetensors. dsv4 must produce the same bytes.
 

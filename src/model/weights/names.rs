@@ -1,4 +1,4 @@
-//! The two naming schemes of DeepSeek V4 checkpoints (docs/model-dsv4.md §4.3). The loader asks
+//! The two naming schemes of DeepSeek V4 checkpoints (docs/model.md §4.3). The loader asks
 //! for every tensor by its official name; [`locate`] says where the checkpoint at hand keeps
 //! it: under the same name (official), under its Hugging Face name, or as a slice of HF's
 //! stacked expert tensors.
