@@ -1,9 +1,6 @@
 /*
  * dsv4 — DeepSeek V4 prefill/decode serving behind a stable C ABI.
  *
- * (tests/c/abi_v1: version 1's declarations, frozen for abi_v1_test.c. Only comments that
- * described features not yet landed at version 1 — HiCache, PD — have been brought up to date.)
- *
  * CONVENTIONS
  *   - Every function returns a dsv4_status: DSV4_OK (0) or a negative DSV4_ERR_* code, except
  *     dsv4_last_error, dsv4_status_name and dsv4_version (which return static or thread-local
@@ -264,7 +261,7 @@ typedef struct {
     uint64_t evictions_device_dropped_total;
     uint64_t evictions_host_total;
     /**
-     * KV transfer between prefill and decode engines (docs/pd.md).
+     * KV transfer between prefill and decode engines (zero until PD disaggregation lands).
      */
     uint64_t kv_transfer_requests_total;
     uint64_t kv_transfer_bytes_total;
@@ -393,7 +390,7 @@ typedef struct {
      */
     uint32_t cached_tokens_device;
     /**
-     * Prompt tokens loaded back from the host tier (HiCache).
+     * Prompt tokens loaded back from the host tier (0 until HiCache lands).
      */
     uint32_t cached_tokens_host;
     uint32_t generated_tokens;
@@ -543,7 +540,7 @@ dsv4_status dsv4_cache_flush(const dsv4_engine *engine, const char *tier);
  * allocated. Errors: `DSV4_ERR_CONFIG` (params), `DSV4_ERR_IO` (files missing or unreadable),
  * `DSV4_ERR_MODEL_FORMAT` (checkpoint problems, each tensor named), `DSV4_ERR_CAPACITY`,
  * `DSV4_ERR_UNSUPPORTED` (valid params this build does not implement yet: backend cuda,
- * tp/ep > 1).
+ * prefill/decode roles, tp/ep > 1, HiCache).
  *
  * # Safety
  * `params_json` is a NUL-terminated string; `out` is valid for one pointer write.
