@@ -676,6 +676,48 @@ fn weights_convert_exactly_and_bf16_gemm_matches<G: Backend>(
     })
 }
 
+/// The routing check's inputs, the same on both backends.
+struct RouteInput<'a> {
+    logits: &'a [f32],
+    bias: &'a [f32],
+    table: &'a [i32],
+    tokens: &'a [i32],
+    experts: usize,
+    k: usize,
+}
+
+/// Routes `input` on backend `b` ((scoring, normalize, hash routing, bias on top-k)): the
+/// chosen experts and weights, read back.
+fn route_on<B: Backend>(
+    b: &B,
+    input: &RouteInput<'_>,
+    (scoring, normalize, hash, biased): (Scoring, bool, bool, bool),
+) -> dsv4::error::Result<(Vec<i32>, Vec<f32>)> {
+    let (lt, bt) = (b.tensor(input.logits)?, b.tensor(input.bias)?);
+    let (ti, tk) = (b.index(input.table)?, b.index(input.tokens)?);
+    let kind = if hash {
+        RouteKind::Hash {
+            table: &ti,
+            token_ids: &tk,
+        }
+    } else {
+        RouteKind::TopK {
+            bias: biased.then_some(&bt),
+        }
+    };
+    let r = b.route(&RouteArgs {
+        logits: &lt,
+        rows: input.tokens.len(),
+        experts: input.experts,
+        top_k: input.k,
+        scoring,
+        normalize,
+        scale: 2.5,
+        kind,
+    })?;
+    Ok((b.read_index(&r.experts)?, b.read(&r.weights)?))
+}
+
 fn routing_matches_the_cpu<G: Backend>(g: &G, c: &CpuBackend) -> Result<(), String> {
     let (rows, experts, k) = (64, 256, 8);
     let logits = values(rows * experts, 16)
@@ -699,57 +741,19 @@ fn routing_matches_the_cpu<G: Backend>(g: &G, c: &CpuBackend) -> Result<(), Stri
             (true, false, true),
         ] {
             let what = format!("{scoring:?} hash={hash} bias={biased} normalize={normalize}");
-            let run_g = || -> dsv4::error::Result<(Vec<i32>, Vec<f32>)> {
-                let (lt, bt) = (g.tensor(&logits)?, g.tensor(&bias)?);
-                let (ti, tk) = (g.index(&table)?, g.index(&tokens)?);
-                let kind = if hash {
-                    RouteKind::Hash {
-                        table: &ti,
-                        token_ids: &tk,
-                    }
-                } else {
-                    RouteKind::TopK {
-                        bias: biased.then_some(&bt),
-                    }
-                };
-                let r = g.route(&RouteArgs {
-                    logits: &lt,
-                    rows,
-                    experts,
-                    top_k: k,
-                    scoring,
-                    normalize,
-                    scale: 2.5,
-                    kind,
-                })?;
-                Ok((g.read_index(&r.experts)?, g.read(&r.weights)?))
+            let input = RouteInput {
+                logits: &logits,
+                bias: &bias,
+                table: &table,
+                tokens: &tokens,
+                experts,
+                k,
             };
-            let run_c = || -> dsv4::error::Result<(Vec<i32>, Vec<f32>)> {
-                let (lt, bt) = (c.tensor(&logits)?, c.tensor(&bias)?);
-                let (ti, tk) = (c.index(&table)?, c.index(&tokens)?);
-                let kind = if hash {
-                    RouteKind::Hash {
-                        table: &ti,
-                        token_ids: &tk,
-                    }
-                } else {
-                    RouteKind::TopK {
-                        bias: biased.then_some(&bt),
-                    }
-                };
-                let r = c.route(&RouteArgs {
-                    logits: &lt,
-                    rows,
-                    experts,
-                    top_k: k,
-                    scoring,
-                    normalize,
-                    scale: 2.5,
-                    kind,
-                })?;
-                Ok((c.read_index(&r.experts)?, c.read(&r.weights)?))
-            };
-            let ((ge, gw), (ce, cw)) = (run_g().map_err(e)?, run_c().map_err(e)?);
+            let how = (scoring, normalize, hash, biased);
+            let ((ge, gw), (ce, cw)) = (
+                route_on(g, &input, how).map_err(e)?,
+                route_on(c, &input, how).map_err(e)?,
+            );
             let mut compared = 0;
             for r in 0..rows {
                 // The CPU's keys decide which rows are safe to compare expert by expert: a row
