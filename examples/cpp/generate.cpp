@@ -1,5 +1,6 @@
-// Greedy generation for a few prompts through the C++ wrapper: submit, poll, collect tokens;
-// metrics; what a unified engine says to the PD calls; a submit after shutdown.
+// Greedy generation for a few prompts through the C++ wrapper: each submit returns the stream
+// of its request's events (one poller in the wrapper routes them); metrics; what a unified
+// engine says to the PD calls; a submit after shutdown.
 //   generate_cpp MODEL_DIR
 #include <dsv4.hpp>
 
@@ -18,27 +19,27 @@ int main(int argc, char **argv) {
                             "\"max_running_requests\": 4, \"page_size\": 128}}");
         std::vector<std::vector<int32_t>> prompts = {
             {5, 17, 300, 2, 9}, {44, 81, 120, 7, 66, 250}, {3, 19, 200, 11}};
+        // All three run at once in the engine; each stream yields only its own events.
+        std::vector<dsv4::stream> streams;
+        for (const auto &p : prompts)
+            streams.push_back(engine.submit(dsv4::request(p).max_new_tokens(8).temperature(0.0f)));
         std::map<uint64_t, std::vector<int32_t>> tokens;
-        for (const auto &p : prompts) {
-            dsv4_request r = dsv4::request(p);
-            r.max_new_tokens = 8;
-            r.temperature = 0.0f;
-            tokens[engine.submit(r)];
-        }
-        size_t finished = 0;
-        while (finished < prompts.size()) {
-            for (const dsv4_event &e : engine.poll(64, 1000)) {
-                if (e.kind == DSV4_EVENT_TOKEN) {
-                    tokens[e.request_id].push_back(e.token);
+        std::map<uint64_t, dsv4::finish_reason> reasons;
+        for (dsv4::stream &s : streams) {
+            for (const dsv4::event &e : s) {
+                if (e.kind == dsv4::event_kind::token) {
+                    tokens[s.id()].push_back(e.token);
+                } else if (e.kind == dsv4::event_kind::finished) {
+                    reasons[s.id()] = e.finish_reason;
                 } else {
-                    finished++;
+                    throw dsv4::error(static_cast<dsv4_status>(e.status), e.message);
                 }
             }
         }
         for (const auto &[id, toks] : tokens) {
             std::cout << "request " << id << ":";
             for (int32_t t : toks) std::cout << ' ' << t;
-            std::cout << '\n';
+            std::cout << " (" << dsv4::finish_reason_name(reasons[id]) << ")\n";
         }
         size_t received = 0;
         for (const auto &entry : tokens) received += entry.second.size();
@@ -57,28 +58,26 @@ int main(int argc, char **argv) {
             std::cout << "pd_endpoint: " << endpoint << " (expected none)\n";
             return 1;
         } catch (const dsv4::error &e) {
-            if (e.status() != DSV4_ERR_INVALID_ARGUMENT) throw;
+            if (e.status() != dsv4::status::invalid_argument) throw;
             std::cout << "pd_endpoint: " << e.status_name() << ": " << e.what() << '\n';
         }
-        dsv4_request pd = dsv4::request(prompts[0]);
-        pd.pd_room = 7;
+        dsv4::request pd = dsv4::request(prompts[0]).pd_room(7);
         try {
             engine.submit(pd);
             std::cout << "pd_room = 7: accepted (expected refused)\n";
             return 1;
         } catch (const dsv4::error &e) {
-            if (e.status() != DSV4_ERR_INVALID_ARGUMENT) throw;
+            if (e.status() != dsv4::status::invalid_argument) throw;
             std::cout << "pd_room = 7: " << e.status_name() << '\n';
         }
         engine.shutdown();
         dsv4::engine_state st = engine.state();
         std::cout << "state: " << static_cast<int>(st.state) << " (" << st.reason << ")\n";
         if (st.state != dsv4::state::stopped) return 1;
-        std::vector<int32_t> late = {5};
-        engine.submit(dsv4::request(late));  // throws: the engine is shut down
+        engine.submit(dsv4::request({5}));  // throws: the engine is shut down
     } catch (const dsv4::error &e) {
         std::cout << "refused: " << e.status_name() << ": " << e.what() << '\n';
-        return e.status() == DSV4_ERR_SHUTDOWN ? 0 : 1;
+        return e.status() == dsv4::status::shutdown ? 0 : 1;
     }
     return 1;
 }

@@ -14,7 +14,7 @@ int main() {
         dsv4::validate_params("{\"kv\": {\"page_size\": 100}}");
         return 1;
     } catch (const dsv4::error &e) {
-        if (e.status() != DSV4_ERR_CONFIG) return 1;
+        if (e.status() != dsv4::status::config || e.code() != DSV4_ERR_CONFIG) return 1;
     }
     if (std::string(dsv4::finish_reason_name(DSV4_FINISH_STOP)) != "stop") return 1;
     return std::string(dsv4::version()) == DSV4_VERSION_STRING ? 0 : 1;
