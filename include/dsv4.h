@@ -197,6 +197,15 @@
 #define DSV4_SHUTDOWN_ABORT 1
 
 /**
+ * A streaming detokenizer: feed it a request's output ids one at a time and it returns the
+ * text each completes, holding back the bytes of a character split across ids, so the pieces
+ * concatenate to exactly `dsv4_detokenize` of all the ids. Opaque; one per stream. Not
+ * thread-safe: use a handle from one thread at a time. It keeps its own reference to the
+ * tokenizer, so it may outlive the engine that made it.
+ */
+typedef struct dsv4_detokenizer dsv4_detokenizer;
+
+/**
  * An engine: a loaded model, its KV pools and prefix cache, and the engine thread that runs
  * every request. Opaque; create with `dsv4_engine_create`, free with `dsv4_engine_destroy`.
  * Engine handles are thread-safe: any function taking one may be called from several threads
@@ -1026,6 +1035,110 @@ dsv4_status dsv4_engine_shutdown(const dsv4_engine *engine, int32_t mode, int32_
  * dsv4 never returns. The string is static: never free it. Thread-safe.
  */
 const char *dsv4_status_name(dsv4_status status);
+
+/**
+ * Tokenizes the NUL-terminated UTF-8 `text` with the checkpoint's `tokenizer.json`, as Hugging
+ * Face `tokenizers`' `encode(text, add_special_tokens)` does: `add_special` nonzero adds what
+ * the tokenizer's post-processor adds (DeepSeek: the BOS token); special-token text in `text`
+ * (e.g. `<｜User｜>`) becomes its id either way.
+ *
+ * `*n` receives the number of ids; they are written to `ids` when `cap >= *n`. `ids = NULL,
+ * cap = 0` asks for the count only; a `cap` that is too small writes no ids and returns
+ * `DSV4_ERR_BUFFER_TOO_SMALL`. A checkpoint without `tokenizer.json` (or with one that did not
+ * load): `DSV4_ERR_UNSUPPORTED`, the message says why (pass token ids instead). NULL `engine`,
+ * `text` or `n`, or text that is not UTF-8: `DSV4_ERR_INVALID_ARGUMENT`. Thread-safe; never
+ * waits on the engine thread.
+ *
+ * # Safety
+ * `engine` is a live handle; `text` is NUL-terminated; `ids` is NULL or valid for `cap`
+ * `int32_t` writes; `n` is valid for one `size_t` write.
+ */
+dsv4_status dsv4_tokenize(const dsv4_engine *engine,
+                          const char *text,
+                          int32_t add_special,
+                          int32_t *ids,
+                          size_t cap,
+                          size_t *n);
+
+/**
+ * Writes the text of `n` token ids (special tokens included, as `tokenizers`'
+ * `decode(ids, skip_special_tokens=False)`) with the `(buf, cap, needed)` convention. Bytes
+ * that do not form valid UTF-8 (ids ending inside a character) become U+FFFD. `ids` may be
+ * NULL when `n` is 0. An id outside the vocabulary: `DSV4_ERR_INVALID_ARGUMENT`. No
+ * `tokenizer.json`: `DSV4_ERR_UNSUPPORTED`. Thread-safe; never waits on the engine thread.
+ *
+ * # Safety
+ * `engine` is a live handle; `ids` is valid for `n` reads (or NULL with `n = 0`); `buf` is NULL
+ * or valid for `cap` bytes; `needed` is NULL or valid for one `size_t`.
+ */
+dsv4_status dsv4_detokenize(const dsv4_engine *engine,
+                            const int32_t *ids,
+                            size_t n,
+                            char *buf,
+                            size_t cap,
+                            size_t *needed);
+
+/**
+ * Renders `tokenizer_config.json`'s `chat_template` for `messages_json` (a JSON array of
+ * messages, e.g. `[{"role": "user", "content": "Hi"}]`) as `transformers`'
+ * `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)` does, with the
+ * config's special tokens (`bos_token`, `eos_token`, ...) in the context. `add_generation_prompt`
+ * nonzero appends the assistant turn's opening. The result is text: tokenize it with
+ * `add_special = 0` (the template already wrote BOS). `(buf, cap, needed)` convention.
+ *
+ * No `tokenizer_config.json` or no `chat_template` in it: `DSV4_ERR_UNSUPPORTED`. Messages
+ * that are not a JSON array, or that the template refuses (its `raise_exception`, e.g. an
+ * unknown role; the message is the template's): `DSV4_ERR_INVALID_ARGUMENT`. Thread-safe;
+ * never waits on the engine thread.
+ *
+ * # Safety
+ * `engine` is a live handle; `messages_json` is NUL-terminated; `buf` is NULL or valid for
+ * `cap` bytes; `needed` is NULL or valid for one `size_t`.
+ */
+dsv4_status dsv4_chat_apply(const dsv4_engine *engine,
+                            const char *messages_json,
+                            int32_t add_generation_prompt,
+                            char *buf,
+                            size_t cap,
+                            size_t *needed);
+
+/**
+ * Creates a streaming detokenizer over `engine`'s tokenizer; `*out` receives the handle (NULL
+ * on failure). Free it with `dsv4_detokenizer_destroy`. No `tokenizer.json`:
+ * `DSV4_ERR_UNSUPPORTED`. NULL `engine` or `out`: `DSV4_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `engine` is a live handle; `out` is valid for one pointer write.
+ */
+dsv4_status dsv4_detokenizer_create(const dsv4_engine *engine, dsv4_detokenizer **out);
+
+/**
+ * Feeds one token id and writes the text it completes (often `""`: an id that ends inside a
+ * character, and ids after it, wait for the rest) with the `(buf, cap, needed)` convention.
+ * Only a call that writes the text advances the stream: asking for the size (`buf = NULL,
+ * cap = 0`), a buffer that is too small (`DSV4_ERR_BUFFER_TOO_SMALL`) and an id outside the
+ * vocabulary (`DSV4_ERR_INVALID_ARGUMENT`) leave the detokenizer unchanged, so call again with
+ * the same id (and a buffer of `*needed` bytes). NULL `detokenizer`: `DSV4_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `detokenizer` is NULL or a live handle not used concurrently; `buf` is NULL or valid for
+ * `cap` bytes; `needed` is NULL or valid for one `size_t`.
+ */
+dsv4_status dsv4_detokenizer_feed(dsv4_detokenizer *detokenizer,
+                                  int32_t token,
+                                  char *buf,
+                                  size_t cap,
+                                  size_t *needed);
+
+/**
+ * Frees a streaming detokenizer. NULL is ignored. Text still held back (an incomplete
+ * character at the end of the stream) is dropped; `dsv4_detokenize` of all the ids shows it as
+ * U+FFFD.
+ *
+ * # Safety
+ * `detokenizer` is NULL or a live handle from `dsv4_detokenizer_create`, not yet destroyed.
+ */
+void dsv4_detokenizer_destroy(dsv4_detokenizer *detokenizer);
 
 /**
  * The library's version, `"MAJOR.MINOR.PATCH"`, as built. Compare it with `DSV4_VERSION_STRING`

@@ -13,6 +13,7 @@ pub mod model;
 pub mod pd;
 pub mod plan;
 pub mod threads;
+pub mod tokenizer;
 
 pub mod ffi;
 

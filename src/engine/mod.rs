@@ -55,6 +55,7 @@ use crate::kv::{KvPools, PrefixCache};
 use crate::model::Model;
 use crate::pd::{self, Node, Side};
 use crate::plan::{self, Plan};
+use crate::tokenizer::TextCodec;
 
 /// A loaded engine. Thread-safe: every method takes `&self`. Not generic over the backend: the
 /// backend is chosen once, in [`Engine::create`] ([`start_on_backend`]), and lives on the
@@ -72,6 +73,9 @@ pub struct Engine {
     context_limit: usize,
     /// The PD node (prefill and decode roles): listener, links, rooms.
     pd: Option<Arc<Node>>,
+    /// The checkpoint's tokenizer and chat template, when it has them. Used on the caller's
+    /// thread only: text calls never wait on the engine thread.
+    text: TextCodec,
     /// The host memory this engine's plan requires, counted by every later engine's fit check
     /// (its pools map lazily, so free memory alone does not show them) until it is dropped.
     _reservation: plan::Reservation,
@@ -83,6 +87,7 @@ struct Started {
     model_info: Value,
     vocab_size: usize,
     pd: Option<Arc<Node>>,
+    text: TextCodec,
 }
 
 /// The one place a backend is chosen: builds it from the params, then loads the model and the
@@ -156,6 +161,7 @@ fn start<B: Backend>(
     model_info["bos_token_id"] = model.config.bos_token_id.into();
     model_info["eos_token_ids"] = model.config.eos_token_ids.clone().into();
     let (tokenizer, chat_template) = text_files(Path::new(path));
+    let text = TextCodec::load(model_dir(Path::new(path)));
     model_info["has_tokenizer"] = tokenizer.into();
     model_info["has_chat_template"] = chat_template.into();
     let vocab_size = model.config.vocab_size;
@@ -195,6 +201,7 @@ fn start<B: Backend>(
         model_info,
         vocab_size,
         pd,
+        text,
     })
 }
 
@@ -225,6 +232,7 @@ impl Engine {
             shared,
             thread: std::sync::Mutex::new(Some(started.thread)),
             pd: started.pd,
+            text: started.text,
             context_limit,
             _reservation: reservation,
         })
@@ -716,6 +724,12 @@ impl Engine {
         self.model_info.clone()
     }
 
+    /// The checkpoint's tokenizer and chat template (each call on it reports a missing file
+    /// as [`ErrorKind::Unsupported`]).
+    pub fn text(&self) -> &TextCodec {
+        &self.text
+    }
+
     fn check_tokens(&self, tokens: &[i32]) -> Result<Vec<u32>> {
         if tokens.is_empty() {
             return Err(Error::invalid_argument(
@@ -766,12 +780,17 @@ const MAX_TOKENIZER_CONFIG_BYTES: u64 = 64 << 20;
 /// (`tokenizer.json`) and a chat template (`tokenizer_config.json` with a `chat_template`
 /// key). Presence only: nothing here parses the tokenizer. An unreadable or malformed
 /// tokenizer_config.json counts as no template, with a warning naming the file.
-fn text_files(model_path: &Path) -> (bool, bool) {
-    let dir = if model_path.is_file() {
+/// The directory holding the checkpoint's files (`model_path` may name a file in it).
+fn model_dir(model_path: &Path) -> &Path {
+    if model_path.is_file() {
         model_path.parent().unwrap_or(Path::new("."))
     } else {
         model_path
-    };
+    }
+}
+
+fn text_files(model_path: &Path) -> (bool, bool) {
+    let dir = model_dir(model_path);
     let tokenizer = dir.join("tokenizer.json").is_file();
     let config = dir.join("tokenizer_config.json");
     if !config.is_file() {

@@ -12,6 +12,7 @@ mod pd;
 mod planning;
 mod requests;
 mod status;
+mod text;
 mod version;
 mod versioned;
 
@@ -28,6 +29,10 @@ pub use pd::dsv4_pd_endpoint;
 pub use planning::{dsv4_params_default, dsv4_params_validate, dsv4_plan, dsv4_plan_text};
 pub use requests::*;
 pub use status::*;
+pub use text::{
+    dsv4_chat_apply, dsv4_detokenize, dsv4_detokenizer, dsv4_detokenizer_create,
+    dsv4_detokenizer_destroy, dsv4_detokenizer_feed, dsv4_tokenize,
+};
 pub use version::dsv4_version;
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ import ctypes
 import json
 import queue
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, \
-    Optional, Union
+    Optional, Sequence, Union
 
 from . import _cvalues, _native
 from ._version import __version__
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "__version__",
+    "Detokenizer",
     "Engine",
     "Event",
     "EventKind",
@@ -185,6 +186,43 @@ def plan_text(params: Params) -> str:
     return _read_text(lambda b, c, n: _lib.dsv4_plan_text(raw, b, c, n))
 
 
+class Detokenizer:
+    """Streaming detokenization: feed() one id at a time and get the text it completes ("" while
+    an id ends inside a character), so the pieces concatenate to Engine.detokenize of all ids.
+    Use one per stream, from one thread at a time; it may outlive its engine."""
+
+    _handle: Optional[ctypes.c_void_p]
+
+    def __init__(self, engine: "Engine") -> None:
+        handle = ctypes.c_void_p()
+        _check(_lib.dsv4_detokenizer_create(engine._live(), ctypes.byref(handle)))
+        self._handle = handle
+
+    def feed(self, token: int) -> str:
+        """Adds `token`; returns the newly completed text (often "")."""
+        if not self._handle:
+            raise InvalidArgument("the detokenizer is closed", InvalidArgument.status)
+        handle = self._handle
+        tok = _cvalues.value("token", token, ctypes.c_int32)
+        # A too-small buffer leaves the detokenizer unchanged, so _read_text's retry is safe.
+        return _read_text(lambda b, c, n: _lib.dsv4_detokenizer_feed(handle, tok, b, c, n))
+
+    def close(self) -> None:
+        """Frees the detokenizer (idempotent)."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            _lib.dsv4_detokenizer_destroy(handle)
+
+    def __enter__(self) -> "Detokenizer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class Engine:
     """A loaded dsv4 engine. Use as a context manager, or call close() when done.
 
@@ -256,6 +294,40 @@ class Engine:
         pass as `pd_peer`. InvalidArgument in the unified role, which has none."""
         handle = self._live()
         return _read_text(lambda b, c, n: _lib.dsv4_pd_endpoint(handle, b, c, n))
+
+    def tokenize(self, text: str, add_special: bool = True) -> List[int]:
+        """Token ids of `text` by the checkpoint's tokenizer.json, as Hugging Face tokenizers'
+        encode(text, add_special_tokens=add_special). Unsupported when the checkpoint has no
+        tokenizer.json (pass ids instead)."""
+        handle = self._live()
+        raw = _cvalues.value("text", text, ctypes.c_char_p)
+        n = ctypes.c_size_t(0)
+        _check(_lib.dsv4_tokenize(handle, raw, int(add_special), None, 0, ctypes.byref(n)))
+        ids = (ctypes.c_int32 * n.value)()
+        _check(_lib.dsv4_tokenize(handle, raw, int(add_special), ids, n.value, ctypes.byref(n)))
+        return list(ids)
+
+    def detokenize(self, tokens: Iterable[int]) -> str:
+        """The text of `tokens`, special tokens included (decode(ids, skip_special_tokens=False)).
+        InvalidArgument for an id outside the vocabulary; Unsupported without tokenizer.json."""
+        handle = self._live()
+        ids = _cvalues.array("tokens", tokens, ctypes.c_int32)
+        return _read_text(lambda b, c, n: _lib.dsv4_detokenize(handle, ids, len(ids), b, c, n))
+
+    def chat_apply(self, messages: Sequence[Mapping[str, Any]],
+                   add_generation_prompt: bool = True) -> str:
+        """The prompt text tokenizer_config.json's chat_template renders for `messages` (dicts
+        such as {"role": "user", "content": "Hi"}), as transformers' apply_chat_template(...,
+        tokenize=False). Tokenize it with add_special=False: the template writes BOS itself.
+        Unsupported without a chat template; InvalidArgument when the template refuses."""
+        handle = self._live()
+        raw = _cvalues.value("messages", json.dumps(list(messages)), ctypes.c_char_p)
+        flag = int(add_generation_prompt)
+        return _read_text(lambda b, c, n: _lib.dsv4_chat_apply(handle, raw, flag, b, c, n))
+
+    def detokenizer(self) -> "Detokenizer":
+        """A streaming detokenizer over this engine's tokenizer (see Detokenizer)."""
+        return Detokenizer(self)
 
     def score(self, tokens: Iterable[int]) -> "numpy.typing.NDArray[numpy.float32]":
         """Logits of every position of one fresh sequence: numpy float32 [len(tokens), vocab]."""

@@ -282,3 +282,19 @@ lib.dsv4_metrics_get.argtypes = [ctypes.c_void_p, ctypes.POINTER(Metrics)]
 lib.dsv4_metrics_prometheus.restype = status_t
 lib.dsv4_metrics_prometheus.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size_t,
                                         ctypes.POINTER(size_t)]
+lib.dsv4_tokenize.restype = status_t
+lib.dsv4_tokenize.argtypes = [ctypes.c_void_p, c_char_p, ctypes.c_int32,
+                              ctypes.POINTER(ctypes.c_int32), size_t, ctypes.POINTER(size_t)]
+lib.dsv4_detokenize.restype = status_t
+lib.dsv4_detokenize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), size_t,
+                                ctypes.c_void_p, size_t, ctypes.POINTER(size_t)]
+lib.dsv4_chat_apply.restype = status_t
+lib.dsv4_chat_apply.argtypes = [ctypes.c_void_p, c_char_p, ctypes.c_int32, ctypes.c_void_p, size_t,
+                                ctypes.POINTER(size_t)]
+lib.dsv4_detokenizer_create.restype = status_t
+lib.dsv4_detokenizer_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+lib.dsv4_detokenizer_feed.restype = status_t
+lib.dsv4_detokenizer_feed.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, size_t,
+                                      ctypes.POINTER(size_t)]
+lib.dsv4_detokenizer_destroy.restype = None
+lib.dsv4_detokenizer_destroy.argtypes = [ctypes.c_void_p]

@@ -1,0 +1,250 @@
+//! The tokenizer and chat template against the independent reference: ids, decodes and chat
+//! renderings that Hugging Face `tokenizers` and `transformers.apply_chat_template` produced on
+//! the same files (tests/reference/make_tokenizer.py → tests/fixtures/tokenizer/reference.json).
+//! The engine-level tests use flash-like/hf-f32-text: the hf-f32 weights plus those files.
+
+mod common;
+
+use dsv4::config::params::Params;
+use dsv4::engine::Engine;
+use dsv4::error::ErrorKind;
+use dsv4::tokenizer::TextCodec;
+use serde_json::{json, Value};
+
+fn reference() -> Value {
+    let path = common::fixture("tokenizer/reference.json");
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn codec() -> TextCodec {
+    TextCodec::load(&common::fixture("tokenizer"))
+}
+
+fn ids(v: &Value) -> Vec<i32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap() as i32)
+        .collect()
+}
+
+fn texts() -> Vec<Value> {
+    reference()["texts"].as_array().unwrap().clone()
+}
+
+#[test]
+fn tokenize_matches_python_tokenizers() {
+    let codec = codec();
+    for case in texts() {
+        let text = case["text"].as_str().unwrap();
+        let plain: Vec<i32> = codec
+            .tokenize(text, false)
+            .unwrap()
+            .iter()
+            .map(|&i| i as i32)
+            .collect();
+        assert_eq!(
+            plain,
+            ids(&case["ids"]),
+            "encode({text:?}, add_special_tokens=False)"
+        );
+        let special: Vec<i32> = codec
+            .tokenize(text, true)
+            .unwrap()
+            .iter()
+            .map(|&i| i as i32)
+            .collect();
+        assert_eq!(
+            special,
+            ids(&case["ids_with_special"]),
+            "encode({text:?}, add_special_tokens=True)"
+        );
+    }
+}
+
+#[test]
+fn detokenize_matches_python_tokenizers() {
+    let codec = codec();
+    for case in texts() {
+        assert_eq!(
+            codec.detokenize(&ids(&case["ids"])).unwrap(),
+            case["decoded"].as_str().unwrap()
+        );
+        assert_eq!(
+            codec.detokenize(&ids(&case["ids_with_special"])).unwrap(),
+            case["decoded_with_special"].as_str().unwrap()
+        );
+    }
+    let err = codec.detokenize(&[5, 384]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert!(
+        err.message().contains("token id 384 at index 1"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        codec.detokenize(&[-1]).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+}
+
+#[test]
+fn streamed_pieces_concatenate_to_the_reference_text() {
+    let codec = codec();
+    let mut held_back = 0;
+    for case in texts() {
+        for key in ["ids", "ids_with_special"] {
+            let mut d = codec.detokenizer().unwrap();
+            let mut streamed = String::new();
+            for id in ids(&case[key]) {
+                let piece = d.feed(id).unwrap();
+                held_back += usize::from(piece.is_empty());
+                streamed.push_str(&piece);
+            }
+            let want = if key == "ids" {
+                "decoded"
+            } else {
+                "decoded_with_special"
+            };
+            assert_eq!(
+                streamed,
+                case[want].as_str().unwrap(),
+                "{key} of {:?}",
+                case["text"]
+            );
+            assert!(
+                !streamed.contains('\u{FFFD}'),
+                "no piece ever shows a split character"
+            );
+        }
+    }
+    // The reference has ids that end inside a character (the script asserts it): some feeds
+    // must have returned nothing and waited for the rest of the character.
+    assert!(held_back > 0);
+}
+
+#[test]
+fn a_rejected_id_leaves_the_stream_unchanged() {
+    let codec = codec();
+    let case = &texts()[5]; // emoji
+    let mut d = codec.detokenizer().unwrap();
+    let mut streamed = String::new();
+    for id in ids(&case["ids"]) {
+        assert_eq!(d.feed(9999).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        streamed.push_str(&d.feed(id).unwrap());
+    }
+    assert_eq!(streamed, case["decoded"].as_str().unwrap());
+}
+
+#[test]
+fn chat_renderings_match_transformers() {
+    let codec = codec();
+    for chat in reference()["chats"].as_array().unwrap() {
+        let messages = chat["messages"].to_string();
+        let add = chat["add_generation_prompt"].as_bool().unwrap();
+        let got = codec.chat_apply(&messages, add);
+        match (chat.get("rendered"), got) {
+            (Some(want), Ok(text)) => assert_eq!(text, want.as_str().unwrap(), "{}", chat["name"]),
+            (None, Err(e)) => {
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+                let want = chat["error"].as_str().unwrap();
+                assert!(
+                    e.message().contains(want),
+                    "{}: {} lacks {want:?}",
+                    chat["name"],
+                    e.message()
+                );
+            }
+            (want, got) => panic!("{}: expected {want:?}, got {got:?}", chat["name"]),
+        }
+    }
+    let err = codec.chat_apply("{\"role\": \"user\"}", true).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert!(err.message().contains("not a JSON array"));
+}
+
+fn engine(dir: &str) -> Engine {
+    let doc = json!({
+        "model_path": common::fixture(dir).to_str().unwrap(), "threads": 1,
+        "kv": {"device_memory_bytes": "32MiB", "max_running_requests": 4, "page_size": 128},
+    });
+    Engine::create(Params::from_value(&doc).unwrap()).unwrap()
+}
+
+#[test]
+fn the_engine_loads_the_checkpoint_tokenizer() {
+    let engine = engine("flash-like/hf-f32-text");
+    let info = engine.model_info();
+    assert_eq!(
+        (&info["has_tokenizer"], &info["has_chat_template"]),
+        (&json!(true), &json!(true))
+    );
+    let case = &texts()[2];
+    let got: Vec<i32> = engine
+        .text()
+        .tokenize(case["text"].as_str().unwrap(), true)
+        .unwrap()
+        .iter()
+        .map(|&i| i as i32)
+        .collect();
+    assert_eq!(got, ids(&case["ids_with_special"]));
+}
+
+#[test]
+fn a_checkpoint_without_the_files_says_to_pass_ids() {
+    let engine = engine("flash-like/hf-f32");
+    let text = engine.text();
+    for err in [
+        text.tokenize("hi", true).unwrap_err(),
+        text.detokenize(&[1]).unwrap_err(),
+        text.detokenizer().err().unwrap(),
+    ] {
+        assert_eq!(err.kind(), ErrorKind::Unsupported);
+        assert!(
+            err.message()
+                .contains("this checkpoint has no tokenizer.json"),
+            "{}",
+            err.message()
+        );
+        assert!(
+            err.message().contains("pass token ids"),
+            "{}",
+            err.message()
+        );
+    }
+    let err = text.chat_apply("[]", true).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+    assert!(
+        err.message().contains("no tokenizer_config.json"),
+        "{}",
+        err.message()
+    );
+}
+
+#[test]
+fn a_broken_tokenizer_file_is_reported_by_the_text_calls() {
+    let dir = std::env::temp_dir().join(format!("dsv4-tok-broken-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"chat_template": "{% for %}"}"#,
+    )
+    .unwrap();
+    let codec = TextCodec::load(&dir);
+    let err = codec.tokenize("hi", false).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+    assert!(
+        err.message().contains("could not be loaded"),
+        "{}",
+        err.message()
+    );
+    let err = codec.chat_apply("[]", false).unwrap_err();
+    assert!(
+        err.message().contains("does not compile"),
+        "{}",
+        err.message()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
