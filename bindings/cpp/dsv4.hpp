@@ -2,10 +2,6 @@
 // std::string instead of (buf, cap, needed), enums instead of raw ints, an RAII engine, a
 // request that owns its buffers, and per-request streams fed by one poller thread (the router).
 // Installed next to dsv4.h.
-//
-// Not wrapped yet: the tokenizer and chat template functions (dsv4_tokenize, dsv4_detokenize,
-// dsv4_detokenizer_*, dsv4_chat_apply) are not in dsv4.h at this version; wrap them here when
-// they land.
 #ifndef DSV4_HPP
 #define DSV4_HPP
 
@@ -808,6 +804,40 @@ public:
         check(dsv4_cache_flush(handle_, name));
     }
 
+    // The checkpoint's tokenizer (tokenizer.json), as Hugging Face tokenizers' encode(text,
+    // add_special_tokens). Throws unsupported for a checkpoint without one. Never waits for the
+    // engine thread.
+    std::vector<int32_t> tokenize(const std::string &text, bool add_special = true) const {
+        for (;;) {
+            size_t n = 0;
+            check(dsv4_tokenize(handle_, text.c_str(), add_special, nullptr, 0, &n));
+            std::vector<int32_t> ids(n);
+            dsv4_status code =
+                dsv4_tokenize(handle_, text.c_str(), add_special, ids.data(), ids.size(), &n);
+            if (code == DSV4_ERR_BUFFER_TOO_SMALL) continue;
+            check(code);
+            ids.resize(n);
+            return ids;
+        }
+    }
+
+    // The text of `ids`, special tokens included (decode(ids, skip_special_tokens=False)).
+    std::string detokenize(const std::vector<int32_t> &ids) const {
+        return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_detokenize(handle_, ids.data(), ids.size(), buf, cap, needed);
+        });
+    }
+
+    // tokenizer_config.json's chat template rendered for `messages_json` (a JSON array of
+    // {"role", "content"} objects), as transformers' apply_chat_template(tokenize=False).
+    std::string chat_apply(const std::string &messages_json,
+                           bool add_generation_prompt = true) const {
+        return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_chat_apply(handle_, messages_json.c_str(), add_generation_prompt, buf,
+                                   cap, needed);
+        });
+    }
+
     // The address PD peers reach this engine at, "tcp://host:port" (pd.advertise, else the
     // address pd.listen bound): a prefill engine's endpoint is what decode requests carry as
     // request::pd_peer. Throws invalid_argument in the unified role, which has none.
@@ -846,6 +876,36 @@ private:
 
     dsv4_engine *handle_ = nullptr;
     std::shared_ptr<detail::router> router_;
+};
+
+// Streaming text for one request's tokens: feed() each id as it arrives and append what it
+// returns; the pieces concatenate to detokenize() of all the ids (bytes of a character split
+// across ids are held back until it completes). Move-only; one per stream; may outlive its
+// engine. Throws unsupported for a checkpoint without tokenizer.json.
+class detokenizer {
+public:
+    explicit detokenizer(const engine &e) { check(dsv4_detokenizer_create(e.get(), &handle_)); }
+    detokenizer(detokenizer &&other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+    detokenizer &operator=(detokenizer &&other) noexcept {
+        if (this != &other) {
+            dsv4_detokenizer_destroy(handle_);
+            handle_ = std::exchange(other.handle_, nullptr);
+        }
+        return *this;
+    }
+    detokenizer(const detokenizer &) = delete;
+    detokenizer &operator=(const detokenizer &) = delete;
+    ~detokenizer() { dsv4_detokenizer_destroy(handle_); }
+
+    // The text `token` completes (often empty). A failed call leaves the stream unchanged.
+    std::string feed(int32_t token) {
+        return detail::read_text([&](char *buf, size_t cap, size_t *needed) {
+            return dsv4_detokenizer_feed(handle_, token, buf, cap, needed);
+        });
+    }
+
+private:
+    dsv4_detokenizer *handle_ = nullptr;
 };
 
 }  // namespace dsv4
