@@ -316,6 +316,30 @@ fn embedding_and_rms_norm_are_bit_exact<G: Backend>(g: &G, c: &CpuBackend) -> Re
     Ok(())
 }
 
+/// The RoPE check's inputs, the same on both backends.
+struct RopeInput<'a> {
+    x: &'a [f32],
+    heads: usize,
+    head_dim: usize,
+    inv_freq: &'a [f32],
+    positions: &'a [i32],
+    inverse: bool,
+}
+
+/// `input.x` rotated in place on backend `b`, read back.
+fn rope_on<B: Backend>(b: &B, input: &RopeInput<'_>) -> dsv4::error::Result<Vec<f32>> {
+    let mut t = b.tensor(input.x)?;
+    b.rope_apply(
+        &mut t,
+        input.heads,
+        input.head_dim,
+        &b.rope(input.inv_freq)?,
+        &b.index(input.positions)?,
+        input.inverse,
+    )?;
+    b.read(&t)
+}
+
 fn rope_and_swiglu_match_within_their_tolerances<G: Backend>(
     g: &G,
     c: &CpuBackend,
@@ -328,31 +352,15 @@ fn rope_and_swiglu_match_within_their_tolerances<G: Backend>(
     let rows = positions.len();
     let x = values(rows * heads * head_dim, 7);
     for inverse in [false, true] {
-        let run_g = || -> dsv4::error::Result<Vec<f32>> {
-            let mut t = g.tensor(&x)?;
-            g.rope_apply(
-                &mut t,
-                heads,
-                head_dim,
-                &g.rope(&inv_freq)?,
-                &g.index(&positions)?,
-                inverse,
-            )?;
-            g.read(&t)
+        let rope = RopeInput {
+            x: &x,
+            heads,
+            head_dim,
+            inv_freq: &inv_freq,
+            positions: &positions,
+            inverse,
         };
-        let run_c = || -> dsv4::error::Result<Vec<f32>> {
-            let mut t = c.tensor(&x)?;
-            c.rope_apply(
-                &mut t,
-                heads,
-                head_dim,
-                &c.rope(&inv_freq)?,
-                &c.index(&positions)?,
-                inverse,
-            )?;
-            c.read(&t)
-        };
-        let (a, b) = (run_g().map_err(e)?, run_c().map_err(e)?);
+        let (a, b) = (rope_on(g, &rope).map_err(e)?, rope_on(c, &rope).map_err(e)?);
         within(&format!("rope inverse={inverse}"), &a, &b, |i| {
             let pair = i & !1;
             2f32.powi(-21) * (x[pair].abs() + x[pair + 1].abs())
