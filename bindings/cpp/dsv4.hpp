@@ -450,7 +450,7 @@ public:
 
     std::vector<event> poll_general(size_t max, int32_t timeout_ms) {
         std::unique_lock<std::mutex> lock(mutex_);
-        auto ready = [&] { return !general_.empty() || closed_; };
+        auto ready = [&] { return !general_.empty() || closed_ || drained_; };
         if (timeout_ms < 0) {
             wake_.wait(lock, ready);
         } else if (timeout_ms > 0) {
@@ -561,11 +561,15 @@ private:
     void run() {
         constexpr size_t cap = 64;
         std::vector<dsv4_event> buf(cap);
+        // The engine thread has ended (shut down or failed): every event is queued, and
+        // dsv4_poll returns at once from then on, so drain with poll(0) and stop rather than
+        // spin until the engine is destroyed.
+        bool ended = false;
         for (;;) {
             bool stopping;
             {
                 std::lock_guard<std::mutex> lock(mutex_);
-                stopping = stopping_;
+                stopping = stopping_ || ended;
             }
             buf[0].struct_size = sizeof(dsv4_event);
             size_t n = 0;
@@ -580,7 +584,18 @@ private:
                 continue;
             }
             if (n == 0) {
-                if (stopping) return;
+                if (stopping) {
+                    // Nothing more will come: a general poll waiting forever returns now.
+                    std::lock_guard<std::mutex> lock(mutex_);
+                    drained_ = true;
+                    wake_.notify_all();
+                    return;
+                }
+                // The engine's state is set before its event queue closes, so once it reads
+                // STOPPED or FAILED one more poll(0) takes whatever is left.
+                int32_t state = DSV4_STATE_READY;
+                ended = dsv4_engine_state(handle_, &state, nullptr, 0, nullptr) == DSV4_OK &&
+                        (state == DSV4_STATE_STOPPED || state == DSV4_STATE_FAILED);
                 continue;
             }
             std::lock_guard<std::mutex> lock(mutex_);
@@ -598,6 +613,7 @@ private:
     std::shared_ptr<const event_fn> callback_;
     bool stopping_ = false;
     bool closed_ = false;
+    bool drained_ = false;  // the engine ended and the poller took its last event
     std::thread poller_;
 };
 
@@ -736,7 +752,8 @@ public:
     }
 
     // Events of detached requests: up to `max`, waiting up to `timeout_ms` (-1: until one
-    // arrives or the engine is destroyed) for the first.
+    // arrives, or the engine has stopped and every event is taken, or it is destroyed) for
+    // the first.
     std::vector<event> poll(size_t max, int32_t timeout_ms) const {
         return router_->poll_general(max, timeout_ms);
     }

@@ -594,7 +594,10 @@ pub unsafe extern "C" fn dsv4_submit(
 /// engine has stopped and every event is taken, or a callback is set), 0 never blocks, > 0
 /// waits at most that long; a timeout is `DSV4_OK` with `*n_out == 0`. While an event
 /// callback is set: `DSV4_ERR_UNSUPPORTED`. `cap == 0` or NULL pointers:
-/// `DSV4_ERR_INVALID_ARGUMENT`.
+/// `DSV4_ERR_INVALID_ARGUMENT`. Once the engine has stopped (shut down or failed) and every
+/// event is taken, every call returns at once with `*n_out == 0`: a poll loop ends when it
+/// reads `DSV4_STATE_STOPPED` or `DSV4_STATE_FAILED` from `dsv4_engine_state` (set once every
+/// event is queued, so one more poll after it takes what is left) rather than spin.
 /// Thread-safe: concurrent pollers each get different events. Events' `message` strings stay
 /// valid until the next `dsv4_poll` on the same thread.
 ///

@@ -3,6 +3,8 @@
 // on the flash-like fixture (vocab 384, EOS 1); run under valgrind by `make test-valgrind`.
 #include <dsv4.hpp>
 
+#include <sys/resource.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -304,6 +306,30 @@ static void test_log_callback() {
     }
 }
 
+static double cpu_seconds() {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+// A shut-down engine that is not yet destroyed costs nothing: its poller took the last event
+// and stopped (it used to spin on dsv4_poll, which returns at once once the engine has
+// stopped), and a general poll that waits for ever returns instead of hanging.
+static void test_idle_after_shutdown(dsv4::engine &engine) {
+    CHECK(engine.state().state == dsv4::state::stopped);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the poller notices
+    const double cpu_before = cpu_seconds();
+    const auto wall_before = std::chrono::steady_clock::now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    const double cpu = cpu_seconds() - cpu_before;
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_before).count();
+    // A spinning thread burns about `wall`; an idle process next to nothing.
+    if (!(cpu < 0.5 * wall)) std::fprintf(stderr, "idle engine used %.3f s CPU in %.3f s\n", cpu, wall);
+    CHECK(cpu < 0.5 * wall);
+    CHECK(engine.poll(16, -1).empty());
+}
+
 // Destroying the engine with streams unread: each still yields its (aborted) terminal event,
 // and the poller is joined without a deadlock.
 static void test_destroy_with_streams() {
@@ -330,6 +356,7 @@ int main() {
         test_detached_and_callbacks(engine);
         test_cache(engine);
         engine.shutdown(dsv4::shutdown_mode::drain);
+        test_idle_after_shutdown(engine);
         try {
             engine.submit(make_request(5, 1, 0));
             CHECK(!"submit after shutdown accepted");

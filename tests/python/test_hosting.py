@@ -101,3 +101,27 @@ def test_state_through_a_drain_shutdown():
         events = engine.poll(timeout_s=1.0)
         assert any(e.request_id == rid and e.finish_reason == dsv4.FinishReason.ABORTED
                    for e in events)
+
+
+def test_a_shut_down_engine_is_idle_and_a_poll_for_ever_returns():
+    """After a shutdown the router takes the last event and stops (it used to spin on
+    dsv4_poll, which returns at once from a stopped engine), and poll(None) returns."""
+    import resource
+    import time
+
+    def cpu():
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    with dsv4.Engine(params()) as engine:
+        rid = engine.submit(PROMPT, max_new_tokens=2, temperature=0, **NO_EOS)
+        engine.shutdown(dsv4.ShutdownMode.DRAIN)
+        events = engine.poll(timeout_s=None)
+        while not any(e.terminal for e in events):
+            events += engine.poll(timeout_s=None)
+        assert [e.request_id for e in events] == [rid] * 3
+        assert engine.poll(timeout_s=None) == []
+        before, start = cpu(), time.monotonic()
+        time.sleep(0.4)
+        used, wall = cpu() - before, time.monotonic() - start
+        assert used < 0.5 * wall, f"an idle shut-down engine used {used:.3f} s CPU in {wall:.3f} s"

@@ -40,6 +40,7 @@ order); when none has it, `import dsv4` raises an OSError listing every place lo
 import ctypes
 import json
 import queue
+import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, \
     Optional, Sequence, Union
 
@@ -362,15 +363,23 @@ class Engine:
         return rid
 
     def poll(self, timeout_s: Optional[float] = 0.0) -> List[Event]:
-        """Events of requests made with submit(): waits up to timeout_s (None: forever) for
-        the first, then returns every one already there."""
+        """Events of requests made with submit(): waits up to timeout_s (None: until one
+        arrives, or the engine has shut down and every event is taken) for the first, then
+        returns every one already there."""
         self._live()
         out: List[Event] = []
-        try:
-            out.append(self._router.general.get(timeout=timeout_s) if timeout_s != 0
-                       else self._router.general.get_nowait())
-        except queue.Empty:
-            return out
+        general = self._router.general
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not out:
+            try:
+                # In slices, so a wait for ever ends when the engine has ended and drained.
+                wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+                out.append(general.get(timeout=wait) if wait > 0 else general.get_nowait())
+            except queue.Empty:
+                if self._router.drained.is_set() and general.empty():
+                    return out
+                if deadline is not None and time.monotonic() >= deadline:
+                    return out
         while True:
             try:
                 out.append(self._router.general.get_nowait())

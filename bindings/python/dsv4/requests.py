@@ -254,6 +254,8 @@ class Router:
         self._mine: Dict[int, "queue.Queue[Event]"] = {}
         self.general: "queue.Queue[Event]" = queue.Queue()
         self._stop = threading.Event()
+        # Set once the engine has ended and its last event was routed.
+        self.drained = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsv4-events", daemon=True)
         self._thread.start()
 
@@ -274,11 +276,21 @@ class Router:
         cap = 64
         buf = (_native.Event * cap)()
         n = ctypes.c_size_t(0)
+        # Once the engine thread has ended (shut down or failed) every event is queued and
+        # dsv4_poll returns at once: drain with a poll(0) and stop instead of spinning until
+        # the engine is closed.
+        ended = False
         while not self._stop.is_set():
             buf[0].struct_size = ctypes.sizeof(_native.Event)
-            status = _lib.dsv4_poll(self._handle, buf, cap, ctypes.byref(n), 100)
+            status = _lib.dsv4_poll(self._handle, buf, cap, ctypes.byref(n), 0 if ended else 100)
             if status != 0:
                 self._stop.wait(0.1)
+                continue
+            if n.value == 0:
+                if ended:
+                    self.drained.set()
+                    return
+                ended = self._engine_ended()
                 continue
             with self._lock:
                 for i in range(n.value):
@@ -290,6 +302,13 @@ class Router:
                         q.put(e)
                         if e.terminal:
                             del self._mine[e.request_id]
+
+    def _engine_ended(self) -> bool:
+        """STOPPED or FAILED: set before the engine's event queue closes, so one more poll
+        takes whatever is left."""
+        state = ctypes.c_int32(-1)
+        status = _lib.dsv4_engine_state(self._handle, ctypes.byref(state), None, 0, None)
+        return status == 0 and state.value in (EngineState.STOPPED, EngineState.FAILED)
 
     def close(self) -> None:
         self._stop.set()
