@@ -18,11 +18,11 @@ mod pd;
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use agentic::{quantile_ms, replay, Report, Workload};
 use dsv4::config::params::Params;
-use dsv4::engine::{Engine, Outcome, Rejection};
+use dsv4::engine::{Engine, EventKind, Outcome, Rejection, RequestSpec, SamplingParams};
 use dsv4::error::Error;
 use pd::Pair;
 use serde_json::json;
@@ -162,8 +162,55 @@ fn run() -> dsv4::error::Result<()> {
             report.errors
         )));
     }
+    text_section(&engine)?;
     drop(engine);
     pd_section(dir.to_str().expect("a UTF-8 path"), &w, &report)
+}
+
+/// Text in and out: the checkpoint's chat template and tokenizer (`dsv4_chat_apply`,
+/// `dsv4_tokenize`, `dsv4_detokenizer_*`) around one greedy request.
+fn text_section(engine: &Engine) -> dsv4::error::Result<()> {
+    let text = engine.text();
+    let messages = json!([
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What does HiCache keep on the host?"},
+    ]);
+    let prompt = text.chat_apply(&messages.to_string(), true)?;
+    // The template writes the BOS token itself, so the tokenizer adds nothing.
+    let ids = text.tokenize(&prompt, false)?;
+    println!("text (chat template + tokenizer from the checkpoint's files):");
+    println!("  prompt  {prompt:?} = {} tokens", ids.len());
+    let id = engine.submit(RequestSpec {
+        prompt: ids,
+        max_new_tokens: 24,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ..RequestSpec::default()
+    })?;
+    let mut detokenizer = text.detokenizer()?;
+    let mut answer = String::new();
+    let mut reason = None;
+    while reason.is_none() {
+        for e in engine.poll(64, Some(Duration::from_secs(10)))? {
+            if e.request_id() != id {
+                continue;
+            }
+            match e.kind() {
+                EventKind::Token => {
+                    let token = e.token_id().expect("a token event has a token");
+                    answer.push_str(&detokenizer.feed(token as i32)?);
+                }
+                _ => reason = Some(e.finish_reason()),
+            }
+        }
+    }
+    println!(
+        "  answer  {answer:?} (streamed piece by piece; {:?}; random weights, so no sense)",
+        reason.flatten()
+    );
+    Ok(())
 }
 
 /// A progress bar for `replay`: redrawn in place on a terminal, a line per quarter in a log.

@@ -82,7 +82,7 @@ fn model_info_has_the_facts_a_server_needs() {
 }
 
 #[test]
-fn tokenizer_files_are_reported_when_present() {
+fn tokenizer_files_are_reported_when_usable() {
     // A copy of the fixture's directory (config.json and weights linked) with the files added.
     let src = common::fixture("flash-like/hf-f32");
     let dir = std::env::temp_dir().join(format!("dsv4-hosting-{}", std::process::id()));
@@ -99,25 +99,51 @@ fn tokenizer_files_are_reported_when_present() {
         });
         dsv4::engine::Engine::create(Params::from_value(&doc).unwrap()).unwrap()
     };
+    let facts = |e: &dsv4::engine::Engine| {
+        let info = e.model_info();
+        (
+            info["has_tokenizer"].clone(),
+            info["has_chat_template"].clone(),
+        )
+    };
+    // A file that is there but unusable is not a tokenizer: the text calls say why.
     std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+    let engine = create(&dir);
+    assert_eq!(facts(&engine), (json!(false), json!(false)));
+    let err = engine.text().tokenize("hi", false).unwrap_err();
+    assert!(
+        err.message().contains("could not be loaded"),
+        "{}",
+        err.message()
+    );
+    // The fixture's own tokenizer (384 ids, as many as the model's rows).
+    let tokenizer = common::fixture("tokenizer/tokenizer.json");
+    std::fs::copy(&tokenizer, dir.join("tokenizer.json")).unwrap();
     // A config without a template: tokenizer yes, template no.
     std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token": "<s>"}"#).unwrap();
-    let info = create(&dir).model_info();
-    assert_eq!(
-        (&info["has_tokenizer"], &info["has_chat_template"]),
-        (&json!(true), &json!(false))
-    );
+    assert_eq!(facts(&create(&dir)), (json!(true), json!(false)));
     std::fs::write(
         dir.join("tokenizer_config.json"),
         r#"{"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}"#,
     )
     .unwrap();
-    let info = create(&dir).model_info();
-    assert_eq!(info["has_chat_template"], json!(true));
+    assert_eq!(facts(&create(&dir)).1, json!(true));
     // Malformed JSON is no template (and a warning), not a failed create.
     std::fs::write(dir.join("tokenizer_config.json"), "{not json").unwrap();
-    let info = create(&dir).model_info();
-    assert_eq!(info["has_chat_template"], json!(false));
+    assert_eq!(facts(&create(&dir)).1, json!(false));
+    // Another model's tokenizer (the tiny model's 4096 ids for 384 embedding rows) would make
+    // prompts index past the embedding: refused by name, and the engine still serves ids.
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-model");
+    std::fs::copy(tiny.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let engine = create(&dir);
+    assert_eq!(facts(&engine).0, json!(false));
+    let err = engine.text().tokenize("hi", false).unwrap_err();
+    assert!(
+        err.message()
+            .contains("4096 ids but the model's vocab_size is 384"),
+        "{}",
+        err.message()
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

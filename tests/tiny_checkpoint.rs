@@ -95,22 +95,31 @@ fn writes_once_and_the_same_bytes_every_time() {
     );
     let b = TempDir::new("b");
     assert!(write(&b.0));
-    for name in ["config.json", "model.safetensors"] {
+    const FILES: [&str; 4] = [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ];
+    for name in FILES {
         assert!(read(&a.0, name) == read(&b.0, name), "{name} differs");
     }
     let size = read(&a.0, "model.safetensors").len();
     eprintln!("model.safetensors: {size} bytes");
     let config: Value = serde_json::from_slice(&read(&a.0, "config.json")).unwrap();
     assert_eq!(config, tiny::config_json());
-    // Only the two files: no temporary left behind.
+    // Only those files: no temporary left behind.
     let names: BTreeSet<String> = std::fs::read_dir(&a.0)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(
-        names,
-        BTreeSet::from(["config.json".into(), "model.safetensors".into()])
-    );
+    assert_eq!(names, FILES.iter().map(|n| n.to_string()).collect());
+    // The tokenizer is the committed one, and a removed one is written again.
+    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-model");
+    assert!(read(&a.0, "tokenizer.json") == read(&committed, "tokenizer.json"));
+    std::fs::remove_file(a.0.join("tokenizer.json")).unwrap();
+    assert!(write(&a.0));
+    assert!(read(&a.0, "tokenizer.json") == read(&committed, "tokenizer.json"));
 }
 
 #[test]

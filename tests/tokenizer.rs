@@ -11,13 +11,29 @@ use dsv4::error::ErrorKind;
 use dsv4::tokenizer::TextCodec;
 use serde_json::{json, Value};
 
-fn reference() -> Value {
-    let path = common::fixture("tokenizer/reference.json");
+fn read_json(path: &std::path::Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
+fn reference() -> Value {
+    read_json(&common::fixture("tokenizer/reference.json"))
+}
+
 fn codec() -> TextCodec {
-    TextCodec::load(&common::fixture("tokenizer"))
+    TextCodec::load(&common::fixture("tokenizer"), 384)
+}
+
+/// Each tokenizer with its reference: the fixtures' (384 ids) and the built-in tiny model's
+/// (4096 ids, what the demo serves text with), both made by tests/reference/make_tokenizer.py.
+fn suites() -> Vec<(TextCodec, Value)> {
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-model");
+    vec![
+        (codec(), reference()),
+        (
+            TextCodec::load(&tiny, 4096),
+            read_json(&common::fixture("tiny-tokenizer-reference.json")),
+        ),
+    ]
 }
 
 fn ids(v: &Value) -> Vec<i32> {
@@ -34,8 +50,13 @@ fn texts() -> Vec<Value> {
 
 #[test]
 fn tokenize_matches_python_tokenizers() {
-    let codec = codec();
-    for case in texts() {
+    for (codec, reference) in suites() {
+        tokenize_matches(&codec, &reference);
+    }
+}
+
+fn tokenize_matches(codec: &TextCodec, reference: &Value) {
+    for case in reference["texts"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let plain: Vec<i32> = codec
             .tokenize(text, false)
@@ -64,17 +85,12 @@ fn tokenize_matches_python_tokenizers() {
 
 #[test]
 fn detokenize_matches_python_tokenizers() {
-    let codec = codec();
-    for case in texts() {
-        assert_eq!(
-            codec.detokenize(&ids(&case["ids"])).unwrap(),
-            case["decoded"].as_str().unwrap()
-        );
-        assert_eq!(
-            codec.detokenize(&ids(&case["ids_with_special"])).unwrap(),
-            case["decoded_with_special"].as_str().unwrap()
-        );
+    for (codec, reference) in suites() {
+        for case in reference["texts"].as_array().unwrap() {
+            detokenize_matches(&codec, case);
+        }
     }
+    let codec = codec();
     let err = codec.detokenize(&[5, 384]).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     assert!(
@@ -88,11 +104,27 @@ fn detokenize_matches_python_tokenizers() {
     );
 }
 
+fn detokenize_matches(codec: &TextCodec, case: &Value) {
+    assert_eq!(
+        codec.detokenize(&ids(&case["ids"])).unwrap(),
+        case["decoded"].as_str().unwrap()
+    );
+    assert_eq!(
+        codec.detokenize(&ids(&case["ids_with_special"])).unwrap(),
+        case["decoded_with_special"].as_str().unwrap()
+    );
+}
+
 #[test]
 fn streamed_pieces_concatenate_to_the_reference_text() {
-    let codec = codec();
+    for (codec, reference) in suites() {
+        streamed_pieces_concatenate(&codec, &reference);
+    }
+}
+
+fn streamed_pieces_concatenate(codec: &TextCodec, reference: &Value) {
     let mut held_back = 0;
-    for case in texts() {
+    for case in reference["texts"].as_array().unwrap() {
         for key in ["ids", "ids_with_special"] {
             let mut d = codec.detokenizer().unwrap();
             let mut streamed = String::new();
@@ -138,8 +170,17 @@ fn a_rejected_id_leaves_the_stream_unchanged() {
 
 #[test]
 fn chat_renderings_match_transformers() {
+    for (codec, reference) in suites() {
+        chat_renderings_match(&codec, &reference);
+    }
     let codec = codec();
-    for chat in reference()["chats"].as_array().unwrap() {
+    let err = codec.chat_apply("{\"role\": \"user\"}", true).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert!(err.message().contains("not a JSON array"));
+}
+
+fn chat_renderings_match(codec: &TextCodec, reference: &Value) {
+    for chat in reference["chats"].as_array().unwrap() {
         let messages = chat["messages"].to_string();
         let add = chat["add_generation_prompt"].as_bool().unwrap();
         let got = codec.chat_apply(&messages, add);
@@ -158,9 +199,6 @@ fn chat_renderings_match_transformers() {
             (want, got) => panic!("{}: expected {want:?}, got {got:?}", chat["name"]),
         }
     }
-    let err = codec.chat_apply("{\"role\": \"user\"}", true).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-    assert!(err.message().contains("not a JSON array"));
 }
 
 fn engine(dir: &str) -> Engine {
@@ -232,7 +270,7 @@ fn a_broken_tokenizer_file_is_reported_by_the_text_calls() {
         r#"{"chat_template": "{% for %}"}"#,
     )
     .unwrap();
-    let codec = TextCodec::load(&dir);
+    let codec = TextCodec::load(&dir, 384);
     let err = codec.tokenize("hi", false).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported);
     assert!(

@@ -369,11 +369,16 @@ private:
 
 namespace detail {
 
-// One stream's queue. Guarded by the router's mutex.
+// One tracked request: a stream's queue, or the callback its events go to (engine::submit
+// with a callback). Guarded by the router's mutex.
 struct stream_queue {
     std::deque<event> events;
     bool terminal_queued = false;
+    std::shared_ptr<const event_fn> callback;  // set: events go here, never to `events`
 };
+
+// An event and the callback to call with it once the router's lock is released.
+using delivery = std::pair<std::shared_ptr<const event_fn>, event>;
 
 // The one consumer of an engine's events: a poller thread (poll mode) or the event callback
 // (push mode) routes each event by request id to the queue of the stream that waits for it;
@@ -387,12 +392,16 @@ public:
     }
 
     // Submits under the routing lock, so no event can be routed before its queue exists.
-    uint64_t submit(const dsv4_request &r, bool tracked) {
+    // `callback`: the tracked request's events go to it instead of a queue.
+    uint64_t submit(const dsv4_request &r, bool tracked, event_fn callback = nullptr) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (closed_) throw error(DSV4_ERR_SHUTDOWN, "the engine is destroyed");
         uint64_t id = 0;
         check(dsv4_submit(handle_, &r, &id));
-        if (tracked) streams_[id];
+        if (tracked) {
+            stream_queue &q = streams_[id];
+            if (callback) q.callback = std::make_shared<const event_fn>(std::move(callback));
+        }
         return id;
     }
 
@@ -498,21 +507,34 @@ public:
             stopping_ = true;
         }
         if (poller_.joinable()) poller_.join();
-        std::lock_guard<std::mutex> lock(mutex_);
-        closed_ = true;
-        // A stream whose terminal event never came (the engine failed to stop) still ends.
-        for (auto &entry : streams_) {
-            if (entry.second.terminal_queued) continue;
-            event e;
-            e.request_id = entry.first;
-            e.kind = event_kind::error;
-            e.status = status::shutdown;
-            e.message = "the engine was destroyed before this request ended";
-            entry.second.events.push_back(std::move(e));
-            entry.second.terminal_queued = true;
+        std::vector<delivery> late;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            closed_ = true;
+            // A request whose terminal event never came (the engine failed to stop) still ends.
+            for (auto it = streams_.begin(); it != streams_.end();) {
+                if (it->second.terminal_queued) {
+                    ++it;
+                    continue;
+                }
+                event e;
+                e.request_id = it->first;
+                e.kind = event_kind::error;
+                e.status = status::shutdown;
+                e.message = "the engine was destroyed before this request ended";
+                if (it->second.callback) {
+                    late.emplace_back(it->second.callback, std::move(e));
+                    it = streams_.erase(it);
+                    continue;
+                }
+                it->second.events.push_back(std::move(e));
+                it->second.terminal_queued = true;
+                ++it;
+            }
+            abandoned_.clear();
+            wake_.notify_all();
         }
-        abandoned_.clear();
-        wake_.notify_all();
+        deliver(late);
     }
 
     ~router() {
@@ -523,10 +545,29 @@ public:
     router &operator=(const router &) = delete;
 
 private:
-    // Routes one event; returns the host callback to call for it (outside the lock), if any.
+    // Calls each callback with its event, in order; outside the router's lock (a callback
+    // may submit). An exception from a host callback is dropped: it must not end the poller
+    // (or unwind into the engine thread) and cost other requests their events.
+    static void deliver(std::vector<delivery> &calls) noexcept {
+        for (auto &call : calls) {
+            try {
+                (*call.first)(call.second);
+            } catch (...) {
+            }
+        }
+        calls.clear();
+    }
+
+    // Routes one event; returns the callback to call with it (outside the lock), if any: the
+    // request's own, or the host's event callback in push mode.
     std::shared_ptr<const event_fn> route_locked(event &&e, bool push_mode) {
         auto it = streams_.find(e.request_id);
         if (it != streams_.end()) {
+            if (it->second.callback) {
+                std::shared_ptr<const event_fn> fn = it->second.callback;
+                if (e.terminal()) streams_.erase(it);
+                return fn;
+            }
             if (e.terminal()) it->second.terminal_queued = true;
             it->second.events.push_back(std::move(e));
             return nullptr;
@@ -598,9 +639,17 @@ private:
                         (state == DSV4_STATE_STOPPED || state == DSV4_STATE_FAILED);
                 continue;
             }
-            std::lock_guard<std::mutex> lock(mutex_);
-            for (size_t i = 0; i < n; i++) route_locked(event::from_c(buf[i]), false);
-            wake_.notify_all();
+            std::vector<delivery> calls;
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                for (size_t i = 0; i < n; i++) {
+                    event e = event::from_c(buf[i]);
+                    std::shared_ptr<const event_fn> fn = route_locked(event(e), false);
+                    if (fn) calls.emplace_back(std::move(fn), std::move(e));
+                }
+                wake_.notify_all();
+            }
+            deliver(calls);
         }
     }
 
@@ -744,6 +793,17 @@ public:
     // (queue_full, capacity, invalid_argument, shutdown), with no stream.
     stream submit(const request &r) const {
         return stream(router_, router_->submit(r.c_request(), true));
+    }
+
+    // Submits a request whose events go to `on_event`, in order, ending with exactly one
+    // terminal event (a synthesized shutdown error if the engine is destroyed first). It runs
+    // on the wrapper's poller thread, or on the engine thread while an event callback is set,
+    // so keep it short: every request's events wait while it runs. An exception it throws is
+    // dropped. Returns the request's id (for abort()). Throws like submit(request); an empty
+    // `on_event` is invalid_argument.
+    uint64_t submit(const request &r, event_fn on_event) const {
+        if (!on_event) throw error(DSV4_ERR_INVALID_ARGUMENT, "submit: on_event is empty: pass a callable");
+        return router_->submit(r.c_request(), true, std::move(on_event));
     }
 
     // Submits a request whose events go to poll() (or the event callback); returns its id.

@@ -160,11 +160,13 @@ fn start<B: Backend>(
         serde_json::to_value(params.model.weight_dtype).unwrap_or_default();
     model_info["bos_token_id"] = model.config.bos_token_id.into();
     model_info["eos_token_ids"] = model.config.eos_token_ids.clone().into();
-    let (tokenizer, chat_template) = text_files(Path::new(path));
-    let text = TextCodec::load(model_dir(Path::new(path)));
-    model_info["has_tokenizer"] = tokenizer.into();
-    model_info["has_chat_template"] = chat_template.into();
     let vocab_size = model.config.vocab_size;
+    // Ids cross the ABI as int32_t (the config loader keeps vocab_size far below i32::MAX).
+    let text = TextCodec::load(model_dir(Path::new(path)), vocab_size);
+    // Whether the text calls work (a file that is present but unusable is not "found": the
+    // calls say why, and so did a warning at load).
+    model_info["has_tokenizer"] = text.has_tokenizer().into();
+    model_info["has_chat_template"] = text.has_chat_template().into();
     let pd = match params.role {
         Role::Unified => None,
         role => {
@@ -772,14 +774,6 @@ impl Drop for Engine {
     }
 }
 
-/// The largest tokenizer_config.json read when looking for a chat template: real ones are a
-/// few hundred KiB; anything past this is not one.
-const MAX_TOKENIZER_CONFIG_BYTES: u64 = 64 << 20;
-
-/// Whether the checkpoint at `model_path` (its directory, or its config.json) has a tokenizer
-/// (`tokenizer.json`) and a chat template (`tokenizer_config.json` with a `chat_template`
-/// key). Presence only: nothing here parses the tokenizer. An unreadable or malformed
-/// tokenizer_config.json counts as no template, with a warning naming the file.
 /// The directory holding the checkpoint's files (`model_path` may name a file in it).
 fn model_dir(model_path: &Path) -> &Path {
     if model_path.is_file() {
@@ -787,41 +781,6 @@ fn model_dir(model_path: &Path) -> &Path {
     } else {
         model_path
     }
-}
-
-fn text_files(model_path: &Path) -> (bool, bool) {
-    let dir = model_dir(model_path);
-    let tokenizer = dir.join("tokenizer.json").is_file();
-    let config = dir.join("tokenizer_config.json");
-    if !config.is_file() {
-        return (tokenizer, false);
-    }
-    let read = std::fs::File::open(&config).and_then(|f| {
-        use std::io::Read;
-        let mut bytes = Vec::new();
-        f.take(MAX_TOKENIZER_CONFIG_BYTES).read_to_end(&mut bytes)?;
-        Ok(bytes)
-    });
-    let template = match read.map(|b| serde_json::from_slice::<Value>(&b)) {
-        Ok(Ok(doc)) => doc
-            .get("chat_template")
-            .is_some_and(|t| !t.is_null() && t.as_str() != Some("")),
-        Ok(Err(e)) => {
-            log::warn!(
-                "{} is not valid JSON ({e}): the model has no chat template until it is fixed",
-                config.display()
-            );
-            false
-        }
-        Err(e) => {
-            log::warn!(
-                "cannot read {} ({e}): the model has no chat template until it is readable",
-                config.display()
-            );
-            false
-        }
-    };
-    (tokenizer, template)
 }
 
 fn shutting_down() -> Error {

@@ -174,10 +174,10 @@ pub unsafe extern "C" fn dsv4_score(
 /// when config.json has none), `eos_token_ids` (an array: every id that ends a request unless
 /// `ignore_eos`), `max_position_embeddings` (the model's) and `context_limit` (what one request
 /// can hold, prompt and output together: the smaller of `kv.max_context_tokens` and the device
-/// KV pages), `has_tokenizer` (`tokenizer.json` is in the model directory) and
-/// `has_chat_template` (`tokenizer_config.json` there has a `chat_template`); the last two say
-/// the files are present, nothing more. `(buf, cap, needed)` convention; thread-safe, does not
-/// block.
+/// KV pages), `has_tokenizer` (the model directory's `tokenizer.json` loaded and fits the
+/// vocabulary: `dsv4_tokenize` works) and `has_chat_template` (its `tokenizer_config.json` has a
+/// `chat_template` that compiles: `dsv4_chat_apply` works); when either is false, those calls
+/// say why. `(buf, cap, needed)` convention; thread-safe, does not block.
 ///
 /// # Safety
 /// `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid

@@ -27,6 +27,13 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::formats::{ceil_log2, e2m1_encode, e4m3_encode, e8m0_decode};
 
+/// The tiny model's tokenizer (byte-level BPE, 4096 ids like its embedding, DeepSeek's special
+/// tokens with BOS 0 and EOS 1) and its chat template, made by tests/reference/make_tokenizer.py
+/// (its docstring has the command), so the demo can serve text.
+const TOKENIZER_JSON: &[u8] = include_bytes!("../../assets/tiny-model/tokenizer.json");
+const TOKENIZER_CONFIG_JSON: &[u8] =
+    include_bytes!("../../assets/tiny-model/tokenizer_config.json");
+
 /// Changing it (or any initialisation rule) changes every weight; `write_checkpoint` then
 /// rewrites checkpoints written before.
 const SEED: u64 = 0x0d5e_4711;
@@ -85,7 +92,8 @@ pub fn config_json() -> Value {
     })
 }
 
-/// Writes (if absent or different) the tiny model's `config.json` and `model.safetensors` into
+/// Writes (if absent or different) the tiny model's `config.json`, `model.safetensors`,
+/// `tokenizer.json` and `tokenizer_config.json` into
 /// `dir`, creating it. Returns `true` when it wrote a file and `false` when an identical
 /// checkpoint was already there, so callers can say whether they generated one.
 ///
@@ -108,6 +116,8 @@ pub fn write_checkpoint(dir: &Path) -> Result<bool> {
     // next to weights it does not describe.
     for (name, bytes) in [
         ("model.safetensors", weights.as_slice()),
+        ("tokenizer.json", TOKENIZER_JSON),
+        ("tokenizer_config.json", TOKENIZER_CONFIG_JSON),
         ("config.json", text.as_bytes()),
     ] {
         let path = dir.join(name);

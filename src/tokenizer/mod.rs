@@ -35,16 +35,22 @@ pub struct TextCodec {
 }
 
 impl TextCodec {
-    /// Loads what `dir` (the model directory) has. Never fails: absent or broken files are
-    /// recorded and reported by the calls that need them.
-    pub fn load(dir: &Path) -> Self {
+    /// Loads what `dir` (the model directory) has, for a model with `vocab_size` embedding
+    /// rows. Never fails: absent or broken files are recorded and reported by the calls that
+    /// need them.
+    pub fn load(dir: &Path, vocab_size: usize) -> Self {
         let path = dir.join("tokenizer.json");
         let tokenizer = if path.is_file() {
-            // Ids cross the ABI as int32_t: a vocabulary past i32::MAX cannot be served.
             Tokenizer::from_file(&path)
                 .map_err(|e| e.to_string())
                 .and_then(|t| match t.get_vocab_size(true) {
-                    n if n > i32::MAX as usize => Err(format!("{n} ids do not fit in int32_t")),
+                    // A tokenizer may have fewer ids than the model has rows (checkpoints pad
+                    // the embedding), never more: its ids past the last row would index out
+                    // of the embedding. This is what another model's tokenizer.json looks like.
+                    n if n > vocab_size => Err(format!(
+                        "it has {n} ids but the model's vocab_size is {vocab_size}, so it \
+                         belongs to another model"
+                    )),
                     _ => Ok(Arc::new(t)),
                 })
                 .map_err(|e| {

@@ -7,6 +7,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -272,6 +275,96 @@ static void test_detached_and_callbacks(dsv4::engine &engine) {
     CHECK(drain(after, 12, nullptr).finish_reason == dsv4::finish_reason::length);
 }
 
+// What a per-request callback saw. Guarded by its own mutex; `done` wakes the test.
+struct seen {
+    std::mutex m;
+    std::condition_variable done;
+    std::vector<dsv4::event> events;
+    int terminals = 0;
+
+    dsv4::event_fn recorder() {
+        return [this](const dsv4::event &e) {
+            std::lock_guard<std::mutex> lock(m);
+            events.push_back(e);
+            if (e.terminal()) terminals++;
+            done.notify_all();
+        };
+    }
+    bool wait_end() {
+        std::unique_lock<std::mutex> lock(m);
+        return done.wait_for(lock, std::chrono::seconds(120), [&] { return terminals > 0; });
+    }
+    // Token events count up, one terminal event comes last; returns the tokens.
+    std::vector<int32_t> check_order(uint64_t id, uint64_t tag) {
+        std::lock_guard<std::mutex> lock(m);
+        std::vector<int32_t> tokens;
+        CHECK(terminals == 1 && !events.empty() && events.back().terminal());
+        for (size_t i = 0; i < events.size(); i++) {
+            CHECK(events[i].request_id == id && events[i].user_tag == tag);
+            if (i + 1 < events.size()) {
+                CHECK(events[i].kind == dsv4::event_kind::token);
+                CHECK(events[i].generated_tokens == i + 1);
+                tokens.push_back(events[i].token);
+            }
+        }
+        return tokens;
+    }
+};
+
+// submit(request, callback): each request's events reach its callback in order with one
+// terminal event, next to streams; a throwing callback costs nobody their events; a callback
+// may submit; push mode (an event callback set) delivers them on the engine thread.
+static void test_request_callbacks(dsv4::engine &engine) {
+    seen a, b, thrower;
+    dsv4::stream s = engine.submit(make_request(21, 5, 30));
+    uint64_t ida = engine.submit(make_request(22, 6, 31), a.recorder());
+    uint64_t idb = engine.submit(make_request(21, 5, 32), b.recorder());
+    std::atomic<int> thrown{0};
+    auto record = thrower.recorder();
+    uint64_t idt = engine.submit(make_request(23, 3, 33), [&](const dsv4::event &e) {
+        record(e);
+        thrown++;
+        throw std::runtime_error("a host callback that throws");
+    });
+    std::vector<int32_t> streamed;
+    drain(s, 30, &streamed);
+    CHECK(a.wait_end() && b.wait_end() && thrower.wait_end());
+    CHECK(a.check_order(ida, 31).size() == 6);
+    // Greedy on the same prompt: the callback got the stream's tokens.
+    CHECK(b.check_order(idb, 32) == streamed);
+    CHECK(thrower.check_order(idt, 33).size() == 3 && thrown.load() == 4);
+
+    // A callback that submits (from the poller thread): no deadlock, and the inner one ends.
+    seen inner;
+    std::atomic<uint64_t> inner_id{0};
+    seen outer;
+    auto outer_record = outer.recorder();
+    uint64_t ido = engine.submit(make_request(24, 2, 34), [&](const dsv4::event &e) {
+        if (e.terminal()) inner_id = engine.submit(make_request(25, 2, 35), inner.recorder());
+        outer_record(e);
+    });
+    CHECK(outer.wait_end() && inner.wait_end());
+    outer.check_order(ido, 34);
+    inner.check_order(inner_id.load(), 35);
+
+    // Push mode: request callbacks still get their own events; the host callback none of them.
+    std::atomic<int> foreign{0};
+    engine.set_event_callback([&](const dsv4::event &) { foreign++; });
+    seen pushed;
+    uint64_t idp = engine.submit(make_request(26, 4, 36), pushed.recorder());
+    CHECK(pushed.wait_end());
+    engine.clear_event_callback();
+    CHECK(pushed.check_order(idp, 36).size() == 4);
+    CHECK(foreign.load() == 0);
+
+    try {
+        engine.submit(make_request(5, 1, 0), dsv4::event_fn());
+        CHECK(!"an empty callback accepted");
+    } catch (const dsv4::error &e) {
+        CHECK(e.status() == dsv4::status::invalid_argument);
+    }
+}
+
 static void test_cache(dsv4::engine &engine) {
     const std::string stats = engine.cache_stats();
     CHECK(stats.front() == '{' && stats.find("\"device\"") != std::string::npos);
@@ -334,11 +427,19 @@ static void test_idle_after_shutdown(dsv4::engine &engine) {
 // and the poller is joined without a deadlock.
 static void test_destroy_with_streams() {
     std::vector<dsv4::stream> streams;
+    seen cb;
     {
         dsv4::engine engine(PARAMS);
         streams.push_back(engine.submit(endless(20)));
         streams.push_back(engine.submit(endless(21)));
+        engine.submit(endless(22), cb.recorder());
         CHECK(streams[0].next().has_value());
+    }
+    // The callback's request ended (aborted) before the engine was gone.
+    {
+        std::lock_guard<std::mutex> lock(cb.m);
+        CHECK(cb.terminals == 1 && cb.events.back().terminal());
+        CHECK(cb.events.back().finish_reason == dsv4::finish_reason::aborted);
     }
     for (size_t i = 0; i < streams.size(); i++) {
         dsv4::event last = drain(streams[i], 20 + i, nullptr, i == 0 ? 1 : 0);
@@ -354,6 +455,7 @@ int main() {
         test_drop_early(engine);
         test_request_owns_buffers(engine);
         test_detached_and_callbacks(engine);
+        test_request_callbacks(engine);
         test_cache(engine);
         engine.shutdown(dsv4::shutdown_mode::drain);
         test_idle_after_shutdown(engine);

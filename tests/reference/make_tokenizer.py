@@ -18,6 +18,11 @@ Writes tests/fixtures/tokenizer/:
                           those ids (`decode(..., skip_special_tokens=False)`); per conversation:
                           `apply_chat_template(..., tokenize=False)` or the error it raised.
 
+With --vocab-size 4096 --corpus docs/*.md README.md --out assets/tiny-model --reference
+tests/fixtures/tiny-tokenizer-reference.json it makes the built-in tiny model's tokenizer (the
+demo's; `dsv4::model::tiny` writes it next to the weights), trained on the repo's docs as they
+were then.
+
 Not run by `make test` (the outputs are committed). Needs tokenizers and transformers (torch is
 not needed):
 
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 
+import jinja2  # noqa: F401  (apply_chat_template needs it; without it every chat is an "error")
 import tokenizers
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -173,7 +179,7 @@ CHAT_TEMPLATE = """{% if not add_generation_prompt is defined %}{% set add_gener
 """
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(vocab_size: int, corpus: list) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     # DeepSeek V3's pre-tokenizer: digits in runs of up to 3, CJK runs, a GPT-style split with a
     # look-ahead (needs fancy-regex in Rust), then byte-level without its own regex.
@@ -190,17 +196,17 @@ def build_tokenizer() -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(CORPUS * 4 + corpus, trainer=trainer)
     bos = SPECIAL[0]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
     )
-    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), "add --corpus text")
     assert tok.token_to_id(SPECIAL[0]) == 0 and tok.token_to_id(SPECIAL[1]) == 1
     return tok
 
@@ -208,9 +214,20 @@ def build_tokenizer() -> Tokenizer:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures/tokenizer")
-    out = ap.parse_args().out
+    ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE,
+                    help="ids in all (the model's vocab_size)")
+    ap.add_argument("--corpus", nargs="*", default=[],
+                    help="more training text (files), for vocabularies the built-in corpus "
+                         "cannot fill")
+    ap.add_argument("--reference", help="where reference.json goes (default: --out)")
+    args = ap.parse_args()
+    out = args.out
     os.makedirs(out, exist_ok=True)
-    tok = build_tokenizer()
+    corpus = []
+    for path in args.corpus:
+        with open(path, encoding="utf-8") as f:
+            corpus.extend(p for p in f.read().split("\n\n") if p.strip())
+    tok = build_tokenizer(args.vocab_size, corpus)
     tok.save(os.path.join(out, "tokenizer.json"))
 
     def added(content: str) -> dict:
@@ -267,13 +284,14 @@ def main() -> None:
         chats.append(entry)
     ref = {
         "generated_by": f"tokenizers {tokenizers.__version__}, transformers {transformers.__version__}",
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": args.vocab_size,
         "bos_token_id": 0,
         "eos_token_id": 1,
         "texts": texts,
         "chats": chats,
     }
-    with open(os.path.join(out, "reference.json"), "w", encoding="utf-8") as f:
+    reference = args.reference or os.path.join(out, "reference.json")
+    with open(reference, "w", encoding="utf-8") as f:
         json.dump(ref, f, ensure_ascii=False, indent=1)
         f.write("\n")
 
