@@ -836,7 +836,9 @@ dsv4_status dsv4_metrics_get(const dsv4_engine *engine, dsv4_metrics *out);
  * `cached_tokens_total{cache_source}`, `time_to_first_token_seconds`, …), counters and
  * histograms, every sample labelled with `metrics.labels`. Serve it as
  * `text/plain; version=0.0.4`. `(buf, cap, needed)` convention; thread-safe; never waits for
- * a forward step.
+ * a forward step. The node-health series (free memory, the stall clock, resident memory)
+ * change between calls, so a size query or a too-small buffer reports `*needed` with 256
+ * bytes of headroom: a buffer of that size fits the next call's text.
  *
  * # Safety
  * `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid

@@ -99,6 +99,7 @@ impl<B: Backend> Executor<B> {
             let result = self.model.forward(cache.pools_mut(), &mut chunks);
             let elapsed = started.elapsed();
             let computed = plan.tokens() as u64;
+            shared.steps.stepped();
             shared.metrics.update(|m| {
                 m.forward_steps += 1;
                 m.forward_tokens += computed;

@@ -9,6 +9,7 @@ mod ending;
 mod event;
 mod executor;
 mod gauges;
+mod health;
 mod inbox;
 mod metrics;
 mod phase;
@@ -717,7 +718,40 @@ impl Engine {
 
     /// [`Self::metrics`] in the Prometheus text format, `metrics.labels` on every sample.
     pub fn prometheus(&self) -> String {
-        prometheus::render(&self.metrics(), &self.params.metrics.labels)
+        let m = self.metrics();
+        let health = self.health(&m);
+        prometheus::render(&m, &self.params.metrics.labels, &health)
+    }
+
+    /// This scrape's node-health facts (see [`health::NodeHealth`]).
+    fn health(&self, m: &MetricsSnapshot) -> health::NodeHealth {
+        use crate::plan::numa::MemoryProbe;
+        let node = self.plan.numa.node.as_ref().map_or(0, |n| n.index);
+        let host_tier = [
+            ("pages", m.pools.host_pages.total_bytes),
+            ("snapshots", m.pools.host_snapshots.total_bytes),
+        ]
+        .into_iter()
+        .filter(|&(_, bytes)| bytes > 0)
+        .map(|(pool, bytes)| (node, pool, bytes))
+        .collect();
+        health::NodeHealth {
+            state: self.state().0,
+            since_last_step: self.shared.steps.since_last_step(),
+            version: env!("CARGO_PKG_VERSION"),
+            backend: match self.params.backend {
+                BackendKind::Cpu => "cpu",
+                BackendKind::Cuda => "cuda",
+            },
+            role: match self.params.role {
+                Role::Unified => "unified",
+                Role::Prefill => "prefill",
+                Role::Decode => "decode",
+            },
+            resident_bytes: health::resident_bytes(),
+            numa: crate::plan::numa::SystemProbe::new().nodes(),
+            host_tier,
+        }
     }
 
     /// Configuration summary, parameter count and resident bytes by dtype, with the thread

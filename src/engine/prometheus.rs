@@ -5,10 +5,15 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+use super::health::NodeHealth;
 use super::metrics::{Histogram, MetricsSnapshot, Outcome, Rejection, Units};
 
 /// Renders `m` with `labels` (already validated: Prometheus label names) on every sample.
-pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String {
+pub fn render(
+    m: &MetricsSnapshot,
+    labels: &BTreeMap<String, String>,
+    health: &NodeHealth,
+) -> String {
     let mut out = Exposition {
         text: String::with_capacity(16 * 1024),
         base: labels.iter().map(|(k, v)| (k.clone(), escape(v))).collect(),
@@ -316,7 +321,85 @@ pub fn render(m: &MetricsSnapshot, labels: &BTreeMap<String, String>) -> String 
             o.histogram_with(name, help, &side, h);
         }
     }
+    render_health(o, health);
     out.text
+}
+
+/// The node-health and build series.
+fn render_health(o: &mut Exposition, h: &NodeHealth) {
+    o.single(
+        "gauge",
+        "engine_state",
+        "The engine's state, as DSV4_STATE_*: 0 loading, 1 ready, 2 draining, 3 stopped, \
+         4 failed (dsv4_engine_state gives the reason).",
+        h.state.code() as f64,
+    );
+    o.single(
+        "gauge",
+        "seconds_since_last_step",
+        "Seconds since the engine thread last finished a forward step (since creation before \
+         the first): growing while requests run means the engine is stalled.",
+        // Milliseconds are enough for a stall detector and keep the text's length steady.
+        (h.since_last_step.as_secs_f64() * 1e3).round() / 1e3,
+    );
+    o.header(
+        "build_info",
+        "The library's version, backend and role (value 1).",
+        "gauge",
+    );
+    o.sample(
+        "build_info",
+        &[
+            ("version", h.version),
+            ("backend", h.backend),
+            ("role", h.role),
+        ],
+        1.0,
+    );
+    if let Some(bytes) = h.resident_bytes {
+        o.single(
+            "gauge",
+            "process_resident_memory_bytes",
+            "Resident memory of the process hosting the engine (VmRSS).",
+            bytes as f64,
+        );
+    }
+    let nodes: Vec<(String, &crate::plan::numa::NodeMemory)> =
+        h.numa.iter().map(|n| (n.index.to_string(), n)).collect();
+    type NodeField = fn(&crate::plan::numa::NodeMemory) -> u64;
+    let numa: [(&str, &str, NodeField); 2] = [
+        (
+            "numa_node_memory_total_bytes",
+            "Memory of each NUMA node.",
+            |n| n.total_bytes,
+        ),
+        (
+            "numa_node_memory_free_bytes",
+            "Free memory of each NUMA node (the system's available memory on a one-node \
+             machine), as the HiCache fit check reads it.",
+            |n| n.free_bytes,
+        ),
+    ];
+    for (name, help, get) in numa {
+        o.header(name, help, "gauge");
+        for (node, n) in &nodes {
+            o.sample(name, &[("node", node)], get(n) as f64);
+        }
+    }
+    if !h.host_tier.is_empty() {
+        o.header(
+            "host_tier_bytes",
+            "Bytes of each host-tier (HiCache) pool and the NUMA node it is planned on.",
+            "gauge",
+        );
+        for (node, pool, bytes) in &h.host_tier {
+            o.sample(
+                "host_tier_bytes",
+                &[("node", &node.to_string()), ("pool", pool)],
+                *bytes as f64,
+            );
+        }
+    }
 }
 
 struct Exposition {
@@ -399,13 +482,64 @@ fn escape(v: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::shared::EngineState;
+    use crate::plan::numa::NodeMemory;
+
+    fn health() -> NodeHealth {
+        NodeHealth {
+            state: EngineState::Draining,
+            since_last_step: std::time::Duration::from_millis(1500),
+            version: "0.1.0",
+            backend: "cpu",
+            role: "decode",
+            resident_bytes: Some(123 << 20),
+            numa: vec![
+                NodeMemory {
+                    index: 0,
+                    total_bytes: 64 << 30,
+                    free_bytes: 10 << 30,
+                },
+                NodeMemory {
+                    index: 1,
+                    total_bytes: 64 << 30,
+                    free_bytes: 20 << 30,
+                },
+            ],
+            host_tier: vec![(1, "pages", 4 << 30), (1, "snapshots", 1 << 30)],
+        }
+    }
+
+    #[test]
+    fn node_health_series() {
+        let text = render(&MetricsSnapshot::default(), &BTreeMap::new(), &health());
+        for line in [
+            "dsv4_engine_state 2",
+            "dsv4_seconds_since_last_step 1.5",
+            r#"dsv4_build_info{version="0.1.0",backend="cpu",role="decode"} 1"#,
+            "dsv4_process_resident_memory_bytes 128974848",
+            r#"dsv4_numa_node_memory_total_bytes{node="1"} 68719476736"#,
+            r#"dsv4_numa_node_memory_free_bytes{node="0"} 10737418240"#,
+            r#"dsv4_host_tier_bytes{node="1",pool="snapshots"} 1073741824"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
+        // Without HiCache or /proc there is no series rather than a zero.
+        let mut bare = health();
+        bare.host_tier.clear();
+        bare.resident_bytes = None;
+        let text = render(&MetricsSnapshot::default(), &BTreeMap::new(), &bare);
+        assert!(!text.contains("dsv4_host_tier_bytes") && !text.contains("resident"));
+    }
 
     #[test]
     fn every_sample_carries_the_configured_labels_escaped() {
         let mut m = MetricsSnapshot::default();
         m.ttft.observe(0.003);
         let labels = BTreeMap::from([("zone".to_string(), "a\"b\\c\nd".to_string())]);
-        let text = render(&m, &labels);
+        let text = render(&m, &labels, &health());
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             assert!(
                 line.starts_with("dsv4_") && line.contains(r#"{zone="a\"b\\c\nd""#),

@@ -107,6 +107,8 @@ pub struct Shared {
     /// Set when the engine thread panicked: every later call fails with this message.
     pub dead: Mutex<Option<String>>,
     pub metrics: Metrics,
+    /// When the engine thread last finished a forward step (`dsv4_seconds_since_last_step`).
+    pub steps: super::health::StepClock,
 }
 
 impl Shared {
@@ -122,6 +124,7 @@ impl Shared {
             stopped_cv: Condvar::new(),
             dead: Mutex::new(None),
             metrics: Metrics::default(),
+            steps: Default::default(),
         }
     }
 

@@ -5,7 +5,7 @@ use std::ffi::c_char;
 
 use super::boundary::guard;
 use super::engine::{dsv4_engine, engine_ref, engine_text};
-use super::status::dsv4_status;
+use super::status::{dsv4_status, DSV4_ERR_BUFFER_TOO_SMALL, DSV4_OK};
 use super::versioned::{assert_offsets, write_out, Layout, PlainData};
 use crate::engine::{MetricsSnapshot, Outcome, Rejection, Units};
 use crate::error::Error;
@@ -338,7 +338,9 @@ pub unsafe extern "C" fn dsv4_metrics_get(
 /// `cached_tokens_total{cache_source}`, `time_to_first_token_seconds`, …), counters and
 /// histograms, every sample labelled with `metrics.labels`. Serve it as
 /// `text/plain; version=0.0.4`. `(buf, cap, needed)` convention; thread-safe; never waits for
-/// a forward step.
+/// a forward step. The node-health series (free memory, the stall clock, resident memory)
+/// change between calls, so a size query or a too-small buffer reports `*needed` with 256
+/// bytes of headroom: a buffer of that size fits the next call's text.
 ///
 /// # Safety
 /// `engine` is a live handle; `buf` is NULL or valid for `cap` bytes; `needed` is NULL or valid
@@ -351,5 +353,14 @@ pub unsafe extern "C" fn dsv4_metrics_prometheus(
     needed: *mut usize,
 ) -> dsv4_status {
     // SAFETY: forwarded from the caller's contract.
-    unsafe { engine_text(engine, buf, cap, needed, |e| Ok(e.prometheus())) }
+    let status = unsafe { engine_text(engine, buf, cap, needed, |e| Ok(e.prometheus())) };
+    let asked_size = status == DSV4_ERR_BUFFER_TOO_SMALL || (status == DSV4_OK && buf.is_null());
+    if asked_size && !needed.is_null() {
+        // SAFETY: non-NULL and valid per the caller's contract; engine_text just wrote it.
+        unsafe { needed.write(needed.read().saturating_add(PROMETHEUS_HEADROOM)) };
+    }
+    status
 }
+
+/// Headroom in a size query's answer for values that grow between the two calls.
+const PROMETHEUS_HEADROOM: usize = 256;

@@ -84,3 +84,55 @@ def test_metrics_dict_agrees_with_the_exposition(run):
     assert m["device_slots"] == {"used": 0, "total": 8, "used_bytes": 0,
                                  "total_bytes": m["device_slots"]["total_bytes"]}
     assert m["kv_transfer_requests_total"] == 0
+
+
+def meminfo_kib(field):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def test_node_health_and_build_series():
+    """The node-health series against what Python reads itself: the process's peak RSS
+    (getrusage), /proc/meminfo, the package version; the state and the stall clock through a
+    workload and a shutdown."""
+    import resource
+    import time
+
+    params = {"model_path": str(FIXTURE), "threads": 2,
+              "kv": {"device_memory_bytes": "32MiB", "max_running_requests": 8, "page_size": 128},
+              "hicache": {"enabled": True, "size_bytes": "64MiB"},
+              "metrics": {"labels": LABELS}}
+    with dsv4.Engine(params) as engine:
+        engine.generate(SHORT, max_new_tokens=3, **NO_EOS)
+        got = samples(engine.prometheus())
+        assert got[("dsv4_engine_state", ())] == dsv4.EngineState.READY
+        assert 0 <= got[("dsv4_seconds_since_last_step", ())] < 30
+        build = [k for k in got if k[0] == "dsv4_build_info"]
+        assert build == [("dsv4_build_info", (("backend", "cpu"), ("role", "unified"),
+                                              ("version", dsv4.__version__)))]
+        assert got[build[0]] == 1
+        rss = got[("dsv4_process_resident_memory_bytes", ())]
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        # The kernel updates the peak lazily (it can trail the current RSS by a few pages).
+        assert 10 << 20 < rss <= peak + (4 << 20), (rss, peak)
+        nodes = sorted(k[1][0][1] for k in got if k[0] == "dsv4_numa_node_memory_total_bytes")
+        assert nodes, "at least one NUMA node"
+        total = sum(got[("dsv4_numa_node_memory_total_bytes", (("node", n),))] for n in nodes)
+        free = sum(got[("dsv4_numa_node_memory_free_bytes", (("node", n),))] for n in nodes)
+        # hwloc's node sizes and the kernel's total agree to within reserved memory.
+        assert abs(total - meminfo_kib("MemTotal") * 1024) <= 0.05 * total, total
+        assert 0 < free <= total
+        host = {k[1]: v for k, v in got.items() if k[0] == "dsv4_host_tier_bytes"}
+        pools = {dict(labels)["pool"] for labels in host}
+        assert pools == {"pages", "snapshots"}, host
+        assert {dict(labels)["node"] for labels in host} <= set(nodes)
+        # The host tier's pools are what the HiCache budget bought (within a pool's rounding).
+        assert 0.9 * (64 << 20) <= sum(host.values()) <= 64 << 20, host
+        time.sleep(1.2)
+        idle = samples(engine.prometheus())[("dsv4_seconds_since_last_step", ())]
+        assert idle >= 1.0 + got[("dsv4_seconds_since_last_step", ())] - 0.01
+        engine.shutdown(dsv4.ShutdownMode.DRAIN)
+        assert samples(engine.prometheus())[("dsv4_engine_state", ())] == dsv4.EngineState.STOPPED
