@@ -1,7 +1,8 @@
 #!/bin/sh
 # Installs what `make` needs on a fresh Debian/Ubuntu machine that has only Rust, gcc, make and
 # python3: the C libraries hwlocality links (hwloc, udev), cmake and pkg-config for the
-# packaging tests, g++ for the C++ example and valgrind for `make test-valgrind`. Does nothing
+# packaging tests, g++ for the C++ example, valgrind for `make test-valgrind` and promtool
+# (package prometheus) for the metrics tests. Does nothing
 # when everything is present.
 set -eu
 
@@ -10,6 +11,8 @@ command -v cmake >/dev/null 2>&1 || missing="$missing cmake"
 command -v pkg-config >/dev/null 2>&1 || missing="$missing pkg-config"
 command -v g++ >/dev/null 2>&1 || missing="$missing g++"
 command -v valgrind >/dev/null 2>&1 || missing="$missing valgrind"
+# promtool (Prometheus's linter and a real Prometheus) for the metrics tests.
+command -v promtool >/dev/null 2>&1 || missing="$missing prometheus"
 pkg-config --exists hwloc 2>/dev/null || missing="$missing libhwloc-dev"
 pkg-config --exists libudev 2>/dev/null || missing="$missing libudev-dev"
 

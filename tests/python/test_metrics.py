@@ -86,6 +86,24 @@ def test_metrics_dict_agrees_with_the_exposition(run):
     assert m["kv_transfer_requests_total"] == 0
 
 
+def promtool_check(text):
+    """`promtool check metrics` (Prometheus's linter, from the Debian package `prometheus`
+    that `make deps` installs) accepts `text`: parsable, and no lint problem (HELP on every
+    family, counters ending in _total, units in names)."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: run `make deps` (it installs the prometheus package)"
+    run = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
+                         capture_output=True, timeout=60)
+    assert run.returncode == 0, (run.stdout + run.stderr).decode()
+
+
+def test_promtool_accepts_the_exposition(run):
+    promtool_check(run[1])
+
+
 def meminfo_kib(field):
     with open("/proc/meminfo") as f:
         for line in f:
@@ -134,5 +152,6 @@ def test_node_health_and_build_series():
         time.sleep(1.2)
         idle = samples(engine.prometheus())[("dsv4_seconds_since_last_step", ())]
         assert idle >= 1.0 + got[("dsv4_seconds_since_last_step", ())] - 0.01
+        promtool_check(engine.prometheus())  # with HiCache's and the node-health series
         engine.shutdown(dsv4.ShutdownMode.DRAIN)
         assert samples(engine.prometheus())[("dsv4_engine_state", ())] == dsv4.EngineState.STOPPED

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from test_metrics import promtool_check
+
 import dsv4
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "flash-like" / "hf-f32"
@@ -137,6 +139,8 @@ def test_a_pair_gives_a_unified_engines_tokens(pair, unified):
         assert m["kv_transfer_claim_wait_count"] == 2
         assert m["kv_transfer_claim_wait_seconds_sum"] == pytest.approx(
             got[("dsv4_kv_transfer_claim_wait_seconds_sum", lab)])
+        # Prometheus's own linter accepts each side's exposition.
+        promtool_check(e.prometheus())
 
 
 def test_a_missing_peer_fails_with_a_kv_transfer_error(pair):
