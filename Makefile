@@ -52,6 +52,9 @@ install: lib
 	      -L$(PREFIX)/lib -ldsv4 '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-plan
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/c/serve.c \
 	      -L$(PREFIX)/lib -ldsv4 '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-serve-demo
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/server/dsv4_server.cpp \
+	      $$(pkg-config --cflags --libs cpp-httplib) -L$(PREFIX)/lib -ldsv4 -lpthread \
+	      '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-server
 	cp -r configs $(PREFIX)/share/dsv4/
 
 demo: lib

@@ -2,7 +2,8 @@
 # Installs what `make` needs on a fresh Debian/Ubuntu machine that has only Rust, gcc, make and
 # python3: the C libraries hwlocality links (hwloc, udev), cmake and pkg-config for the
 # packaging tests, g++ for the C++ example, valgrind for `make test-valgrind` and promtool
-# (package prometheus) for the metrics tests. Does nothing
+# (package prometheus) for the metrics tests, cpp-httplib and nlohmann-json for dsv4-server.
+# Does nothing
 # when everything is present.
 set -eu
 
@@ -15,6 +16,9 @@ command -v valgrind >/dev/null 2>&1 || missing="$missing valgrind"
 command -v promtool >/dev/null 2>&1 || missing="$missing prometheus"
 pkg-config --exists hwloc 2>/dev/null || missing="$missing libhwloc-dev"
 pkg-config --exists libudev 2>/dev/null || missing="$missing libudev-dev"
+# dsv4-server's HTTP and JSON libraries.
+pkg-config --exists cpp-httplib 2>/dev/null || missing="$missing libcpp-httplib-dev"
+[ -f /usr/include/nlohmann/json.hpp ] || missing="$missing nlohmann-json3-dev"
 
 if [ -n "$missing" ]; then
     echo "deps: installing$missing"

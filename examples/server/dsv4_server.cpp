@@ -1,0 +1,498 @@
+// dsv4-server: one dsv4 engine behind HTTP, on the C++ wrapper (bindings/cpp/dsv4.hpp).
+//
+//   dsv4-server --params FILE [--host 127.0.0.1] [--port 30000]
+//
+// GET  /health                200 when the engine is READY, 503 otherwise; {"state", "reason"}
+// GET  /metrics               the Prometheus exposition (text/plain; version=0.0.4)
+// POST /generate              SGLang's native API: input_ids or text, sampling_params, stream
+// POST /v1/completions        OpenAI completions: prompt as text or token ids, SSE streaming
+// POST /v1/chat/completions   OpenAI chat: messages through the checkpoint's chat template
+//
+// Refusals map to HTTP: QUEUE_FULL 429 (with Retry-After), CAPACITY 413, INVALID_ARGUMENT 400,
+// UNSUPPORTED 400 (e.g. text on a checkpoint without a tokenizer), SHUTDOWN 503, others 500;
+// the body is {"error": {"message", "status", "code"}} with the library's message. A streaming
+// client that disconnects aborts its request at the next token. SIGTERM or SIGINT drains: the
+// health check turns 503 and new requests are refused while those in flight finish, then the
+// server exits 0. docs/serving.md has the details.
+#include <dsv4.hpp>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <ctime>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+using json = nlohmann::json;
+
+namespace {
+
+// A request the HTTP layer refuses before the engine sees it.
+struct bad_request : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+int http_status(dsv4::status s) {
+    switch (s) {
+    case dsv4::status::queue_full: return 429;
+    case dsv4::status::capacity: return 413;
+    case dsv4::status::invalid_argument:
+    case dsv4::status::unsupported: return 400;
+    case dsv4::status::shutdown: return 503;
+    case dsv4::status::not_found: return 404;
+    default: return 500;
+    }
+}
+
+void send_error(httplib::Response &res, int code, const std::string &status, const std::string &message) {
+    res.status = code;
+    if (code == 429) res.set_header("Retry-After", "1");
+    res.set_content(json{{"error", {{"message", message}, {"status", status}, {"code", code}}}}.dump(),
+                    "application/json");
+}
+
+// The sampling fields shared by the three generation APIs.
+struct sampling {
+    uint32_t max_new_tokens = 128;
+    float temperature = 1.0f, top_p = 1.0f, min_p = 0.0f;
+    int32_t top_k = 0;
+    std::optional<uint64_t> seed;
+    bool ignore_eos = false;
+    std::vector<std::string> stop;         // strings, matched as their token sequences
+    std::vector<int32_t> stop_token_ids;
+};
+
+template <typename T>
+T field(const json &j, const char *name, T fallback) {
+    auto it = j.find(name);
+    if (it == j.end() || it->is_null()) return fallback;
+    try {
+        return it->get<T>();
+    } catch (const json::exception &) {
+        throw bad_request(std::string(name) + " has the wrong type: " + it->dump());
+    }
+}
+
+std::vector<std::string> stop_strings(const json &j) {
+    auto it = j.find("stop");
+    if (it == j.end() || it->is_null()) return {};
+    if (it->is_string()) return {it->get<std::string>()};
+    if (it->is_array()) {
+        std::vector<std::string> out;
+        for (const json &s : *it) {
+            if (!s.is_string()) throw bad_request("stop must be a string or a list of strings");
+            out.push_back(s.get<std::string>());
+        }
+        return out;
+    }
+    throw bad_request("stop must be a string or a list of strings");
+}
+
+std::vector<int32_t> ids_of(const json &j, const char *name) {
+    if (!j.is_array()) throw bad_request(std::string(name) + " must be a list of token ids");
+    std::vector<int32_t> ids;
+    for (const json &v : j) {
+        if (!v.is_number_integer()) throw bad_request(std::string(name) + " must hold integers");
+        int64_t id = v.get<int64_t>();
+        if (id < 0 || id > INT32_MAX) throw bad_request(std::string(name) + " holds an id out of range: " + v.dump());
+        ids.push_back(static_cast<int32_t>(id));
+    }
+    return ids;
+}
+
+// How one request is served: the request, and what the client gets back.
+struct job {
+    dsv4::request request{std::vector<int32_t>{}};
+    bool stream = false;
+    bool text = false;  // the client sent text (or chat): answer with text
+    size_t prompt_tokens = 0;
+};
+
+dsv4::request build(const dsv4::engine &engine, std::vector<int32_t> prompt, const sampling &s) {
+    dsv4::request r(std::move(prompt));
+    r.max_new_tokens(s.max_new_tokens).temperature(s.temperature).top_p(s.top_p).top_k(s.top_k).min_p(s.min_p)
+        .ignore_eos(s.ignore_eos);
+    if (s.seed) r.seed(*s.seed);
+    if (!s.stop_token_ids.empty()) r.stop_tokens(s.stop_token_ids);
+    if (!s.stop.empty()) {
+        std::vector<std::vector<int32_t>> seqs;
+        for (const std::string &text : s.stop) {
+            std::vector<int32_t> ids = engine.tokenize(text, false);
+            if (ids.empty()) throw bad_request("an empty stop string matches nothing: drop it");
+            seqs.push_back(std::move(ids));
+        }
+        r.stop_sequences(std::move(seqs));
+    }
+    return r;
+}
+
+// OpenAI's finish_reason: "stop" or "length" (an abort or timeout reads as "abort").
+const char *openai_finish(dsv4::finish_reason r) {
+    switch (r) {
+    case dsv4::finish_reason::stop: return "stop";
+    case dsv4::finish_reason::length: return "length";
+    default: return "abort";
+    }
+}
+
+std::string sse(const json &j) { return "data: " + j.dump() + "\n\n"; }
+
+class server {
+public:
+    server(dsv4::engine &engine) : engine_(engine) {
+        const json info = json::parse(engine_.model_info());
+        has_tokenizer_ = info.value("has_tokenizer", false);
+        model_name_ = info.value("name", std::string("dsv4"));
+    }
+
+    void routes(httplib::Server &http) {
+        http.Get("/health", [this](const httplib::Request &, httplib::Response &res) {
+            dsv4::engine_state s = engine_.state();
+            const char *names[] = {"loading", "ready", "draining", "stopped", "failed"};
+            const int code = static_cast<int>(s.state);
+            res.status = s.state == dsv4::state::ready ? 200 : 503;
+            res.set_content(json{{"state", code >= 0 && code < 5 ? names[code] : "unknown"}, {"reason", s.reason}}.dump(),
+                            "application/json");
+        });
+        http.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
+            res.set_content(engine_.prometheus(), "text/plain; version=0.0.4");
+        });
+        http.Post("/generate", [this](const httplib::Request &req, httplib::Response &res) {
+            guarded(res, [&] { generate(req, res); });
+        });
+        http.Post("/v1/completions", [this](const httplib::Request &req, httplib::Response &res) {
+            guarded(res, [&] { openai(req, res, false); });
+        });
+        http.Post("/v1/chat/completions", [this](const httplib::Request &req, httplib::Response &res) {
+            guarded(res, [&] { openai(req, res, true); });
+        });
+    }
+
+private:
+    template <typename F>
+    void guarded(httplib::Response &res, F &&f) {
+        try {
+            f();
+        } catch (const dsv4::error &e) {
+            send_error(res, http_status(e.status()), e.status_name(), e.what());
+        } catch (const bad_request &e) {
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", e.what());
+        } catch (const json::exception &e) {
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", std::string("the body is not valid JSON: ") + e.what());
+        }
+    }
+
+    json body(const httplib::Request &req) {
+        json j = json::parse(req.body);
+        if (!j.is_object()) throw bad_request("the body must be a JSON object");
+        return j;
+    }
+
+    std::vector<int32_t> tokenize(const std::string &text, bool add_special) {
+        return engine_.tokenize(text, add_special);
+    }
+
+    // POST /generate (SGLang): {"input_ids" | "text", "sampling_params", "stream",
+    // "bootstrap_room", "bootstrap_host" + "bootstrap_port" (or "pd_peer")}.
+    void generate(const httplib::Request &http_req, httplib::Response &res) {
+        const json j = body(http_req);
+        const json sp = j.value("sampling_params", json::object());
+        if (!sp.is_object()) throw bad_request("sampling_params must be an object");
+        sampling s;
+        s.max_new_tokens = field<uint32_t>(sp, "max_new_tokens", 128);
+        s.temperature = field<float>(sp, "temperature", 1.0f);
+        s.top_p = field<float>(sp, "top_p", 1.0f);
+        s.top_k = std::max(0, field<int32_t>(sp, "top_k", -1));  // SGLang's -1: off
+        s.min_p = field<float>(sp, "min_p", 0.0f);
+        s.ignore_eos = field<bool>(sp, "ignore_eos", false);
+        if (sp.contains("seed") && !sp["seed"].is_null()) s.seed = field<uint64_t>(sp, "seed", 0);
+        s.stop = stop_strings(sp);
+        if (sp.contains("stop_token_ids")) s.stop_token_ids = ids_of(sp["stop_token_ids"], "stop_token_ids");
+
+        job jb;
+        std::vector<int32_t> prompt;
+        if (j.contains("input_ids")) {
+            prompt = ids_of(j["input_ids"], "input_ids");
+        } else if (j.contains("text")) {
+            if (!j["text"].is_string()) throw bad_request("text must be a string");
+            prompt = tokenize(j["text"].get<std::string>(), true);
+            jb.text = true;
+        } else {
+            throw bad_request("pass input_ids (token ids) or text");
+        }
+        jb.prompt_tokens = prompt.size();
+        jb.request = build(engine_, std::move(prompt), s);
+        if (j.contains("bootstrap_room")) jb.request.pd_room(field<uint64_t>(j, "bootstrap_room", 0));
+        if (j.contains("pd_peer")) {
+            jb.request.pd_peer(field<std::string>(j, "pd_peer", ""));
+        } else if (j.contains("bootstrap_host")) {
+            jb.request.pd_peer("tcp://" + field<std::string>(j, "bootstrap_host", "") + ":" +
+                               std::to_string(field<int>(j, "bootstrap_port", 0)));
+        }
+        jb.stream = field<bool>(j, "stream", false);
+        run(std::move(jb), res, api::sglang, false);
+    }
+
+    enum class api { sglang, completions, chat };
+
+    // POST /v1/completions and /v1/chat/completions.
+    void openai(const httplib::Request &http_req, httplib::Response &res, bool chat) {
+        const json j = body(http_req);
+        sampling s;
+        s.max_new_tokens = field<uint32_t>(j, chat ? "max_completion_tokens" : "max_tokens",
+                                           field<uint32_t>(j, "max_tokens", 128));
+        s.temperature = field<float>(j, "temperature", 1.0f);
+        s.top_p = field<float>(j, "top_p", 1.0f);
+        s.top_k = std::max(0, field<int32_t>(j, "top_k", -1));
+        if (j.contains("seed") && !j["seed"].is_null()) s.seed = field<uint64_t>(j, "seed", 0);
+        s.ignore_eos = field<bool>(j, "ignore_eos", false);
+        s.stop = stop_strings(j);
+        job jb;
+        std::vector<int32_t> prompt;
+        if (chat) {
+            if (!j.contains("messages") || !j["messages"].is_array())
+                throw bad_request("messages must be a list of {role, content}");
+            // The template writes the BOS token itself.
+            prompt = tokenize(engine_.chat_apply(j["messages"].dump(), true), false);
+            jb.text = true;
+        } else {
+            const json p = j.value("prompt", json());
+            if (p.is_string()) {
+                prompt = tokenize(p.get<std::string>(), true);
+                jb.text = true;
+            } else if (p.is_array()) {
+                prompt = ids_of(p, "prompt");
+                jb.text = has_tokenizer_;
+            } else {
+                throw bad_request("prompt must be a string or a list of token ids");
+            }
+        }
+        jb.prompt_tokens = prompt.size();
+        jb.request = build(engine_, std::move(prompt), s);
+        jb.stream = field<bool>(j, "stream", false);
+        run(std::move(jb), res, chat ? api::chat : api::completions, true);
+    }
+
+    // What one finished (or streamed) request reports.
+    struct outcome {
+        std::vector<int32_t> ids;
+        std::string text;
+        dsv4::event last;
+    };
+
+    json final_json(api a, const outcome &o, const std::string &id) const {
+        const bool length_or_stop = o.last.kind == dsv4::event_kind::finished;
+        if (a == api::sglang) {
+            json meta = {{"prompt_tokens", o.last.prompt_tokens},
+                         {"completion_tokens", o.ids.size()},
+                         {"cached_tokens", o.last.cached_tokens_device + o.last.cached_tokens_host},
+                         {"finish_reason", {{"type", dsv4::finish_reason_name(o.last.finish_reason)}}}};
+            json out = {{"output_ids", o.ids}, {"meta_info", meta}};
+            if (has_tokenizer_) out["text"] = o.text;
+            return out;
+        }
+        json usage = {{"prompt_tokens", o.last.prompt_tokens},
+                      {"completion_tokens", o.ids.size()},
+                      {"total_tokens", o.last.prompt_tokens + o.ids.size()}};
+        json choice = {{"index", 0}, {"finish_reason", length_or_stop ? openai_finish(o.last.finish_reason) : "abort"}};
+        if (a == api::chat) choice["message"] = {{"role", "assistant"}, {"content", o.text}};
+        else choice["text"] = o.text;
+        return {{"id", id},
+                {"object", a == api::chat ? "chat.completion" : "text_completion"},
+                {"created", std::time(nullptr)},
+                {"model", model_name_},
+                {"choices", json::array({choice})},
+                {"usage", usage}};
+    }
+
+    void run(job jb, httplib::Response &res, api a, bool openai) {
+        (void)openai;
+        auto stream = std::make_shared<dsv4::stream>(engine_.submit(jb.request));
+        const std::string id = "cmpl-" + std::to_string(stream->id());
+        std::shared_ptr<dsv4::detokenizer> detok;
+        if (has_tokenizer_) detok = std::make_shared<dsv4::detokenizer>(engine_);
+        if (!jb.stream) {
+            outcome o;
+            for (const dsv4::event &e : *stream) {
+                if (e.kind == dsv4::event_kind::token) {
+                    o.ids.push_back(e.token);
+                    if (detok) o.text += detok->feed(e.token);
+                } else {
+                    o.last = e;
+                }
+            }
+            if (o.last.kind == dsv4::event_kind::error) {
+                send_error(res, http_status(o.last.status), dsv4_status_name(static_cast<int32_t>(o.last.status)),
+                           o.last.message);
+                return;
+            }
+            res.set_content(final_json(a, o, id).dump(), "application/json");
+            return;
+        }
+        // Server-sent events: one per token (SGLang: the text and ids so far; OpenAI: the
+        // piece), the final one with the finish reason, then [DONE]. A write that fails (the
+        // client went away) drops the stream, which aborts the request.
+        auto state = std::make_shared<outcome>();
+        auto done = std::make_shared<bool>(false);
+        res.set_header("Cache-Control", "no-cache");
+        res.set_chunked_content_provider(
+            "text/event-stream",
+            [this, stream, detok, state, done, a, id](size_t, httplib::DataSink &sink) mutable {
+                if (*done) {
+                    sink.done();
+                    return true;
+                }
+                std::optional<dsv4::event> e = stream->next();
+                if (!e) {
+                    *done = true;
+                    sink.done();
+                    return true;
+                }
+                std::string chunk;
+                if (e->kind == dsv4::event_kind::token) {
+                    state->ids.push_back(e->token);
+                    std::string piece = detok ? detok->feed(e->token) : "";
+                    state->text += piece;
+                    if (a == api::sglang) {
+                        json out = {{"output_ids", state->ids},
+                                    {"meta_info", {{"completion_tokens", state->ids.size()}, {"finish_reason", nullptr}}}};
+                        if (detok) out["text"] = state->text;
+                        chunk = sse(out);
+                    } else {
+                        json delta = a == api::chat ? json{{"index", 0}, {"delta", {{"content", piece}}}, {"finish_reason", nullptr}}
+                                                    : json{{"index", 0}, {"text", piece}, {"finish_reason", nullptr}};
+                        chunk = sse({{"id", id},
+                                     {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
+                                     {"model", model_name_},
+                                     {"choices", json::array({delta})}});
+                    }
+                } else {
+                    state->last = *e;
+                    if (e->kind == dsv4::event_kind::error) {
+                        chunk = sse({{"error", {{"message", e->message},
+                                                {"status", dsv4_status_name(static_cast<int32_t>(e->status))},
+                                                {"code", http_status(e->status)}}}});
+                    } else if (a == api::sglang) {
+                        chunk = sse(final_json(a, *state, id));
+                    } else {
+                        json last = {{"index", 0}, {"finish_reason", openai_finish(e->finish_reason)}};
+                        if (a == api::chat) last["delta"] = json::object();
+                        else last["text"] = "";
+                        chunk = sse({{"id", id},
+                                     {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
+                                     {"model", model_name_},
+                                     {"choices", json::array({last})},
+                                     {"usage", final_json(api::completions, *state, id)["usage"]}});
+                    }
+                    chunk += "data: [DONE]\n\n";
+                }
+                if (!sink.write(chunk.data(), chunk.size())) return false;  // gone: abort
+                return true;
+            });
+    }
+
+    dsv4::engine &engine_;
+    bool has_tokenizer_ = false;
+    std::string model_name_;
+};
+
+std::string read_file(const std::string &path) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) throw std::runtime_error("cannot read --params " + path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+int usage(const char *why) {
+    std::fprintf(stderr, "dsv4-server: %s\nusage: dsv4-server --params FILE [--host H] [--port P]\n", why);
+    return 2;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    std::string params_path, host = "127.0.0.1";
+    int port = 30000;
+    for (int i = 1; i < argc; i++) {
+        std::string a = argv[i];
+        if (i + 1 >= argc) return usage(("missing the value of " + a).c_str());
+        if (a == "--params") params_path = argv[++i];
+        else if (a == "--host") host = argv[++i];
+        else if (a == "--port") port = std::atoi(argv[++i]);
+        else return usage(("unknown option " + a).c_str());
+    }
+    if (params_path.empty()) return usage("--params is required");
+    if (port < 0 || port > 65535) return usage("--port must be 0..65535");
+
+    // SIGTERM and SIGINT are taken by a thread of their own (sigwait), so they are blocked in
+    // every thread, the engine's and the HTTP pool's included: block them before any starts.
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGTERM);
+    sigaddset(&signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+    try {
+        dsv4::engine engine(read_file(params_path));
+        server routes(engine);
+        httplib::Server http;
+        routes.routes(http);
+        const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
+        if (bound < 0) {
+            std::fprintf(stderr, "dsv4-server: cannot listen on %s:%d (in use, or not an address here)\n", host.c_str(), port);
+            return 1;
+        }
+        // The line a supervisor (or a test) waits for.
+        std::printf("dsv4-server: listening on http://%s:%d\n", host.c_str(), bound);
+        std::fflush(stdout);
+        std::atomic<bool> draining{false}, main_done{false};
+        std::thread drain([&] {
+            int sig = 0;
+            sigwait(&signals, &sig);
+            if (main_done.load()) return;  // woken by main: the server has already stopped
+            draining = true;
+            std::printf("dsv4-server: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+            std::fflush(stdout);
+            try {
+                engine.shutdown(dsv4::shutdown_mode::drain);  // new requests get 503 meanwhile
+            } catch (const dsv4::error &e) {
+                std::fprintf(stderr, "dsv4-server: drain failed: %s\n", e.what());
+            }
+            http.stop();
+        });
+        const bool listened = http.listen_after_bind();
+        if (!draining.load()) {
+            // The listener ended on its own: wake the signal thread (it waits for SIGTERM).
+            main_done = true;
+            pthread_kill(drain.native_handle(), SIGTERM);
+        }
+        drain.join();
+        if (!listened && !draining.load()) {
+            std::fprintf(stderr, "dsv4-server: the listener failed\n");
+            return 1;
+        }
+        std::printf("dsv4-server: stopped\n");
+        return 0;
+    } catch (const dsv4::error &e) {
+        std::fprintf(stderr, "dsv4-server: %s: %s\n", e.status_name(), e.what());
+        return 1;
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "dsv4-server: %s\n", e.what());
+        return 1;
+    }
+}

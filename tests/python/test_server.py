@@ -1,0 +1,270 @@
+"""dsv4-server (examples/server/dsv4_server.cpp, installed next to the library) over real HTTP:
+the SGLang-native and OpenAI APIs against the same engine run in-process, SSE streams read off
+a raw socket, the error mapping, an abort when a client disconnects, and a SIGTERM drain."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import dsv4
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "flash-like" / "hf-f32-text"
+PROMPT = [5, 17, 300, 2, 9, 44, 81, 120]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def params(**extra):
+    p = {"model_path": str(FIXTURE), "threads": 2,
+         "kv": {"device_memory_bytes": "32MiB", "max_running_requests": 4, "page_size": 128}}
+    p.update(extra)
+    return p
+
+
+def server_binary():
+    """Next to the library under test: <prefix>/lib/libdsv4.so.N → <prefix>/bin/dsv4-server."""
+    lib = os.environ.get("DSV4_LIBRARY")
+    assert lib, "DSV4_LIBRARY is unset: run through `make test-python`, which installs the server"
+    path = Path(lib).resolve().parent.parent / "bin" / "dsv4-server"
+    assert path.is_file(), f"{path} is missing: `make install` builds it"
+    return path
+
+
+class Server:
+    def __init__(self, tmp_path, **extra):
+        conf = tmp_path / "params.json"
+        conf.write_text(json.dumps(params(**extra)))
+        self.proc = subprocess.Popen([str(server_binary()), "--params", str(conf), "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        self.port = int(line.rsplit(":", 1)[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def call(self, path, body=None, raw=None):
+        """(status, headers, parsed JSON body) of one request."""
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read().decode()
+
+    def json(self, path, body=None, raw=None):
+        status, headers, text = self.call(path, body, raw)
+        return status, headers, json.loads(text)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with dsv4.Engine(params()) as e:
+        yield e
+
+
+def sse_events(port, path, body):
+    """The `data:` payloads of a streamed response, read off a raw socket (no HTTP library)."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (path.encode(), len(payload))
+                  + payload)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and b"text/event-stream" in head, head
+    # Chunked transfer encoding: size line, data, CRLF.
+    text = b""
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        text += rest[:n]
+        rest = rest[n + 2:]
+    return [e[len("data: "):] for e in text.decode().split("\n\n") if e]
+
+
+def test_health_and_metrics(server):
+    status, _, body = server.json("/health")
+    assert status == 200 and body == {"state": "ready", "reason": "ready: 0 requests in flight"}
+    status, headers, text = server.call("/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert "\ndsv4_engine_state 1\n" in text
+
+
+def test_generate_matches_the_engine(server, engine):
+    want = engine.generate(PROMPT, max_new_tokens=6, **GREEDY)
+    status, _, body = server.json("/generate", {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    assert status == 200, body
+    assert body["output_ids"] == list(want)
+    assert body["text"] == engine.detokenize(list(want))
+    assert body["meta_info"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 6,
+                                 "cached_tokens": 0, "finish_reason": {"type": "length"}}
+    # Text in: tokenized with the special tokens (BOS), like SGLang.
+    text = "Hello, world!"
+    ids = engine.tokenize(text, add_special=True)
+    status, _, body = server.json("/generate", {"text": text, "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    assert status == 200 and body["meta_info"]["prompt_tokens"] == len(ids)
+    assert body["output_ids"] == list(engine.generate(ids, max_new_tokens=4, **GREEDY))
+
+
+def test_generate_streams_server_sent_events(server, engine):
+    want = list(engine.generate(PROMPT, max_new_tokens=5, **GREEDY))
+    events = sse_events(server.port, "/generate", {"input_ids": PROMPT, "stream": True,
+                                                   "sampling_params": {"max_new_tokens": 5, **GREEDY}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["output_ids"] for c in chunks[:-1]] == [want[:i + 1] for i in range(5)]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+    assert chunks[-1]["text"] == engine.detokenize(want)
+
+
+def test_openai_completions_and_chat(server, engine):
+    want = list(engine.generate(PROMPT, max_new_tokens=4, **GREEDY))
+    status, _, body = server.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **GREEDY})
+    assert status == 200, body
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == engine.detokenize(want)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4, "total_tokens": 12}
+
+    messages = [{"role": "user", "content": "What is 6 x 7?"}]
+    ids = engine.tokenize(engine.chat_apply(messages, add_generation_prompt=True), add_special=False)
+    want = list(engine.generate(ids, max_new_tokens=3, **GREEDY))
+    status, _, body = server.json("/v1/chat/completions", {"messages": messages, "max_tokens": 3,
+                                                           **GREEDY})
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": engine.detokenize(want)}
+    events = sse_events(server.port, "/v1/chat/completions",
+                        {"messages": messages, "max_tokens": 3, "stream": True, **GREEDY})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        engine.detokenize(want)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_errors_map_to_http_statuses(server):
+    status, _, body = server.json("/generate", {"input_ids": [999999]})
+    assert status == 400 and body["error"]["status"] == "DSV4_ERR_INVALID_ARGUMENT"
+    assert "outside the vocabulary" in body["error"]["message"]
+    status, _, body = server.json("/generate", raw=b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, _, body = server.json("/generate", {"sampling_params": {}})
+    assert status == 400 and "input_ids" in body["error"]["message"]
+    status, _, body = server.json("/generate", {"input_ids": PROMPT,
+                                                "sampling_params": {"max_new_tokens": "many"}})
+    assert status == 400 and "max_new_tokens" in body["error"]["message"]
+    status, _, body = server.json("/v1/chat/completions", {"messages": "hi"})
+    assert status == 400
+
+
+def test_queue_full_is_429_with_retry_after(tmp_path):
+    s = Server(tmp_path, kv={"device_memory_bytes": "32MiB", "max_running_requests": 1,
+                             "page_size": 128},
+               admission={"max_queued_requests": 1})
+    try:
+        # Not streamed: a stream nobody reads is aborted once the server's write times out.
+        long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+        # Two held open (one running, one queued), then a third is refused at once.
+        socks = []
+        for _ in range(2):
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+            payload = json.dumps(long).encode()
+            c.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                      % len(payload) + payload)
+            socks.append(c)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            m = s.call("/metrics")[2]
+            if "\ndsv4_num_queue_reqs 1\n" in m and "\ndsv4_num_running_reqs 1\n" in m:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the two requests are not running and queued:\n" + m)
+        status, headers, body = s.json("/generate", {"input_ids": PROMPT})
+        assert status == 429 and headers["Retry-After"] == "1", body
+        assert body["error"]["status"] == "DSV4_ERR_QUEUE_FULL"
+        for c in socks:
+            c.close()
+    finally:
+        s.stop()
+
+
+def test_a_client_that_disconnects_aborts_its_request(server):
+    body = json.dumps({"input_ids": PROMPT, "stream": True,
+                       "sampling_params": {"max_new_tokens": 100000, **GREEDY}}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as c:
+        c.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                  + body)
+        got = b""
+        while got.count(b"data:") < 3:
+            got += c.recv(4096)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = server.call("/metrics")[2]
+        if "\ndsv4_num_aborted_requests_total 1\n" in m and "\ndsv4_num_running_reqs 0\n" in m:
+            return
+        time.sleep(0.05)
+    pytest.fail("the request of a client that disconnected was not aborted:\n" + m)
+
+
+def test_sigterm_drains_then_exits_0(server):
+    result = {}
+
+    def long():
+        result["body"] = server.json("/generate", {"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 2000, **GREEDY}})
+
+    t = threading.Thread(target=long)
+    t.start()
+    deadline = time.time() + 30
+    while "\ndsv4_num_running_reqs 1\n" not in server.call("/metrics")[2]:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    server.proc.send_signal(signal.SIGTERM)
+    # Draining: unhealthy and refusing, while the request in flight runs to its end.
+    while True:
+        status, _, body = server.json("/health")
+        if status == 503:
+            break
+        time.sleep(0.01)
+    assert body["state"] == "draining", body
+    status, _, body = server.json("/generate", {"input_ids": PROMPT})
+    if status != 503:  # the drain may have ended (and the listener closed) in between
+        pytest.fail(f"a request during the drain got {status}: {body}")
+    assert body["error"]["status"] == "DSV4_ERR_SHUTDOWN"
+    t.join(timeout=60)
+    status, _, body = result["body"]
+    assert status == 200 and body["meta_info"]["completion_tokens"] == 2000, body
+    assert server.proc.wait(timeout=30) == 0
+    out = server.proc.stdout.read()
+    assert "SIGTERM: draining" in out and "stopped" in out, out
