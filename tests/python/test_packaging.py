@@ -72,6 +72,23 @@ def lines(out):
     return dict(line.split(" ", 1) for line in out.stdout.splitlines())
 
 
+def test_the_installed_library_has_its_debug_info_in_a_file_of_its_own():
+    """`make install` strips the shared library and keeps its debug info next to it, linked by
+    .gnu_debuglink (what gdb and valgrind follow); the static library is stripped too."""
+    sections = subprocess.run(["readelf", "-S", "-W", str(LIBRARY)], capture_output=True,
+                              text=True, check=True).stdout
+    assert ".debug_info" not in sections, f"{LIBRARY} still carries its debug info"
+    link = subprocess.run(["readelf", "-p", ".gnu_debuglink", str(LIBRARY)],
+                          capture_output=True, text=True, check=True).stdout
+    debug = LIBRARY.parent / (LIBRARY.name + ".debug")
+    assert debug.name in link, link
+    assert ".debug_info" in subprocess.run(["readelf", "-S", "-W", str(debug)],
+                                           capture_output=True, text=True, check=True).stdout
+    static = subprocess.run(["readelf", "-S", "-W", str(LIBRARY.parent / "libdsv4.a")],
+                            capture_output=True, text=True, check=True).stdout
+    assert ".debug_info" not in static
+
+
 def test_versions_agree_with_the_library_and_cargo():
     # A release bump that forgets the binding fails here rather than shipping mismatched structs.
     assert dsv4.__version__ == CARGO_VERSION
