@@ -4,6 +4,7 @@
 //
 // GET  /health                200 when the engine is READY, 503 otherwise; {"state", "reason"}
 // GET  /metrics               the Prometheus exposition (text/plain; version=0.0.4)
+// GET  /server_info           version, role, model facts, resolved params, PD endpoint
 // POST /generate              SGLang's native API: input_ids or text, sampling_params, stream
 // POST /v1/completions        OpenAI completions: prompt as text or token ids, SSE streaming
 // POST /v1/chat/completions   OpenAI chat: messages through the checkpoint's chat template
@@ -167,6 +168,23 @@ public:
             res.status = s.state == dsv4::state::ready ? 200 : 503;
             res.set_content(json{{"state", code >= 0 && code < 5 ? names[code] : "unknown"}, {"reason", s.reason}}.dump(),
                             "application/json");
+        });
+        // What a router needs to know about this server: its role and, in a PD role, the
+        // endpoint a decode request names as its prefill (`bootstrap_host`/`bootstrap_port`).
+        http.Get("/server_info", [this](const httplib::Request &, httplib::Response &res) {
+            const json params = json::parse(engine_.params_resolved());
+            json out = {{"version", dsv4::version()},
+                        {"role", params.value("role", std::string("unified"))},
+                        {"model", json::parse(engine_.model_info())},
+                        {"params", params}};
+            if (out["role"] != "unified") {
+                const std::string endpoint = engine_.pd_endpoint();  // tcp://host:port
+                out["pd_endpoint"] = endpoint;
+                const size_t colon = endpoint.rfind(':');
+                out["bootstrap_host"] = endpoint.substr(6, colon - 6);
+                out["bootstrap_port"] = std::stoi(endpoint.substr(colon + 1));
+            }
+            res.set_content(out.dump(), "application/json");
         });
         http.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
             res.set_content(engine_.prometheus(), "text/plain; version=0.0.4");

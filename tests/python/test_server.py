@@ -280,3 +280,37 @@ def test_sigterm_drains_then_exits_0(server):
     assert server.proc.wait(timeout=30) == 0
     out = server.proc.stdout.read()
     assert "SIGTERM: draining" in out and "stopped" in out, out
+
+
+def test_a_prefill_and_a_decode_server_give_the_unified_engines_tokens(tmp_path, engine):
+    """PD through two servers, as a router drives them: the same /generate body to both, with
+    the room, and the prefill's endpoint (from its /server_info) on the decode's."""
+    pd = {"listen": "tcp://127.0.0.1:0"}
+    (tmp_path / "p").mkdir()
+    (tmp_path / "d").mkdir()
+    prefill = Server(tmp_path / "p", role="prefill", pd=pd)
+    decode = Server(tmp_path / "d", role="decode", pd=pd)
+    try:
+        status, _, info = prefill.json("/server_info")
+        assert status == 200 and info["role"] == "prefill", info
+        assert info["pd_endpoint"] == f"tcp://{info['bootstrap_host']}:{info['bootstrap_port']}"
+        assert decode.json("/server_info")[2]["role"] == "decode"
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, **GREEDY},
+                "bootstrap_room": 7}
+        result = {}
+        t = threading.Thread(target=lambda: result.update(p=prefill.json("/generate", body)))
+        t.start()
+        status, _, got = decode.json("/generate", {**body, "bootstrap_host": info["bootstrap_host"],
+                                                   "bootstrap_port": info["bootstrap_port"]})
+        t.join(timeout=60)
+        assert status == 200, got
+        assert got["output_ids"] == list(engine.generate(PROMPT, max_new_tokens=6, **GREEDY))
+        status, _, sent = result["p"]
+        assert status == 200 and sent["output_ids"] == [], sent
+        assert sent["meta_info"]["finish_reason"] == {"type": "transferred"}
+        # A decode request without its prefill's endpoint is the library's refusal, as a 400.
+        status, _, err = decode.json("/generate", {**body, "bootstrap_room": 8})
+        assert status == 400 and "pd_peer" in err["error"]["message"], err
+    finally:
+        prefill.stop()
+        decode.stop()
