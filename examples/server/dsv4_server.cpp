@@ -59,11 +59,15 @@ int http_status(dsv4::status s) {
     }
 }
 
+// The body of a refusal: {"error": {"message", "status", "code"}} (also a stream's last event).
+json error_json(int code, const std::string &status, const std::string &message) {
+    return {{"error", {{"message", message}, {"status", status}, {"code", code}}}};
+}
+
 void send_error(httplib::Response &res, int code, const std::string &status, const std::string &message) {
     res.status = code;
     if (code == 429) res.set_header("Retry-After", "1");
-    res.set_content(json{{"error", {{"message", message}, {"status", status}, {"code", code}}}}.dump(),
-                    "application/json");
+    res.set_content(error_json(code, status, message).dump(), "application/json");
 }
 
 // The sampling fields shared by the three generation APIs.
@@ -115,12 +119,10 @@ std::vector<int32_t> ids_of(const json &j, const char *name) {
     return ids;
 }
 
-// How one request is served: the request, and what the client gets back.
+// How one request is served: the request, and whether its answer streams.
 struct job {
     dsv4::request request{std::vector<int32_t>{}};
     bool stream = false;
-    bool text = false;  // the client sent text (or chat): answer with text
-    size_t prompt_tokens = 0;
 };
 
 dsv4::request build(const dsv4::engine &engine, std::vector<int32_t> prompt, const sampling &s) {
@@ -220,10 +222,6 @@ private:
         return j;
     }
 
-    std::vector<int32_t> tokenize(const std::string &text, bool add_special) {
-        return engine_.tokenize(text, add_special);
-    }
-
     // POST /generate (SGLang): {"input_ids" | "text", "sampling_params", "stream",
     // "bootstrap_room", "bootstrap_host" + "bootstrap_port" (or "pd_peer")}.
     void generate(const httplib::Request &http_req, httplib::Response &res) {
@@ -247,12 +245,10 @@ private:
             prompt = ids_of(j["input_ids"], "input_ids");
         } else if (j.contains("text")) {
             if (!j["text"].is_string()) throw bad_request("text must be a string");
-            prompt = tokenize(j["text"].get<std::string>(), true);
-            jb.text = true;
+            prompt = engine_.tokenize(j["text"].get<std::string>(), true);
         } else {
             throw bad_request("pass input_ids (token ids) or text");
         }
-        jb.prompt_tokens = prompt.size();
         jb.request = build(engine_, std::move(prompt), s);
         if (j.contains("bootstrap_room")) jb.request.pd_room(field<uint64_t>(j, "bootstrap_room", 0));
         if (j.contains("pd_peer")) {
@@ -262,7 +258,7 @@ private:
                                std::to_string(field<int>(j, "bootstrap_port", 0)));
         }
         jb.stream = field<bool>(j, "stream", false);
-        run(std::move(jb), res, api::sglang, false);
+        run(std::move(jb), res, api::sglang);
     }
 
     enum class api { sglang, completions, chat };
@@ -285,24 +281,20 @@ private:
             if (!j.contains("messages") || !j["messages"].is_array())
                 throw bad_request("messages must be a list of {role, content}");
             // The template writes the BOS token itself.
-            prompt = tokenize(engine_.chat_apply(j["messages"].dump(), true), false);
-            jb.text = true;
+            prompt = engine_.tokenize(engine_.chat_apply(j["messages"].dump(), true), false);
         } else {
             const json p = j.value("prompt", json());
             if (p.is_string()) {
-                prompt = tokenize(p.get<std::string>(), true);
-                jb.text = true;
+                prompt = engine_.tokenize(p.get<std::string>(), true);
             } else if (p.is_array()) {
                 prompt = ids_of(p, "prompt");
-                jb.text = has_tokenizer_;
             } else {
                 throw bad_request("prompt must be a string or a list of token ids");
             }
         }
-        jb.prompt_tokens = prompt.size();
         jb.request = build(engine_, std::move(prompt), s);
         jb.stream = field<bool>(j, "stream", false);
-        run(std::move(jb), res, chat ? api::chat : api::completions, true);
+        run(std::move(jb), res, chat ? api::chat : api::completions);
     }
 
     // What one finished (or streamed) request reports.
@@ -313,7 +305,6 @@ private:
     };
 
     json final_json(api a, const outcome &o, const std::string &id) const {
-        const bool length_or_stop = o.last.kind == dsv4::event_kind::finished;
         if (a == api::sglang) {
             json meta = {{"prompt_tokens", o.last.prompt_tokens},
                          {"completion_tokens", o.ids.size()},
@@ -326,7 +317,7 @@ private:
         json usage = {{"prompt_tokens", o.last.prompt_tokens},
                       {"completion_tokens", o.ids.size()},
                       {"total_tokens", o.last.prompt_tokens + o.ids.size()}};
-        json choice = {{"index", 0}, {"finish_reason", length_or_stop ? openai_finish(o.last.finish_reason) : "abort"}};
+        json choice = {{"index", 0}, {"finish_reason", openai_finish(o.last.finish_reason)}};
         if (a == api::chat) choice["message"] = {{"role", "assistant"}, {"content", o.text}};
         else choice["text"] = o.text;
         return {{"id", id},
@@ -337,8 +328,7 @@ private:
                 {"usage", usage}};
     }
 
-    void run(job jb, httplib::Response &res, api a, bool openai) {
-        (void)openai;
+    void run(job jb, httplib::Response &res, api a) {
         auto stream = std::make_shared<dsv4::stream>(engine_.submit(jb.request));
         const std::string id = "cmpl-" + std::to_string(stream->id());
         std::shared_ptr<dsv4::detokenizer> detok;
@@ -401,9 +391,8 @@ private:
                 } else {
                     state->last = *e;
                     if (e->kind == dsv4::event_kind::error) {
-                        chunk = sse({{"error", {{"message", e->message},
-                                                {"status", dsv4_status_name(static_cast<int32_t>(e->status))},
-                                                {"code", http_status(e->status)}}}});
+                        chunk = sse(error_json(http_status(e->status),
+                                               dsv4_status_name(static_cast<int32_t>(e->status)), e->message));
                     } else if (a == api::sglang) {
                         chunk = sse(final_json(a, *state, id));
                     } else {
