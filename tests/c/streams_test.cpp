@@ -3,6 +3,8 @@
 // on the flash-like fixture (vocab 384, EOS 1); run under valgrind by `make test-valgrind`.
 #include <dsv4.hpp>
 
+#include "check.h"
+
 #include <sys/resource.h>
 
 #include <atomic>
@@ -15,15 +17,6 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
-
-static int failures = 0;
-#define CHECK(cond)                                                                    \
-    do {                                                                               \
-        if (!(cond)) {                                                                 \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            failures++;                                                                \
-        }                                                                              \
-    } while (0)
 
 // The dangling pattern of the old wrapper (a C struct pointing into a temporary's buffers)
 // does not compile: the C struct can only be taken from a request that outlives the statement.

@@ -4,20 +4,13 @@
 // and the error a checkpoint without tokenizer files gives.
 #include <dsv4.hpp>
 
+#include "check.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-static int failures = 0;
-#define CHECK(cond)                                                                   \
-    do {                                                                              \
-        if (!(cond)) {                                                                \
-            std::fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-            failures++;                                                               \
-        }                                                                             \
-    } while (0)
 
 static std::string params_for(const char *dir) {
     return std::string("{\"model_path\": \"") + DSV4_REPO + "/tests/fixtures/flash-like/" + dir +
