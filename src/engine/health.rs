@@ -26,7 +26,8 @@ pub struct NodeHealth {
 }
 
 impl EngineState {
-    /// The `DSV4_STATE_*` value.
+    /// The state's number: what the C API's `dsv4_engine_state` and the exposition's
+    /// `dsv4_engine_state` report (ffi/ checks it against the header's constants).
     pub fn code(self) -> i32 {
         match self {
             EngineState::Loading => 0,

@@ -5,7 +5,7 @@ use std::ffi::c_char;
 use super::boundary::{c_bytes, guard, write_text};
 use super::status::dsv4_status;
 use crate::config::params::Params;
-use crate::engine::{Engine, EngineState};
+use crate::engine::Engine;
 use crate::error::{Error, ErrorKind};
 
 /// An engine: a loaded model, its KV pools and prefix cache, and the engine thread that runs
@@ -212,16 +212,6 @@ pub const DSV4_STATE_STOPPED: i32 = 3;
 /// handle fails with the same message; destroy the engine and create a new one.
 pub const DSV4_STATE_FAILED: i32 = 4;
 
-fn state_code(s: EngineState) -> i32 {
-    match s {
-        EngineState::Loading => DSV4_STATE_LOADING,
-        EngineState::Ready => DSV4_STATE_READY,
-        EngineState::Draining => DSV4_STATE_DRAINING,
-        EngineState::Stopped => DSV4_STATE_STOPPED,
-        EngineState::Failed => DSV4_STATE_FAILED,
-    }
-}
-
 /// Where the engine stands: `*state` gets a `DSV4_STATE_*` and `reason` a sentence for a health
 /// endpoint or a log (e.g. `ready: 2 requests in flight`, `shutting down (drain): 3 requests
 /// still running`, `the engine thread failed: <its error>`). The state is checked in this
@@ -254,7 +244,7 @@ pub unsafe extern "C" fn dsv4_engine_state(
         }
         let (s, text) = engine.state();
         // SAFETY: non-NULL and valid for one write per the contract.
-        unsafe { state.write(state_code(s)) };
+        unsafe { state.write(s.code()) };
         if reason.is_null() && cap == 0 && needed.is_null() {
             return Ok(());
         }
@@ -288,6 +278,22 @@ pub unsafe extern "C" fn dsv4_params_resolved(
 
 #[cfg(test)]
 mod tests {
+    /// The engine numbers its states as the header does (`EngineState::code`, also what the
+    /// Prometheus exposition's dsv4_engine_state reports).
+    #[test]
+    fn engine_state_codes_are_the_header_constants() {
+        use crate::engine::EngineState;
+        for (s, code) in [
+            (EngineState::Loading, DSV4_STATE_LOADING),
+            (EngineState::Ready, DSV4_STATE_READY),
+            (EngineState::Draining, DSV4_STATE_DRAINING),
+            (EngineState::Stopped, DSV4_STATE_STOPPED),
+            (EngineState::Failed, DSV4_STATE_FAILED),
+        ] {
+            assert_eq!(s.code(), code, "{s:?}");
+        }
+    }
+
     use super::*;
     use crate::ffi::status::*;
     use std::ffi::CStr;
