@@ -8,6 +8,7 @@
 // POST /generate              SGLang's native API: input_ids or text, sampling_params, stream
 // POST /v1/completions        OpenAI completions: prompt as text or token ids, SSE streaming
 // POST /v1/chat/completions   OpenAI chat: messages through the checkpoint's chat template
+// POST /abort_request         {"rid"}: aborts the request submitted with that "rid"
 //
 // Refusals map to HTTP: QUEUE_FULL 429 (with Retry-After), CAPACITY 413, INVALID_ARGUMENT 400,
 // UNSUPPORTED 400 (e.g. text on a checkpoint without a tokenizer), SHUTDOWN 503, others 500;
@@ -32,10 +33,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 using json = nlohmann::json;
@@ -119,10 +122,68 @@ std::vector<int32_t> ids_of(const json &j, const char *name) {
     return ids;
 }
 
-// How one request is served: the request, and whether its answer streams.
+// How one request is served: the request, whether its answer streams, and the caller's id.
 struct job {
     dsv4::request request{std::vector<int32_t>{}};
     bool stream = false;
+    std::string rid;
+};
+
+// The PD and request-id fields every generation API takes (SGLang's names): "bootstrap_room",
+// the prefill's endpoint as "bootstrap_host" + "bootstrap_port" (or "pd_peer",
+// tcp://host:port), and "rid", the caller's id for POST /abort_request.
+void routing_fields(const json &j, job &jb) {
+    if (j.contains("bootstrap_room")) jb.request.pd_room(field<uint64_t>(j, "bootstrap_room", 0));
+    if (j.contains("pd_peer")) {
+        jb.request.pd_peer(field<std::string>(j, "pd_peer", ""));
+    } else if (j.contains("bootstrap_host")) {
+        jb.request.pd_peer("tcp://" + field<std::string>(j, "bootstrap_host", "") + ":" +
+                           std::to_string(field<int>(j, "bootstrap_port", 0)));
+    }
+    jb.rid = field<std::string>(j, "rid", "");
+}
+
+// Requests by their caller's "rid", so POST /abort_request can reach them. An abort may arrive
+// before its request (a router aborts the decode's half when the prefill refuses, and the two
+// race): such a rid is remembered for a minute and its request aborted as it is submitted.
+class rid_registry {
+public:
+    // Registers a submitted request; false when the rid was aborted before it came (the caller
+    // aborts the request then).
+    bool add(const std::string &rid, uint64_t id) {
+        std::lock_guard<std::mutex> lock(mu_);
+        prune();
+        if (early_.erase(rid)) return false;
+        if (!live_.emplace(rid, id).second) throw bad_request("rid " + rid + " is already in flight: pick another");
+        return true;
+    }
+
+    void remove(const std::string &rid) {
+        std::lock_guard<std::mutex> lock(mu_);
+        live_.erase(rid);
+    }
+
+    // The request's id, or nothing (then the rid is remembered as aborted early).
+    std::optional<uint64_t> take_for_abort(const std::string &rid) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = live_.find(rid);
+        if (it != live_.end()) return it->second;
+        prune();
+        if (early_.size() < kMaxEarly) early_[rid] = std::chrono::steady_clock::now();
+        return std::nullopt;
+    }
+
+private:
+    static constexpr size_t kMaxEarly = 4096;
+
+    void prune() {
+        const auto cutoff = std::chrono::steady_clock::now() - std::chrono::seconds(60);
+        for (auto it = early_.begin(); it != early_.end();) it = it->second < cutoff ? early_.erase(it) : std::next(it);
+    }
+
+    std::mutex mu_;
+    std::unordered_map<std::string, uint64_t> live_;
+    std::unordered_map<std::string, std::chrono::steady_clock::time_point> early_;
 };
 
 dsv4::request build(const dsv4::engine &engine, std::vector<int32_t> prompt, const sampling &s) {
@@ -200,6 +261,26 @@ public:
         http.Post("/v1/chat/completions", [this](const httplib::Request &req, httplib::Response &res) {
             guarded(res, [&] { openai(req, res, true); });
         });
+        // SGLang's abort: {"rid"} → {"aborted": true} when that request was in flight. An
+        // unknown rid answers false and is aborted if it arrives within a minute.
+        http.Post("/abort_request", [this](const httplib::Request &req, httplib::Response &res) {
+            guarded(res, [&] {
+                const json j = body(req);
+                const std::string rid = field<std::string>(j, "rid", "");
+                if (rid.empty()) throw bad_request("pass the rid of the request to abort");
+                std::optional<uint64_t> id = rids_.take_for_abort(rid);
+                bool aborted = false;
+                if (id) {
+                    try {
+                        engine_.abort(*id);
+                        aborted = true;
+                    } catch (const dsv4::error &e) {
+                        if (e.status() != dsv4::status::not_found) throw;  // already ending
+                    }
+                }
+                res.set_content(json{{"aborted", aborted}}.dump(), "application/json");
+            });
+        });
     }
 
 private:
@@ -223,7 +304,7 @@ private:
     }
 
     // POST /generate (SGLang): {"input_ids" | "text", "sampling_params", "stream",
-    // "bootstrap_room", "bootstrap_host" + "bootstrap_port" (or "pd_peer")}.
+    // "bootstrap_room", "bootstrap_host" + "bootstrap_port" (or "pd_peer"), "rid"}.
     void generate(const httplib::Request &http_req, httplib::Response &res) {
         const json j = body(http_req);
         const json sp = j.value("sampling_params", json::object());
@@ -250,13 +331,7 @@ private:
             throw bad_request("pass input_ids (token ids) or text");
         }
         jb.request = build(engine_, std::move(prompt), s);
-        if (j.contains("bootstrap_room")) jb.request.pd_room(field<uint64_t>(j, "bootstrap_room", 0));
-        if (j.contains("pd_peer")) {
-            jb.request.pd_peer(field<std::string>(j, "pd_peer", ""));
-        } else if (j.contains("bootstrap_host")) {
-            jb.request.pd_peer("tcp://" + field<std::string>(j, "bootstrap_host", "") + ":" +
-                               std::to_string(field<int>(j, "bootstrap_port", 0)));
-        }
+        routing_fields(j, jb);
         jb.stream = field<bool>(j, "stream", false);
         run(std::move(jb), res, api::sglang);
     }
@@ -293,6 +368,7 @@ private:
             }
         }
         jb.request = build(engine_, std::move(prompt), s);
+        routing_fields(j, jb);
         jb.stream = field<bool>(j, "stream", false);
         run(std::move(jb), res, chat ? api::chat : api::completions);
     }
@@ -328,9 +404,31 @@ private:
                 {"usage", usage}};
     }
 
+    // Keeps a request's rid registered while its answer is being produced.
+    struct rid_entry {
+        rid_entry(rid_registry &registry, std::string rid) : registry(registry), rid(std::move(rid)) {}
+        rid_entry(const rid_entry &) = delete;
+        rid_entry &operator=(const rid_entry &) = delete;
+        ~rid_entry() { registry.remove(rid); }
+        rid_registry &registry;
+        std::string rid;
+    };
+
     void run(job jb, httplib::Response &res, api a) {
         auto stream = std::make_shared<dsv4::stream>(engine_.submit(jb.request));
         const std::string id = "cmpl-" + std::to_string(stream->id());
+        std::shared_ptr<rid_entry> rid;
+        if (!jb.rid.empty()) {
+            bool fresh;
+            try {
+                fresh = rids_.add(jb.rid, stream->id());
+            } catch (...) {
+                stream->abort();
+                throw;
+            }
+            if (fresh) rid = std::make_shared<rid_entry>(rids_, jb.rid);
+            else stream->abort();  // aborted before it came
+        }
         std::shared_ptr<dsv4::detokenizer> detok;
         if (has_tokenizer_) detok = std::make_shared<dsv4::detokenizer>(engine_);
         if (!jb.stream) {
@@ -359,7 +457,7 @@ private:
         res.set_header("Cache-Control", "no-cache");
         res.set_chunked_content_provider(
             "text/event-stream",
-            [this, stream, detok, state, done, a, id](size_t, httplib::DataSink &sink) mutable {
+            [this, stream, detok, state, done, a, id, rid](size_t, httplib::DataSink &sink) mutable {
                 if (*done) {
                     sink.done();
                     return true;
@@ -413,6 +511,7 @@ private:
     }
 
     dsv4::engine &engine_;
+    rid_registry rids_;
     bool has_tokenizer_ = false;
     std::string model_name_;
 };
@@ -426,7 +525,7 @@ std::string read_file(const std::string &path) {
 }
 
 int usage(const char *why) {
-    std::fprintf(stderr, "dsv4-server: %s\nusage: dsv4-server --params FILE [--host H] [--port P]\n", why);
+    std::fprintf(stderr, "dsv4-server: %s\nusage: dsv4-server --params FILE [--host H] [--port P] [--http-threads N]\n", why);
     return 2;
 }
 
@@ -434,13 +533,14 @@ int usage(const char *why) {
 
 int main(int argc, char **argv) {
     std::string params_path, host = "127.0.0.1";
-    int port = 30000;
+    int port = 30000, threads = 0;
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
         if (i + 1 >= argc) return usage(("missing the value of " + a).c_str());
         if (a == "--params") params_path = argv[++i];
         else if (a == "--host") host = argv[++i];
         else if (a == "--port") port = std::atoi(argv[++i]);
+        else if (a == "--http-threads") threads = std::atoi(argv[++i]);
         else return usage(("unknown option " + a).c_str());
     }
     if (params_path.empty()) return usage("--params is required");
@@ -458,6 +558,15 @@ int main(int argc, char **argv) {
         dsv4::engine engine(read_file(params_path));
         server routes(engine);
         httplib::Server http;
+        // A connection holds a thread for its request's length (a stream for all of it), so the
+        // pool covers every request admission control lets in, running or queued, with room to
+        // answer the rest: a burst past the queue gets its 429 at once instead of waiting unseen
+        // in httplib's own queue (its default pool is 8 threads).
+        if (threads <= 0) {
+            const json p = json::parse(engine.params_resolved());
+            threads = p["kv"].value("max_running_requests", 32) + p["admission"].value("max_queued_requests", 256) + 16;
+        }
+        http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
         routes.routes(http);
         const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
         if (bound < 0) {

@@ -314,3 +314,32 @@ def test_a_prefill_and_a_decode_server_give_the_unified_engines_tokens(tmp_path,
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_abort_request_by_rid(server):
+    """SGLang's POST /abort_request: a request in flight by its "rid", an abort that arrives
+    before its request (a router's race), and a rid used twice."""
+    result = {}
+    body = {"input_ids": PROMPT, "rid": "r1", "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+    t = threading.Thread(target=lambda: result.update(r1=server.json("/generate", body)))
+    t.start()
+    wait_for_metrics(server, ["dsv4_num_running_reqs 1"], "the request is not running")
+    status, _, again = server.json("/generate", body)
+    assert status == 400 and "rid r1 is already in flight" in again["error"]["message"], again
+    assert server.json("/abort_request", {"rid": "r1"})[2] == {"aborted": True}
+    t.join(timeout=60)
+    status, _, got = result["r1"]
+    assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "aborted"}, got
+    # Ended: its rid is free again, and aborting it finds nothing (but is remembered...).
+    assert server.json("/abort_request", {"rid": "r1"})[2] == {"aborted": False}
+    # ... so the request that comes after is aborted as it is submitted (the engine may have
+    # stepped it once in between).
+    status, _, got = server.json("/generate", body)
+    assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "aborted"}, got
+    assert len(got["output_ids"]) <= 1
+    # A rid aborted once is forgotten when its request comes: the next one runs.
+    status, _, got = server.json("/generate", {**body, "sampling_params": {"max_new_tokens": 2,
+                                                                         **GREEDY}})
+    assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "length"}, got
+    status, _, err = server.json("/abort_request", {})
+    assert status == 400 and "rid" in err["error"]["message"]
