@@ -7,7 +7,8 @@
 #   make test    everything: the CUDA kernels through NVRTC, fmt, clippy, Rust tests, header
 #                freshness, install + CMake/ctest, the C tests under valgrind, pkg-config
 #                build, pytest
-# Other targets: lib, header, install PREFIX=..., kernels-check, stress (a minute of concurrent load, then the
+# Other targets: demo-pd (a prefill and a decode dsv4-server behind dsv4-router, on loopback),
+# lib, header, install PREFIX=..., kernels-check, stress (a minute of concurrent load, then the
 # books), fuzz (AFL++ on the params, config.json and safetensors-header parsers and the PD frame decoder), clean.
 # Benchmarks: bench-forward, bench-radix, bench-hicache, bench-prefix, bench-overload, bench-pd,
 # bench-transfer (PD room transfer vs raw TCP, PD vs unified TTFT under 10x overload), bench-compare.
@@ -22,7 +23,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo test kernels-check test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-compare fuzz gpu-bundle
+.PHONY: all deps venv lib header install demo demo-pd test kernels-check test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-compare fuzz gpu-bundle
 
 all: lib
 
@@ -61,6 +62,8 @@ install: lib
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/server/dsv4_server.cpp \
 	      $$(pkg-config --cflags --libs cpp-httplib) -L$(PREFIX)/lib -ldsv4 -lpthread \
 	      '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-server
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror examples/router/dsv4_router.cpp \
+	      $$(pkg-config --cflags --libs cpp-httplib) -lpthread -o $(PREFIX)/bin/dsv4-router
 	cp -r configs $(PREFIX)/share/dsv4/
 
 demo: lib
@@ -71,6 +74,14 @@ demo: lib
 	@echo "== Serving the built-in tiny DeepSeek V4 on the CPU backend: an agentic workload =="
 	@$(CARGO) build --quiet --release --example demo
 	@$(REL)/examples/demo
+
+# A prefill dsv4-server, a decode dsv4-server and dsv4-router on loopback serving the tiny model
+# to a short chat workload through the router (scripts/demo_pd.py): TTFT, rooms, router counts.
+demo-pd: lib
+	@$(MAKE) --no-print-directory install PREFIX=$(STAGE) >/dev/null
+	@$(CARGO) build --quiet --release --example tiny_model
+	@echo "== PD over HTTP: a prefill and a decode dsv4-server behind dsv4-router, the tiny model =="
+	@python3 scripts/demo_pd.py --bin $(STAGE)/bin --model "$$($(REL)/examples/tiny_model)"
 
 test: deps kernels-check test-rust test-c test-valgrind test-pkgconfig test-python
 	@echo "make test: all passed"

@@ -1,0 +1,468 @@
+// dsv4-router: one HTTP front end over dsv4-server instances in the prefill and decode roles.
+//
+//   dsv4-router --prefill URL [URL...] --decode URL [URL...] [--host 127.0.0.1] [--port 30080]
+//               [--timeout SECONDS] [--wait SECONDS] [--http-threads N]
+//
+// For each request (POST /generate, /v1/completions, /v1/chat/completions, the bodies
+// dsv4-server takes) it picks a prefill and a decode server round robin, assigns a room, and
+// sends the same body to both at once: to the prefill with the room, to the decode with the
+// room and the prefill's endpoint (bootstrap_host/bootstrap_port, read from the prefill's
+// /server_info at start). The client gets the decode's answer, streamed as it comes when it
+// asked for a stream. When one side refuses or fails, the router aborts the other side's half
+// (POST /abort_request with the "rid" it gave both) and answers with the failing side's status
+// and body: a 429 from a prefill reaches the client as that 429, not as a decode timeout.
+//
+// GET /health   200 when every server answers its /health with 200, else 503; per-server states
+// GET /metrics  the router's own counters (requests by outcome, in flight, per server)
+// SIGTERM or SIGINT: stop accepting, let the requests in flight end, exit 0.
+// docs/serving.md has the details.
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+using json = nlohmann::json;
+
+namespace {
+
+json error_json(int code, const std::string &status, const std::string &message) {
+    return {{"error", {{"message", message}, {"status", status}, {"code", code}}}};
+}
+
+// One dsv4-server the router sends requests to.
+struct backend {
+    std::string url;   // http://host:port
+    std::string role;  // "prefill" or "decode"
+    // A prefill's PD endpoint, which the decode's half of a request names.
+    std::string bootstrap_host;
+    int bootstrap_port = 0;
+    std::atomic<uint64_t> requests{0};
+};
+
+// The answer of one call to a server: its status (0: no answer), content type and body.
+struct reply {
+    int status = 0;
+    std::string content_type = "application/json";
+    std::string body;
+};
+
+std::unique_ptr<httplib::Client> client(const std::string &url, time_t timeout_s) {
+    auto c = std::make_unique<httplib::Client>(url);
+    c->set_connection_timeout(5);
+    c->set_read_timeout(timeout_s);
+    c->set_write_timeout(timeout_s);
+    return c;
+}
+
+// A body for "the server did not answer": 502, naming the server and why.
+reply unreachable(const backend &b, const std::string &why) {
+    reply r;
+    r.status = 502;
+    r.body = error_json(502, "BAD_GATEWAY", b.role + " server " + b.url + " did not answer: " + why).dump();
+    return r;
+}
+
+reply post(const backend &b, const std::string &path, const std::string &body, time_t timeout_s) {
+    auto c = client(b.url, timeout_s);
+    httplib::Result res = c->Post(path.c_str(), body, "application/json");
+    if (!res) return unreachable(b, httplib::to_string(res.error()));
+    reply r;
+    r.status = res->status;
+    r.content_type = res->get_header_value("Content-Type");
+    r.body = res->body;
+    return r;
+}
+
+// Aborts a request's half on a server by the rid the router gave it; best effort (the server
+// remembers an abort that arrives before its request).
+void abort_on(const backend &b, const std::string &rid) {
+    auto c = client(b.url, 5);
+    (void)c->Post("/abort_request", json{{"rid", rid}}.dump(), "application/json");
+}
+
+// One routed request: what the prefill and the decode answered, the decode's body as it
+// arrives, shared by the two calls' threads and the client's handler.
+struct exchange {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool prefill_done = false;
+    reply prefill;
+    bool decode_headers = false, decode_done = false;
+    reply decode;                     // status and content type; body only when not streamed
+    std::deque<std::string> chunks;   // the decode's body, streamed
+    bool client_gone = false;
+
+    bool prefill_failed() const { return prefill_done && prefill.status != 200; }
+    bool decode_failed() const { return decode_done && decode.status != 200; }
+};
+
+class router {
+public:
+    router(std::vector<std::unique_ptr<backend>> prefills, std::vector<std::unique_ptr<backend>> decodes,
+           time_t timeout_s)
+        : prefills_(std::move(prefills)), decodes_(std::move(decodes)), timeout_s_(timeout_s) {
+        // Rooms from a random 63-bit start, so two routers (or a restarted one) in front of the
+        // same servers do not hand out the same rooms.
+        std::random_device rd;
+        next_room_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) & (UINT64_MAX >> 2);
+    }
+
+    void routes(httplib::Server &http) {
+        for (const char *path : {"/generate", "/v1/completions", "/v1/chat/completions"}) {
+            std::string p = path;
+            http.Post(path, [this, p](const httplib::Request &req, httplib::Response &res) { forward(p, req, res); });
+        }
+        http.Get("/health", [this](const httplib::Request &, httplib::Response &res) { health(res); });
+        http.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
+            res.set_content(metrics(), "text/plain; version=0.0.4");
+        });
+    }
+
+    // Waits until the requests in flight have ended (SIGTERM), at most `limit`.
+    void drain(std::chrono::seconds limit) {
+        const auto deadline = std::chrono::steady_clock::now() + limit;
+        while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+
+private:
+    enum outcome { ok, refused_prefill, refused_decode, bad_request, n_outcomes };
+
+    void count(outcome o) { outcomes_[o].fetch_add(1); }
+
+    void forward(const std::string &path, const httplib::Request &req, httplib::Response &res) {
+        json j;
+        try {
+            j = json::parse(req.body);
+        } catch (const json::exception &e) {
+            count(bad_request);
+            res.status = 400;
+            res.set_content(error_json(400, "DSV4_ERR_INVALID_ARGUMENT", std::string("the body is not valid JSON: ") + e.what()).dump(),
+                            "application/json");
+            return;
+        }
+        if (!j.is_object() || (j.contains("stream") && !j["stream"].is_boolean())) {
+            count(bad_request);
+            res.status = 400;
+            res.set_content(error_json(400, "DSV4_ERR_INVALID_ARGUMENT", "the body must be a JSON object whose stream is a boolean").dump(),
+                            "application/json");
+            return;
+        }
+        const bool stream = j.value("stream", false);
+        backend &p = *prefills_[next_prefill_.fetch_add(1) % prefills_.size()];
+        backend &d = *decodes_[next_decode_.fetch_add(1) % decodes_.size()];
+        p.requests.fetch_add(1);
+        d.requests.fetch_add(1);
+        const uint64_t room = next_room_.fetch_add(1) & (UINT64_MAX >> 1);
+        const std::string rid = "dsv4-router-" + std::to_string(room);
+        json pj = j, dj = j;
+        pj["bootstrap_room"] = dj["bootstrap_room"] = room;
+        pj["rid"] = dj["rid"] = rid;
+        pj["stream"] = false;  // its answer is only "transferred"
+        dj["bootstrap_host"] = p.bootstrap_host;
+        dj["bootstrap_port"] = p.bootstrap_port;
+
+        auto x = std::make_shared<exchange>();
+        in_flight_.fetch_add(2);
+        const time_t timeout = timeout_s_;
+        std::thread([this, x, &p, &d, path, rid, body = pj.dump(), timeout] {
+            reply r = post(p, path, body, timeout);
+            const bool failed = r.status != 200;
+            {
+                std::lock_guard<std::mutex> lock(x->mu);
+                x->prefill = std::move(r);
+                x->prefill_done = true;
+            }
+            x->cv.notify_all();
+            if (failed) abort_on(d, rid);  // else the decode waits for its room until the timeout
+            in_flight_.fetch_sub(1);
+        }).detach();
+        std::thread([this, x, &p, &d, path, rid, body = dj.dump(), timeout, stream] {
+            call_decode(*x, d, path, body, timeout, stream);
+            bool failed;
+            {
+                std::lock_guard<std::mutex> lock(x->mu);
+                failed = x->decode.status != 200;
+            }
+            if (failed) abort_on(p, rid);  // else the prefill holds the room's pages until the timeout
+            in_flight_.fetch_sub(1);
+        }).detach();
+
+        std::unique_lock<std::mutex> lock(x->mu);
+        // The prefill's answer comes when its room has been handed over, about when the decode's
+        // first token does; waiting for it lets a refusal on either side reach the client as
+        // its status, not as a broken stream.
+        x->cv.wait(lock, [&] { return x->prefill_done || x->decode_failed(); });
+        if (x->prefill_failed()) {
+            count(refused_prefill);
+            x->cv.wait(lock, [&] { return x->decode_done; });  // aborted by the prefill thread
+            send(res, x->prefill);
+            return;
+        }
+        if (x->decode_failed() || !stream) {
+            x->cv.wait(lock, [&] { return x->decode_done; });
+            count(x->decode.status == 200 ? ok : refused_decode);
+            send(res, x->decode);
+            return;
+        }
+        x->cv.wait(lock, [&] { return x->decode_headers || x->decode_done; });
+        if (x->decode.status != 200) {
+            x->cv.wait(lock, [&] { return x->decode_done; });
+            count(refused_decode);
+            send(res, x->decode);
+            return;
+        }
+        count(ok);
+        res.set_header("Cache-Control", "no-cache");
+        res.set_chunked_content_provider(
+            x->decode.content_type.empty() ? "text/event-stream" : x->decode.content_type,
+            [x](size_t, httplib::DataSink &sink) {
+                std::unique_lock<std::mutex> lock(x->mu);
+                x->cv.wait(lock, [&] { return !x->chunks.empty() || x->decode_done; });
+                if (x->chunks.empty()) {
+                    sink.done();
+                    return true;
+                }
+                std::string chunk = std::move(x->chunks.front());
+                x->chunks.pop_front();
+                lock.unlock();
+                if (!sink.write(chunk.data(), chunk.size())) {
+                    // The client went away: the decode call stops reading and closes its
+                    // connection, and the server aborts the request at its next write.
+                    std::lock_guard<std::mutex> relock(x->mu);
+                    x->client_gone = true;
+                    return false;
+                }
+                return true;
+            });
+    }
+
+    // The decode's half: its status as soon as the headers come, then its body, streamed into
+    // the exchange's chunks when the client streams (else whole into decode.body).
+    void call_decode(exchange &x, const backend &d, const std::string &path, const std::string &body,
+                     time_t timeout, bool stream) {
+        auto c = client(d.url, timeout);
+        httplib::Request req;
+        req.method = "POST";
+        req.path = path;
+        req.body = body;
+        req.set_header("Content-Type", "application/json");
+        req.response_handler = [&](const httplib::Response &r) {
+            {
+                std::lock_guard<std::mutex> lock(x.mu);
+                x.decode.status = r.status;
+                x.decode.content_type = r.get_header_value("Content-Type");
+                x.decode_headers = true;
+            }
+            x.cv.notify_all();
+            return true;
+        };
+        req.content_receiver = [&](const char *data, size_t n, uint64_t, uint64_t) {
+            {
+                std::lock_guard<std::mutex> lock(x.mu);
+                if (x.client_gone) return false;
+                if (stream && x.decode.status == 200) x.chunks.emplace_back(data, n);
+                else x.decode.body.append(data, n);
+            }
+            x.cv.notify_all();
+            return true;
+        };
+        httplib::Response res;
+        httplib::Error err = httplib::Error::Success;
+        const bool answered = c->send(req, res, err);
+        std::lock_guard<std::mutex> lock(x.mu);
+        if (!answered && !x.decode_headers) x.decode = unreachable(d, httplib::to_string(err));
+        x.decode_done = true;
+        x.cv.notify_all();
+    }
+
+    static void send(httplib::Response &res, const reply &r) {
+        res.status = r.status;
+        if (r.status == 429) res.set_header("Retry-After", "1");
+        res.set_content(r.body, r.content_type.empty() ? "application/json" : r.content_type);
+    }
+
+    void health(httplib::Response &res) const {
+        bool all = true;
+        json out = json::object();
+        for (const auto *group : {&prefills_, &decodes_}) {
+            for (const auto &b : *group) {
+                auto c = client(b->url, 2);
+                httplib::Result r = c->Get("/health");
+                json state = r ? json::parse(r->body, nullptr, false) : json();
+                const bool up = r && r->status == 200;
+                all = all && up;
+                out[b->role].push_back({{"url", b->url},
+                                        {"status", r ? r->status : 0},
+                                        {"state", state.is_object() ? state.value("state", "unknown") : std::string("unreachable")}});
+            }
+        }
+        res.status = all ? 200 : 503;
+        res.set_content(out.dump(), "application/json");
+    }
+
+    std::string metrics() const {
+        static const char *names[] = {"ok", "refused_by_prefill", "refused_by_decode", "bad_request"};
+        std::ostringstream m;
+        m << "# HELP dsv4_router_requests_total Requests routed, by outcome (refused: the server's error status "
+             "reached the client).\n# TYPE dsv4_router_requests_total counter\n";
+        for (int o = 0; o < n_outcomes; o++)
+            m << "dsv4_router_requests_total{outcome=\"" << names[o] << "\"} " << outcomes_[o].load() << "\n";
+        m << "# HELP dsv4_router_calls_in_flight Calls to servers not yet answered (two per request).\n"
+             "# TYPE dsv4_router_calls_in_flight gauge\ndsv4_router_calls_in_flight "
+          << in_flight_.load() << "\n";
+        m << "# HELP dsv4_router_server_requests_total Requests sent to each server.\n"
+             "# TYPE dsv4_router_server_requests_total counter\n";
+        for (const auto *group : {&prefills_, &decodes_})
+            for (const auto &b : *group)
+                m << "dsv4_router_server_requests_total{role=\"" << b->role << "\",url=\"" << b->url << "\"} "
+                  << b->requests.load() << "\n";
+        return m.str();
+    }
+
+    std::vector<std::unique_ptr<backend>> prefills_, decodes_;
+    time_t timeout_s_;
+    std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, next_room_{0};
+    std::atomic<int64_t> in_flight_{0};
+    std::atomic<uint64_t> outcomes_[n_outcomes] = {};
+};
+
+// Reads a server's /server_info until it answers (servers may still be loading), checks its
+// role, and takes a prefill's PD endpoint.
+std::unique_ptr<backend> discover(const std::string &url, const std::string &role, int wait_s) {
+    auto b = std::make_unique<backend>();
+    b->url = url;
+    b->role = role;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(wait_s);
+    std::string why;
+    while (true) {
+        auto c = client(url, 10);
+        httplib::Result r = c->Get("/server_info");
+        if (r && r->status == 200) {
+            const json info = json::parse(r->body, nullptr, false);
+            const std::string got = info.is_object() ? info.value("role", std::string("?")) : "?";
+            if (got != role)
+                throw std::runtime_error(url + " is a " + got + " server, but was given as --" + role +
+                                         ": start it with \"role\": \"" + role + "\" in its params");
+            if (role == "prefill") {
+                b->bootstrap_host = info.value("bootstrap_host", std::string());
+                b->bootstrap_port = info.value("bootstrap_port", 0);
+            }
+            return b;
+        }
+        why = r ? "status " + std::to_string(r->status) : httplib::to_string(r.error());
+        if (std::chrono::steady_clock::now() > deadline)
+            throw std::runtime_error(url + "/server_info did not answer within " + std::to_string(wait_s) +
+                                     " s (" + why + "): is a dsv4-server running there? (--wait sets how long to wait)");
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+}
+
+int usage(const char *why) {
+    std::fprintf(stderr,
+                 "dsv4-router: %s\nusage: dsv4-router --prefill URL [URL...] --decode URL [URL...] [--host H] "
+                 "[--port P] [--timeout S] [--wait S] [--http-threads N]\n",
+                 why);
+    return 2;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    std::vector<std::string> prefill_urls, decode_urls;
+    std::string host = "127.0.0.1";
+    int port = 30080, wait_s = 60, threads = 256;
+    long timeout_s = 3600;
+    std::vector<std::string> *list = nullptr;
+    for (int i = 1; i < argc; i++) {
+        std::string a = argv[i];
+        if (a == "--prefill") { list = &prefill_urls; continue; }
+        if (a == "--decode") { list = &decode_urls; continue; }
+        if (a.rfind("--", 0) != 0) {
+            if (!list) return usage(("unexpected argument " + a).c_str());
+            list->push_back(a);
+            continue;
+        }
+        list = nullptr;
+        if (i + 1 >= argc) return usage(("missing the value of " + a).c_str());
+        const char *v = argv[++i];
+        if (a == "--host") host = v;
+        else if (a == "--port") port = std::atoi(v);
+        else if (a == "--timeout") timeout_s = std::atol(v);
+        else if (a == "--wait") wait_s = std::atoi(v);
+        else if (a == "--http-threads") threads = std::atoi(v);
+        else return usage(("unknown option " + a).c_str());
+    }
+    if (prefill_urls.empty() || decode_urls.empty()) return usage("pass at least one --prefill and one --decode URL");
+    if (port < 0 || port > 65535) return usage("--port must be 0..65535");
+    if (timeout_s <= 0 || wait_s < 0 || threads <= 0) return usage("--timeout and --http-threads must be positive");
+
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGTERM);
+    sigaddset(&signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+    try {
+        std::vector<std::unique_ptr<backend>> prefills, decodes;
+        for (const std::string &u : prefill_urls) prefills.push_back(discover(u, "prefill", wait_s));
+        for (const std::string &u : decode_urls) decodes.push_back(discover(u, "decode", wait_s));
+        router r(std::move(prefills), std::move(decodes), static_cast<time_t>(timeout_s));
+        httplib::Server http;
+        // A thread per open request (a stream holds one for its length): more than a server's
+        // running + queued requests, so a burst reaches the servers' admission control (and
+        // its 429s) instead of waiting unseen in the router.
+        http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+        r.routes(http);
+        const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
+        if (bound < 0) {
+            std::fprintf(stderr, "dsv4-router: cannot listen on %s:%d (in use, or not an address here)\n", host.c_str(), port);
+            return 1;
+        }
+        std::printf("dsv4-router: %zu prefill, %zu decode; listening on http://%s:%d\n", prefill_urls.size(),
+                    decode_urls.size(), host.c_str(), bound);
+        std::fflush(stdout);
+        std::atomic<bool> stopping{false}, main_done{false};
+        std::thread stopper([&] {
+            int sig = 0;
+            sigwait(&signals, &sig);
+            if (main_done.load()) return;
+            stopping = true;
+            std::printf("dsv4-router: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+            std::fflush(stdout);
+            http.stop();
+        });
+        const bool listened = http.listen_after_bind();
+        if (!stopping.load()) {
+            main_done = true;
+            pthread_kill(stopper.native_handle(), SIGTERM);
+        }
+        stopper.join();
+        r.drain(std::chrono::seconds(timeout_s));
+        if (!listened && !stopping.load()) {
+            std::fprintf(stderr, "dsv4-router: the listener failed\n");
+            return 1;
+        }
+        std::printf("dsv4-router: stopped\n");
+        return 0;
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "dsv4-router: %s\n", e.what());
+        return 1;
+    }
+}

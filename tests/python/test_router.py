@@ -1,0 +1,229 @@
+"""dsv4-router (examples/router/dsv4_router.cpp) in front of real dsv4-server processes in the
+prefill and decode roles, over loopback: round robin over two of each, tokens equal to a unified
+engine's (whole and streamed), a refusal on one side reaching the client as its status while the
+other side's half is aborted, a client that disconnects, the router's /health and /metrics, and
+`make demo-pd`'s script."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from test_metrics import promtool_check
+from test_server import (FIXTURE, GREEDY, PROMPT, Server, engine, post_raw,  # noqa: F401
+                         server_binary, sse_events)
+
+PD = {"listen": "tcp://127.0.0.1:0"}
+
+
+def router_binary():
+    return server_binary().parent / "dsv4-router"
+
+
+class Router:
+    def __init__(self, prefills, decodes, *extra):
+        argv = [str(router_binary()), "--prefill", *[s.url for s in prefills],
+                "--decode", *[s.url for s in decodes], "--port", "0", *extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line + self.proc.stdout.read()
+        self.port = int(line.rsplit(":", 1)[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        # The same client calls as a server's.
+        self.call = Server.call.__get__(self)
+        self.json = Server.json.__get__(self)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def samples(text):
+    """{(name, sorted label items): value} of an exposition."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(server, name, **labels):
+    return samples(server.call("/metrics")[2]).get((name, tuple(sorted(labels.items()))))
+
+
+def wait_until(what, cond, timeout=30):
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            pytest.fail(what)
+        time.sleep(0.05)
+
+
+def servers(tmp_path, role, n, **extra):
+    out = []
+    for i in range(n):
+        d = tmp_path / f"{role}{i}"
+        d.mkdir()
+        out.append(Server(d, role=role, pd=PD, **extra))
+    return out
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """One prefill server, one decode server and a router over them."""
+    (p,), (d,) = servers(tmp_path, "prefill", 1), servers(tmp_path, "decode", 1)
+    r = Router([p], [d])
+    yield p, d, r
+    for s in (r, d, p):
+        s.stop()
+
+
+def test_round_robin_over_two_of_each_gives_the_unified_tokens(tmp_path, engine):
+    prefills, decodes = servers(tmp_path, "prefill", 2), servers(tmp_path, "decode", 2)
+    r = Router(prefills, decodes)
+    try:
+        prompts = [PROMPT, PROMPT[::-1], [7, 7, 7, 200, 31], PROMPT + [3, 4]]
+        for prompt in prompts:
+            status, _, body = r.json("/generate", {"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 5, **GREEDY}})
+            assert status == 200, body
+            assert body["output_ids"] == list(engine.generate(prompt, max_new_tokens=5, **GREEDY))
+            assert body["meta_info"]["finish_reason"] == {"type": "length"}
+        # Round robin: two requests to each server; each room moved once, counted on both sides.
+        for role, group in (("prefill", prefills), ("decode", decodes)):
+            for s in group:
+                assert value(r, "dsv4_router_server_requests_total", role=role, url=s.url) == 2
+                assert value(s, "dsv4_kv_transfer_requests_total") == 2
+        for s in prefills:
+            assert value(s, "dsv4_num_finished_requests_total", finish_reason="transferred") == 2
+        assert value(r, "dsv4_router_requests_total", outcome="ok") == 4
+        # Streamed through the router: the decode's server-sent events, token by token.
+        want = list(engine.generate(PROMPT, max_new_tokens=4, **GREEDY))
+        events = sse_events(r.port, "/generate", {"input_ids": PROMPT, "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [c["output_ids"] for c in chunks[:-1]] == [want[:i + 1] for i in range(4)]
+        # The OpenAI endpoints go through the same way.
+        status, _, body = r.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **GREEDY})
+        assert status == 200 and body["choices"][0]["text"] == engine.detokenize(want), body
+        status, text = r.call("/health")[0], r.call("/health")[2]
+        health = json.loads(text)
+        assert status == 200 and len(health["prefill"]) == 2 and len(health["decode"]) == 2
+        assert all(s["state"] == "ready" for s in health["prefill"] + health["decode"]), health
+        promtool_check(r.call("/metrics")[2])
+    finally:
+        for s in [r] + decodes + prefills:
+            s.stop()
+
+
+def test_a_refusal_by_the_prefill_reaches_the_client_and_aborts_the_decode(tmp_path, engine):
+    (p,) = servers(tmp_path, "prefill", 1, admission={"max_queued_tokens": 4})
+    (d,) = servers(tmp_path, "decode", 1)
+    r = Router([p], [d])
+    try:
+        t0 = time.time()
+        status, headers, body = r.json("/generate", {"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 5, **GREEDY}})
+        # The prefill's own 429, at once, not the decode's timeout 30 s later.
+        assert status == 429 and headers["Retry-After"] == "1", body
+        assert body["error"]["status"] == "DSV4_ERR_QUEUE_FULL"
+        assert "max_queued_tokens" in body["error"]["message"]
+        assert time.time() - t0 < 10
+        # The decode's half was aborted (before or after it was submitted) and holds nothing.
+        wait_until("the decode's half was not aborted", lambda: value(
+            d, "dsv4_num_finished_requests_total", finish_reason="aborted") == 1)
+        assert value(d, "dsv4_pd_pages_held") == 0
+        assert value(d, "dsv4_num_decode_transfer_queue_reqs") == 0
+        assert value(r, "dsv4_router_requests_total", outcome="refused_by_prefill") == 1
+        # A request the decode refuses: the prefill's half is aborted and releases its room.
+        status, _, body = r.json("/generate", {"input_ids": [1, 2], "sampling_params": {
+            "max_new_tokens": 3, "temperature": -1}})
+        assert status == 400 and body["error"]["status"] == "DSV4_ERR_INVALID_ARGUMENT", body
+        status, _, body = r.json("/generate", raw=b"[1, 2]")
+        assert status == 400 and "JSON object" in body["error"]["message"]
+    finally:
+        for s in (r, d, p):
+            s.stop()
+
+
+def test_the_decode_refusing_aborts_the_prefills_half(tmp_path):
+    (p,) = servers(tmp_path, "prefill", 1)
+    (d,) = servers(tmp_path, "decode", 1, admission={"max_queued_tokens": 4})
+    r = Router([p], [d])
+    try:
+        status, _, body = r.json("/generate", {"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 5, **GREEDY}})
+        assert status == 429 and body["error"]["status"] == "DSV4_ERR_QUEUE_FULL", body
+        # Without the abort the prefill would hold the room's pages for pd.bootstrap_timeout_ms.
+        wait_until("the prefill's half was not aborted", lambda: value(
+            p, "dsv4_num_finished_requests_total", finish_reason="aborted") == 1)
+        wait_until("the prefill still holds the room", lambda: value(p, "dsv4_pd_pages_held") == 0
+                   and value(p, "dsv4_num_prefill_bootstrap_queue_reqs") == 0)
+        assert value(r, "dsv4_router_requests_total", outcome="refused_by_decode") == 1
+    finally:
+        for s in (r, d, p):
+            s.stop()
+
+
+def test_a_client_that_disconnects_aborts_the_decode(pair):
+    p, d, r = pair
+    long = {"input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+    with post_raw(r.port, "/generate", long) as c:
+        got = b""
+        while got.count(b"data:") < 3:
+            got += c.recv(4096)
+    wait_until("the decode kept generating for a client that left", lambda: value(
+        d, "dsv4_num_finished_requests_total", finish_reason="aborted") == 1
+        and value(d, "dsv4_num_running_reqs") == 0)
+    assert value(p, "dsv4_num_finished_requests_total", finish_reason="transferred") == 1
+    wait_until("the router still counts calls in flight",
+               lambda: value(r, "dsv4_router_calls_in_flight") == 0)
+
+
+def test_health_follows_the_servers_and_sigterm_exits_0(pair):
+    p, d, r = pair
+    assert r.call("/health")[0] == 200
+    d.stop()
+    status, _, body = r.json("/health")
+    assert status == 503 and body["decode"][0]["state"] == "unreachable", body
+    # A request whose decode server is gone: 502 naming it, and the prefill's half aborted.
+    status, _, body = r.json("/generate", {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 2, **GREEDY}})
+    assert status == 502 and d.url in body["error"]["message"], body
+    wait_until("the prefill's half was not aborted", lambda: value(
+        p, "dsv4_num_finished_requests_total", finish_reason="aborted") == 1)
+    r.proc.send_signal(15)
+    assert r.proc.wait(timeout=30) == 0
+    assert "SIGTERM: draining" in r.proc.stdout.read()
+
+
+def test_the_router_refuses_a_server_of_the_wrong_role(pair):
+    p, d, _ = pair
+    proc = subprocess.run([str(router_binary()), "--prefill", d.url, "--decode", d.url,
+                           "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"{d.url} is a decode server, but was given as --prefill" in proc.stderr, proc.stderr
+    proc = subprocess.run([str(router_binary()), "--prefill", p.url], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--decode" in proc.stderr
+
+
+def test_the_demo_pd_script_runs_on_a_checkpoint():
+    """`make demo-pd`'s script, on the fixture (the demo uses the tiny model)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "demo_pd.py"
+    proc = subprocess.run([sys.executable, str(script), "--bin", str(server_binary().parent),
+                           "--model", str(FIXTURE), "--users", "2", "--turns", "2",
+                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "requests 4 ok, 0 failed" in proc.stdout, proc.stdout
+    assert "prefill rooms transferred 4" in proc.stdout and "decode  rooms transferred 4" in \
+        proc.stdout, proc.stdout
+    assert "exited [0, 0, 0]" in proc.stdout
