@@ -126,8 +126,13 @@ impl Default for PdStats {
 /// reserved destination can hold; no byte may arrive twice.
 struct Incoming {
     header: Option<StateHeader>,
-    /// CRC-32C of the STATE payload (the bytes' CRC is taken once all are in).
+    /// CRC-32C of the STATE payload.
     header_crc: u32,
+    /// CRC-32C of `bytes[..crc_upto]`, taken as bytes arrive in offset order (a DATA frame
+    /// extends it when it starts where it stops), so DONE only combines the two: the reader
+    /// does it while the next frame is on its way instead of ~30 µs after the last.
+    bytes_crc: u32,
+    crc_upto: usize,
     bytes: Vec<u8>,
     /// Byte ranges received: start → end, disjoint.
     ranges: std::collections::BTreeMap<usize, usize>,
@@ -139,6 +144,8 @@ impl Incoming {
         Self {
             header: None,
             header_crc: 0,
+            bytes_crc: 0,
+            crc_upto: 0,
             bytes: vec![0; capacity],
             ranges: Default::default(),
             received: 0,
@@ -162,11 +169,37 @@ impl Incoming {
                 "DATA for bytes {start}..{end} overlaps bytes already received"
             ));
         }
+        if data.is_empty() {
+            return Ok(()); // as a range it would replace the one starting at the same byte
+        }
         self.bytes[start..end].copy_from_slice(data);
         self.ranges.insert(start, end);
         self.received += data.len();
+        // Pages sent early may have left a gap: once it is filled, the CRC runs on over them.
+        while let Some(&to) = self.ranges.get(&self.crc_upto) {
+            self.bytes_crc = crc32c::crc32c_append(self.bytes_crc, &self.bytes[self.crc_upto..to]);
+            self.crc_upto = to;
+        }
         Ok(())
     }
+
+    /// CRC-32C of the STATE payload followed by every byte, once all are in.
+    fn crc(&self) -> Option<u32> {
+        (self.crc_upto == self.bytes.len())
+            .then(|| crc32c::crc32c_combine(self.header_crc, self.bytes_crc, self.bytes.len()))
+    }
+}
+
+/// Prefill: a computed state ready to go, with its STATE frame and the CRC-32C of the STATE
+/// payload then every byte, both made when the state is computed (outside the table's lock):
+/// made when the claim comes, they would delay the room's first byte by ~0.1 ms (a 611 KiB
+/// state: 27 µs to encode the header, 72 µs of CRC).
+struct Outgoing {
+    header: StateHeader,
+    bytes: Arc<Vec<u8>>,
+    /// Taken by the one start_sending.
+    state_frame: Vec<u8>,
+    crc: u32,
 }
 
 struct Room {
@@ -182,7 +215,7 @@ struct Room {
     claimed_at: Option<Instant>,
     claim: Option<Claim>,
     /// Prefill: the state, once computed.
-    outgoing: Option<(StateHeader, Arc<Vec<u8>>)>,
+    outgoing: Option<Outgoing>,
     /// Prefill: byte ranges of the state sent ahead of it (complete pages), in order sent.
     early: Vec<std::ops::Range<usize>>,
     /// Decode: the most bytes the reserved destination can take.
@@ -470,12 +503,21 @@ impl Node {
     pub fn send(&self, room: u64, header: StateHeader, bytes: Vec<u8>) -> Result<()> {
         let inner = &self.inner;
         let mut notices = Vec::new();
+        let state_frame = wire::encode_json(Kind::State, room, &header);
+        // Over the STATE payload and every byte in offset order, however they are sent.
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&state_frame[wire::HEADER..]), &bytes);
+        let outgoing = Outgoing {
+            header,
+            bytes: Arc::new(bytes),
+            state_frame,
+            crc,
+        };
         let result = {
             let mut t = inner.table();
             match t.rooms.get_mut(&room) {
                 None => Err(inner.gone(&t, room)),
                 Some(r) => {
-                    r.outgoing = Some((header, Arc::new(bytes)));
+                    r.outgoing = Some(outgoing);
                     if r.state == RoomState::Claimed {
                         inner.start_sending(&mut t, room, &mut notices);
                     }
@@ -842,9 +884,10 @@ impl Inner {
         let Some(r) = t.rooms.get_mut(&room) else {
             return;
         };
-        let (Some(claim), Some((header, bytes))) = (&r.claim, &r.outgoing) else {
+        let (Some(claim), Some(out)) = (&r.claim, &mut r.outgoing) else {
             return;
         };
+        let (header, bytes) = (&out.header, &out.bytes);
         if claim.pages.len() != header.state.pages {
             let msg = format!(
                 "the decode reserved {} pages but the prompt's state holds {}: the two engines \
@@ -863,15 +906,13 @@ impl Inner {
             self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
             return;
         }
-        let state_frame = wire::encode_json(Kind::State, room, header);
-        // Over the STATE payload and every byte in offset order, however they were sent.
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&state_frame[wire::HEADER..]), bytes);
+        let state_frame = std::mem::take(&mut out.state_frame);
         let done = wire::encode_json(
             Kind::Done,
             room,
             &Done {
                 bytes: bytes.len() as u64,
-                crc32c: crc,
+                crc32c: out.crc,
             },
         );
         // The bytes not sent early, in offset order.
@@ -1295,7 +1336,7 @@ impl Inner {
                 (Side::Prefill, Kind::Ack) if ours => {
                     if let Some(mut r) = t.rooms.remove(&room) {
                         r.state = RoomState::Done;
-                        let bytes = r.outgoing.as_ref().map_or(0, |o| o.1.len());
+                        let bytes = r.outgoing.as_ref().map_or(0, |o| o.bytes.len());
                         t.transferred(room, bytes, r.claimed_at);
                         notices.push(Notice::Transferred {
                             room,
@@ -1504,8 +1545,15 @@ impl Inner {
                         inc.bytes.len()
                     )));
                 }
-                // Disjoint ranges adding up to the length cover every byte once.
-                let crc = crc32c::crc32c_append(inc.header_crc, &inc.bytes);
+                // Disjoint ranges adding up to the length cover every byte once, so the
+                // running CRC has reached the end.
+                let crc = inc.crc().ok_or_else(|| {
+                    mismatch(format!(
+                        "the bytes are in but their CRC stopped at byte {} of {} (a dsv4 bug)",
+                        inc.crc_upto,
+                        inc.bytes.len()
+                    ))
+                })?;
                 if done.crc32c != crc {
                     return Err((
                         FailReason::Checksum,
@@ -1609,5 +1657,38 @@ impl Inner {
                 t = self.table();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Incoming;
+
+    /// The running CRC equals one taken over the STATE payload and all bytes in offset order,
+    /// whatever order the ranges came in (pages sent early leave gaps filled later).
+    #[test]
+    fn the_running_crc_is_the_crc_of_the_bytes_in_offset_order() {
+        let header = b"{\"state\": 1}";
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let want = crc32c::crc32c_append(crc32c::crc32c(header), &bytes);
+        for order in [
+            vec![0..4000, 4000..10_000],
+            vec![4000..8000, 0..4000, 8000..10_000],
+            vec![8000..10_000, 4000..8000, 0..10, 10..4000],
+        ] {
+            let mut inc = Incoming::new(bytes.len());
+            inc.header_crc = crc32c::crc32c(header);
+            for (i, r) in order.iter().enumerate() {
+                assert_eq!(inc.crc(), None, "{order:?}: not all bytes are in after {i}");
+                inc.put(r.start as u64, &bytes[r.clone()]).unwrap();
+                inc.put(r.start as u64, &[]).unwrap(); // an empty frame changes nothing
+            }
+            assert_eq!(inc.crc(), Some(want), "{order:?}");
+            assert_eq!(inc.bytes, bytes);
+        }
+        let mut inc = Incoming::new(10);
+        inc.put(2, &[1, 2, 3]).unwrap();
+        assert!(inc.put(4, &[9]).unwrap_err().contains("overlaps"));
+        assert!(inc.put(8, &[0; 3]).unwrap_err().contains("runs past"));
     }
 }
