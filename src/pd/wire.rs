@@ -141,6 +141,21 @@ impl From<io::Error> for ReadError {
 /// Reads one frame with `read_exact`-like semantics over `r`; `fill` does the reading (the
 /// link's reader retries timeouts there while the peer is not yet declared dead).
 pub fn read_frame(fill: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> Result<Frame, ReadError> {
+    let (kind, len, room) = read_header(fill)?;
+    let mut payload = vec![0u8; len];
+    fill(&mut payload)?;
+    Ok(Frame {
+        kind,
+        room,
+        payload,
+    })
+}
+
+/// Reads and checks one frame's header: its kind, payload length (within the kind's cap) and
+/// room. The payload is the caller's to read.
+pub fn read_header(
+    fill: &mut dyn FnMut(&mut [u8]) -> io::Result<()>,
+) -> Result<(Kind, usize, u64), ReadError> {
     let mut header = [0u8; HEADER];
     fill(&mut header)?;
     let kind = Kind::from_u8(header[0])
@@ -158,13 +173,7 @@ pub fn read_frame(fill: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> Result<F
             kind.max_payload()
         )));
     }
-    let mut payload = vec![0u8; len];
-    fill(&mut payload)?;
-    Ok(Frame {
-        kind,
-        room,
-        payload,
-    })
+    Ok((kind, len, room))
 }
 
 /// Reads one frame from a blocking reader.
