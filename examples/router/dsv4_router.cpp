@@ -19,8 +19,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
-#include <pthread.h>
-#include <signal.h>
+#include "../http/serve.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -104,6 +103,8 @@ struct exchange {
     bool prefill_done = false;
     reply prefill;
     bool decode_headers = false, decode_done = false;
+    // The decode's answer broke off after its headers (the server died mid-answer).
+    bool decode_broken = false;
     reply decode;                     // status and content type; body only when not streamed
     std::deque<std::string> chunks;   // the decode's body, streamed
     bool client_gone = false;
@@ -134,11 +135,21 @@ public:
         });
     }
 
-    // Waits until the requests in flight have ended (SIGTERM), at most `limit`.
-    void drain(std::chrono::seconds limit) {
+    // SIGTERM: new requests get 503; waits (at most `limit`) for the streams still open.
+    void stop_accepting(std::chrono::seconds limit) {
+        stopping_ = true;
+        (void)streams_.wait(limit);
+    }
+
+    // Waits until the calls to servers have ended (the last aborts), at most `limit`; false if
+    // some have not (their threads use this router: the caller must not destroy it then).
+    bool drain(std::chrono::seconds limit) {
         const auto deadline = std::chrono::steady_clock::now() + limit;
-        while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline)
+        while (in_flight_.load() > 0) {
+            if (std::chrono::steady_clock::now() >= deadline) return false;
             std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        return true;
     }
 
 private:
@@ -146,7 +157,25 @@ private:
 
     void count(outcome o) { outcomes_[o].fetch_add(1); }
 
+    // Starts `f` on a detached thread; if the thread cannot start, takes back its count and
+    // rethrows (httplib answers 500).
+    template <typename F>
+    void start_or_uncount(F &&f) {
+        try {
+            std::thread(std::forward<F>(f)).detach();
+        } catch (...) {
+            in_flight_.fetch_sub(1);
+            throw;
+        }
+    }
+
     void forward(const std::string &path, const httplib::Request &req, httplib::Response &res) {
+        if (stopping_.load()) {
+            res.status = 503;
+            res.set_content(error_json(503, "DSV4_ERR_SHUTDOWN", "the router is shutting down (SIGTERM)").dump(),
+                            "application/json");
+            return;
+        }
         json j;
         try {
             j = json::parse(req.body);
@@ -179,9 +208,11 @@ private:
         dj["bootstrap_port"] = p.bootstrap_port;
 
         auto x = std::make_shared<exchange>();
-        in_flight_.fetch_add(2);
         const time_t timeout = timeout_s_;
-        std::thread([this, x, &p, &d, path, rid, body = pj.dump(), timeout] {
+        // Counted as each starts: a thread that fails to start (httplib answers 500) leaves
+        // no count behind.
+        in_flight_.fetch_add(1);
+        start_or_uncount([this, x, &p, &d, path, rid, body = pj.dump(), timeout] {
             reply r = post(p, path, body, timeout);
             const bool failed = r.status != 200;
             {
@@ -192,8 +223,9 @@ private:
             x->cv.notify_all();
             if (failed) abort_on(d, rid);  // else the decode waits for its room until the timeout
             in_flight_.fetch_sub(1);
-        }).detach();
-        std::thread([this, x, &p, &d, path, rid, body = dj.dump(), timeout, stream] {
+        });
+        in_flight_.fetch_add(1);
+        start_or_uncount([this, x, &p, &d, path, rid, body = dj.dump(), timeout, stream] {
             call_decode(*x, d, path, body, timeout, stream);
             bool failed;
             {
@@ -202,7 +234,7 @@ private:
             }
             if (failed) abort_on(p, rid);  // else the prefill holds the room's pages until the timeout
             in_flight_.fetch_sub(1);
-        }).detach();
+        });
 
         std::unique_lock<std::mutex> lock(x->mu);
         // The prefill's answer comes when its room has been handed over, about when the decode's
@@ -210,13 +242,19 @@ private:
         // its status, not as a broken stream.
         x->cv.wait(lock, [&] { return x->prefill_done || x->decode_failed(); });
         if (x->prefill_failed()) {
+            // At once: the decode's half is being aborted by the prefill's thread (which, with
+            // the decode's, holds `x` until it ends).
             count(refused_prefill);
-            x->cv.wait(lock, [&] { return x->decode_done; });  // aborted by the prefill thread
             send(res, x->prefill);
             return;
         }
         if (x->decode_failed() || !stream) {
             x->cv.wait(lock, [&] { return x->decode_done; });
+            if (x->decode_broken) {
+                count(refused_decode);
+                send(res, unreachable(d, "the answer broke off"));
+                return;
+            }
             count(x->decode.status == 200 ? ok : refused_decode);
             send(res, x->decode);
             return;
@@ -236,6 +274,7 @@ private:
                 std::unique_lock<std::mutex> lock(x->mu);
                 x->cv.wait(lock, [&] { return !x->chunks.empty() || x->decode_done; });
                 if (x->chunks.empty()) {
+                    if (x->decode_broken) return false;  // the client sees the stream break too
                     sink.done();
                     return true;
                 }
@@ -250,7 +289,8 @@ private:
                     return false;
                 }
                 return true;
-            });
+            },
+            streams_.open());
     }
 
     // The decode's half: its status as soon as the headers come, then its body, streamed into
@@ -288,6 +328,8 @@ private:
         const bool answered = c->send(req, res, err);
         std::lock_guard<std::mutex> lock(x.mu);
         if (!answered && !x.decode_headers) x.decode = unreachable(d, httplib::to_string(err));
+        // Cut off after the headers, not by us (a client that left cancels the call).
+        else if (!answered && !x.client_gone) x.decode_broken = true;
         x.decode_done = true;
         x.cv.notify_all();
     }
@@ -340,6 +382,8 @@ private:
     time_t timeout_s_;
     std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, next_room_{0};
     std::atomic<int64_t> in_flight_{0};
+    std::atomic<bool> stopping_{false};
+    serve::streams streams_;
     std::atomic<uint64_t> outcomes_[n_outcomes] = {};
 };
 
@@ -413,11 +457,7 @@ int main(int argc, char **argv) {
     if (port < 0 || port > 65535) return usage("--port must be 0..65535");
     if (timeout_s <= 0 || wait_s < 0 || threads <= 0) return usage("--timeout and --http-threads must be positive");
 
-    sigset_t signals;
-    sigemptyset(&signals);
-    sigaddset(&signals, SIGTERM);
-    sigaddset(&signals, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    const sigset_t signals = serve::block_stop_signals();
 
     try {
         std::vector<std::unique_ptr<backend>> prefills, decodes;
@@ -430,35 +470,22 @@ int main(int argc, char **argv) {
         // its 429s) instead of waiting unseen in the router.
         http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
         r.routes(http);
-        const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
-        if (bound < 0) {
-            std::fprintf(stderr, "dsv4-router: cannot listen on %s:%d (in use, or not an address here)\n", host.c_str(), port);
-            return 1;
-        }
+        const int bound = serve::bind(http, "dsv4-router", host, port);
+        if (bound < 0) return 1;
         std::printf("dsv4-router: %zu prefill, %zu decode; listening on http://%s:%d\n", prefill_urls.size(),
                     decode_urls.size(), host.c_str(), bound);
         std::fflush(stdout);
-        std::atomic<bool> stopping{false}, main_done{false};
-        std::thread stopper([&] {
-            int sig = 0;
-            sigwait(&signals, &sig);
-            if (main_done.load()) return;
-            stopping = true;
-            std::printf("dsv4-router: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-            std::fflush(stdout);
-            http.stop();
-        });
-        const bool listened = http.listen_after_bind();
-        if (!stopping.load()) {
-            main_done = true;
-            pthread_kill(stopper.native_handle(), SIGTERM);
+        // On a signal: refuse new requests and let the streams finish before the listener stops
+        // (it waits for the other requests in flight); then the calls they left (aborts).
+        const bool ok = serve::until_signal(http, signals, "dsv4-router",
+                                            [&] { r.stop_accepting(std::chrono::seconds(timeout_s)); });
+        if (!r.drain(std::chrono::seconds(timeout_s))) {
+            // Their threads use the router: leave without destroying it.
+            std::fprintf(stderr, "dsv4-router: calls to servers still open after --timeout %ld s; exiting\n", timeout_s);
+            std::fflush(stderr);
+            std::_Exit(1);
         }
-        stopper.join();
-        r.drain(std::chrono::seconds(timeout_s));
-        if (!listened && !stopping.load()) {
-            std::fprintf(stderr, "dsv4-router: the listener failed\n");
-            return 1;
-        }
+        if (!ok) return 1;
         std::printf("dsv4-router: stopped\n");
         return 0;
     } catch (const std::exception &e) {

@@ -21,8 +21,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
-#include <pthread.h>
-#include <signal.h>
+#include "../http/serve.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -127,6 +126,7 @@ struct job {
     dsv4::request request{std::vector<int32_t>{}};
     bool stream = false;
     std::string rid;
+    uint32_t prompt_tokens = 0;
 };
 
 // The PD and request-id fields every generation API takes (SGLang's names): "bootstrap_room",
@@ -141,18 +141,26 @@ void routing_fields(const json &j, job &jb) {
                            std::to_string(field<int>(j, "bootstrap_port", 0)));
     }
     jb.rid = field<std::string>(j, "rid", "");
+    if (jb.rid.size() > 256) throw bad_request("rid is longer than 256 bytes: use a shorter id");
 }
 
 // Requests by their caller's "rid", so POST /abort_request can reach them. An abort may arrive
 // before its request (a router aborts the decode's half when the prefill refuses, and the two
-// race): such a rid is remembered for a minute and its request aborted as it is submitted.
+// race): such a rid is remembered for a minute and its request is answered as aborted without
+// running. Rids that ended recently are remembered too, so a late abort of one (a router's,
+// after its request finished) is not taken for an early one.
 class rid_registry {
 public:
-    // Registers a submitted request; false when the rid was aborted before it came (the caller
+    // True (and forgotten) when `rid` was aborted before its request came.
+    bool aborted_before(const std::string &rid) {
+        std::lock_guard<std::mutex> lock(mu_);
+        return early_.erase(rid) > 0;
+    }
+
+    // Registers a submitted request; false when the rid was aborted meanwhile (the caller
     // aborts the request then).
     bool add(const std::string &rid, uint64_t id) {
         std::lock_guard<std::mutex> lock(mu_);
-        prune();
         if (early_.erase(rid)) return false;
         if (!live_.emplace(rid, id).second) throw bad_request("rid " + rid + " is already in flight: pick another");
         return true;
@@ -161,29 +169,40 @@ public:
     void remove(const std::string &rid) {
         std::lock_guard<std::mutex> lock(mu_);
         live_.erase(rid);
+        remember(ended_, rid);
     }
 
-    // The request's id, or nothing (then the rid is remembered as aborted early).
+    // The request's id, or nothing (then the rid is remembered as aborted early, unless its
+    // request already ended).
     std::optional<uint64_t> take_for_abort(const std::string &rid) {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = live_.find(rid);
         if (it != live_.end()) return it->second;
-        prune();
-        if (early_.size() < kMaxEarly) early_[rid] = std::chrono::steady_clock::now();
+        if (!ended_.count(rid)) remember(early_, rid);
         return std::nullopt;
     }
 
 private:
-    static constexpr size_t kMaxEarly = 4096;
+    using clock = std::chrono::steady_clock;
+    using recent = std::unordered_map<std::string, clock::time_point>;
+    static constexpr size_t kMax = 4096;
 
-    void prune() {
-        const auto cutoff = std::chrono::steady_clock::now() - std::chrono::seconds(60);
-        for (auto it = early_.begin(); it != early_.end();) it = it->second < cutoff ? early_.erase(it) : std::next(it);
+    // Adds `rid` to `set`, dropping what is older than a minute and, when still full, the
+    // oldest entry (never the new one).
+    static void remember(recent &set, const std::string &rid) {
+        const auto now = clock::now();
+        for (auto it = set.begin(); it != set.end();) it = now - it->second > std::chrono::seconds(60) ? set.erase(it) : std::next(it);
+        if (set.size() >= kMax) {
+            auto oldest = std::min_element(set.begin(), set.end(),
+                                           [](const auto &a, const auto &b) { return a.second < b.second; });
+            set.erase(oldest);
+        }
+        set[rid] = now;
     }
 
     std::mutex mu_;
     std::unordered_map<std::string, uint64_t> live_;
-    std::unordered_map<std::string, std::chrono::steady_clock::time_point> early_;
+    recent early_, ended_;
 };
 
 dsv4::request build(const dsv4::engine &engine, std::vector<int32_t> prompt, const sampling &s) {
@@ -330,6 +349,7 @@ private:
         } else {
             throw bad_request("pass input_ids (token ids) or text");
         }
+        jb.prompt_tokens = static_cast<uint32_t>(prompt.size());
         jb.request = build(engine_, std::move(prompt), s);
         routing_fields(j, jb);
         jb.stream = field<bool>(j, "stream", false);
@@ -367,6 +387,7 @@ private:
                 throw bad_request("prompt must be a string or a list of token ids");
             }
         }
+        jb.prompt_tokens = static_cast<uint32_t>(prompt.size());
         jb.request = build(engine_, std::move(prompt), s);
         routing_fields(j, jb);
         jb.stream = field<bool>(j, "stream", false);
@@ -414,7 +435,38 @@ private:
         std::string rid;
     };
 
+    // A request whose rid was aborted before it came: answered as aborted, never submitted (a
+    // PD decode's half must not claim its room).
+    void answer_aborted(const job &jb, httplib::Response &res, api a) {
+        outcome o;
+        o.last.kind = dsv4::event_kind::finished;
+        o.last.finish_reason = dsv4::finish_reason::aborted;
+        o.last.prompt_tokens = jb.prompt_tokens;
+        const std::string id = "cmpl-aborted";
+        if (!jb.stream) {
+            res.set_content(final_json(a, o, id).dump(), "application/json");
+            return;
+        }
+        json last = final_json(a, o, id);
+        if (a != api::sglang) {
+            json choice = {{"index", 0}, {"finish_reason", openai_finish(o.last.finish_reason)}};
+            if (a == api::chat) choice["delta"] = json::object();
+            else choice["text"] = "";
+            last = {{"id", id},
+                    {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
+                    {"model", model_name_},
+                    {"choices", json::array({choice})},
+                    {"usage", final_json(api::completions, o, id)["usage"]}};
+        }
+        res.set_header("Cache-Control", "no-cache");
+        res.set_content(sse(last) + "data: [DONE]\n\n", "text/event-stream");
+    }
+
     void run(job jb, httplib::Response &res, api a) {
+        if (!jb.rid.empty() && rids_.aborted_before(jb.rid)) {
+            answer_aborted(jb, res, a);
+            return;
+        }
         auto stream = std::make_shared<dsv4::stream>(engine_.submit(jb.request));
         const std::string id = "cmpl-" + std::to_string(stream->id());
         std::shared_ptr<rid_entry> rid;
@@ -427,7 +479,7 @@ private:
                 throw;
             }
             if (fresh) rid = std::make_shared<rid_entry>(rids_, jb.rid);
-            else stream->abort();  // aborted before it came
+            else stream->abort();  // aborted between the check above and the submit
         }
         std::shared_ptr<dsv4::detokenizer> detok;
         if (has_tokenizer_) detok = std::make_shared<dsv4::detokenizer>(engine_);
@@ -507,11 +559,19 @@ private:
                 }
                 if (!sink.write(chunk.data(), chunk.size())) return false;  // gone: abort
                 return true;
-            });
+            },
+            streams_.open());
     }
+
+public:
+    // SIGTERM: after the engine drained, its streams' last chunks still have to go out.
+    bool wait_streams(std::chrono::milliseconds limit) const { return streams_.wait(limit); }
+
+private:
 
     dsv4::engine &engine_;
     rid_registry rids_;
+    serve::streams streams_;
     bool has_tokenizer_ = false;
     std::string model_name_;
 };
@@ -546,13 +606,9 @@ int main(int argc, char **argv) {
     if (params_path.empty()) return usage("--params is required");
     if (port < 0 || port > 65535) return usage("--port must be 0..65535");
 
-    // SIGTERM and SIGINT are taken by a thread of their own (sigwait), so they are blocked in
-    // every thread, the engine's and the HTTP pool's included: block them before any starts.
-    sigset_t signals;
-    sigemptyset(&signals);
-    sigaddset(&signals, SIGTERM);
-    sigaddset(&signals, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    // SIGTERM and SIGINT are taken by a thread of their own, so they are blocked in every
+    // thread, the engine's and the HTTP pool's included: block them before any starts.
+    const sigset_t signals = serve::block_stop_signals();
 
     try {
         dsv4::engine engine(read_file(params_path));
@@ -564,44 +620,29 @@ int main(int argc, char **argv) {
         // in httplib's own queue (its default pool is 8 threads).
         if (threads <= 0) {
             const json p = json::parse(engine.params_resolved());
-            threads = p["kv"].value("max_running_requests", 32) + p["admission"].value("max_queued_requests", 256) + 16;
+            const int64_t want = p["kv"].value("max_running_requests", int64_t{32}) +
+                                 p["admission"].value("max_queued_requests", int64_t{256}) + 16;
+            // httplib starts every thread up front: a huge queue gets 4096 (the rest wait in
+            // httplib's queue; --http-threads sets more).
+            threads = static_cast<int>(std::min<int64_t>(want, 4096));
         }
         http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
         routes.routes(http);
-        const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
-        if (bound < 0) {
-            std::fprintf(stderr, "dsv4-server: cannot listen on %s:%d (in use, or not an address here)\n", host.c_str(), port);
-            return 1;
-        }
+        const int bound = serve::bind(http, "dsv4-server", host, port);
+        if (bound < 0) return 1;
         // The line a supervisor (or a test) waits for.
         std::printf("dsv4-server: listening on http://%s:%d\n", host.c_str(), bound);
         std::fflush(stdout);
-        std::atomic<bool> draining{false}, main_done{false};
-        std::thread drain([&] {
-            int sig = 0;
-            sigwait(&signals, &sig);
-            if (main_done.load()) return;  // woken by main: the server has already stopped
-            draining = true;
-            std::printf("dsv4-server: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-            std::fflush(stdout);
+        const bool ok = serve::until_signal(http, signals, "dsv4-server", [&] {
             try {
                 engine.shutdown(dsv4::shutdown_mode::drain);  // new requests get 503 meanwhile
             } catch (const dsv4::error &e) {
                 std::fprintf(stderr, "dsv4-server: drain failed: %s\n", e.what());
             }
-            http.stop();
+            if (!routes.wait_streams(std::chrono::seconds(30)))
+                std::fprintf(stderr, "dsv4-server: streams still open 30 s after the drain; stopping anyway\n");
         });
-        const bool listened = http.listen_after_bind();
-        if (!draining.load()) {
-            // The listener ended on its own: wake the signal thread (it waits for SIGTERM).
-            main_done = true;
-            pthread_kill(drain.native_handle(), SIGTERM);
-        }
-        drain.join();
-        if (!listened && !draining.load()) {
-            std::fprintf(stderr, "dsv4-server: the listener failed\n");
-            return 1;
-        }
+        if (!ok) return 1;
         std::printf("dsv4-server: stopped\n");
         return 0;
     } catch (const dsv4::error &e) {

@@ -116,6 +116,8 @@ def sse_events(port, path, body):
             data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
     assert b" 200 " in head.split(b"\r\n")[0] and b"text/event-stream" in head, head
+    if b"transfer-encoding: chunked" not in head.lower():  # a whole body (Content-Length)
+        return [e[len("data: "):] for e in rest.decode().split("\n\n") if e]
     # Chunked transfer encoding: size line, data, CRLF.
     text = b""
     while rest:
@@ -330,16 +332,29 @@ def test_abort_request_by_rid(server):
     t.join(timeout=60)
     status, _, got = result["r1"]
     assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "aborted"}, got
-    # Ended: its rid is free again, and aborting it finds nothing (but is remembered...).
+    # Ended: aborting it again finds nothing, and is not taken for an early abort (a router's
+    # late abort must not kill the rid's next use).
     assert server.json("/abort_request", {"rid": "r1"})[2] == {"aborted": False}
-    # ... so the request that comes after is aborted as it is submitted (the engine may have
-    # stepped it once in between).
-    status, _, got = server.json("/generate", body)
-    assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "aborted"}, got
-    assert len(got["output_ids"]) <= 1
-    # A rid aborted once is forgotten when its request comes: the next one runs.
-    status, _, got = server.json("/generate", {**body, "sampling_params": {"max_new_tokens": 2,
-                                                                         **GREEDY}})
+    short = {"max_new_tokens": 2, **GREEDY}
+    status, _, got = server.json("/generate", {**body, "sampling_params": short})
     assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "length"}, got
+    # An abort before its request: the request is answered as aborted without running.
+    assert server.json("/abort_request", {"rid": "r2"})[2] == {"aborted": False}
+    status, _, got = server.json("/generate", {**body, "rid": "r2"})
+    assert status == 200 and got["output_ids"] == [], got
+    assert got["meta_info"]["finish_reason"] == {"type": "aborted"}
+    assert got["meta_info"]["prompt_tokens"] == len(PROMPT)
+    # Streamed too: one final chunk, then [DONE].
+    assert server.json("/abort_request", {"rid": "r3"})[2] == {"aborted": False}
+    events = sse_events(server.port, "/v1/completions", {"prompt": PROMPT, "rid": "r3",
+                                                          "stream": True, "max_tokens": 5})
+    assert len(events) == 2 and events[1] == "[DONE]", events
+    last = json.loads(events[0])
+    assert last["choices"][0]["finish_reason"] == "abort" and last["usage"]["completion_tokens"] == 0
+    # ... once: the rid's next request runs.
+    status, _, got = server.json("/generate", {**body, "rid": "r2", "sampling_params": short})
+    assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "length"}, got
+    status, _, err = server.json("/generate", {**body, "rid": "x" * 257})
+    assert status == 400 and "256 bytes" in err["error"]["message"]
     status, _, err = server.json("/abort_request", {})
     assert status == 400 and "rid" in err["error"]["message"]
