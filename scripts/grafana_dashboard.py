@@ -153,8 +153,13 @@ ROWS = [
          "that server's error status to the client."),
         ("Requests per server", "reqps", [
             (f"sum by (role, url) ({router_rate('dsv4_router_server_requests_total')})",
-             "{{role}} {{url}}")],
-         "dsv4-router: requests sent to each server."),
+             "{{role}} {{url}}"),
+            (f"sum({router_rate('dsv4_router_retries_total')})", "retried elsewhere")],
+         "dsv4-router: requests (tries included) sent to each server, and retries."),
+        ("Servers in rotation and their load", "short", [
+            ("max by (role, url) (dsv4_router_server_up)", "{{role}} {{url}} up"),
+            ("max by (role, url) (dsv4_router_server_load)", "{{role}} {{url}} load")],
+         "dsv4-router: 1 while a server's /health answers; the load it picks by."),
     ]),
 ]
 

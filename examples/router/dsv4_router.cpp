@@ -1,16 +1,21 @@
 // dsv4-router: one HTTP front end over dsv4-server instances in the prefill and decode roles.
 //
 //   dsv4-router --prefill URL [URL...] --decode URL [URL...] [--host 127.0.0.1] [--port 30080]
-//               [--timeout SECONDS] [--wait SECONDS] [--http-threads N]
+//               [--timeout SECONDS] [--wait SECONDS] [--http-threads N] [--retries 2] [--poll-ms 500]
 //
 // For each request (POST /generate, /v1/completions, /v1/chat/completions, the bodies
-// dsv4-server takes) it picks a prefill and a decode server round robin, assigns a room, and
+// dsv4-server takes) it picks the least loaded prefill and decode server in rotation (each
+// server's /metrics, polled every --poll-ms: requests queued and running, PD rooms in flight, KV
+// usage; plus the calls the router has open to it), assigns a room, and
 // sends the same body to both at once: to the prefill with the room, to the decode with the
 // room and the prefill's endpoint (bootstrap_host/bootstrap_port, read from the prefill's
 // /server_info at start). The client gets the decode's answer, streamed as it comes when it
 // asked for a stream. When one side refuses or fails, the router aborts the other side's half
 // (POST /abort_request with the "rid" it gave both) and answers with the failing side's status
-// and body: a 429 from a prefill reaches the client as that 429, not as a decode timeout.
+// and body: a 429 from a prefill reaches the client as that 429, not as a decode timeout. A
+// refusal with 429 or 503, or a server that does not answer, is first tried again (up to
+// --retries times) on other servers, as long as nothing has reached the client. A server whose
+// /health fails (or that refuses connections) leaves the rotation until /health answers again.
 //
 // GET /health   200 when every server answers its /health with 200, else 503; per-server states
 // GET /metrics  the router's own counters (requests by outcome, in flight, per server)
@@ -52,7 +57,44 @@ struct backend {
     std::string bootstrap_host;
     int bootstrap_port = 0;
     std::atomic<uint64_t> requests{0};
+    // In rotation: its /health answered 200 at the last poll, and no call to it has failed to
+    // connect since.
+    mutable std::atomic<bool> up{true};  // taken out of rotation through const references too
+    // Its load at the last poll of its /metrics: requests queued and running, PD rooms in
+    // flight; for a decode server plus twice its KV usage (0..1), so the one with more pages
+    // free breaks ties (a prefill's pages are mostly its prefix cache, which it evicts).
+    std::atomic<double> polled_load{0.0};
+    // Calls the router has open to it now (counted at once, between polls).
+    std::atomic<int64_t> open_calls{0};
+
+    double load() const { return polled_load.load() + static_cast<double>(open_calls.load()); }
 };
+
+// The load a server's exposition shows (see backend::polled_load); every sample of a series
+// counts (a server may add labels of its own).
+double load_of(const std::string &exposition, bool with_usage) {
+    double load = 0.0;
+    std::istringstream lines(exposition);
+    std::string line;
+    while (std::getline(lines, line)) {
+        if (line.empty() || line[0] == '#') continue;
+        const size_t name_end = line.find_first_of("{ ");
+        const size_t value_at = line.rfind(' ');
+        if (name_end == std::string::npos || value_at == std::string::npos) continue;
+        const std::string name = line.substr(0, name_end);
+        const double v = std::strtod(line.c_str() + value_at + 1, nullptr);
+        if (name == "dsv4_num_queue_reqs" || name == "dsv4_num_running_reqs" ||
+            name == "dsv4_num_prefill_bootstrap_queue_reqs" || name == "dsv4_num_prefill_inflight_queue_reqs" ||
+            name == "dsv4_num_decode_prealloc_queue_reqs" || name == "dsv4_num_decode_transfer_queue_reqs")
+            load += v;
+        else if (with_usage && name == "dsv4_token_usage")
+            load += 2.0 * v;
+    }
+    return load;
+}
+
+// A refusal worth trying on another server: queue full (429), draining (503), no answer (502).
+bool retryable(int status) { return status == 429 || status == 502 || status == 503; }
 
 // The answer of one call to a server: its status (0: no answer), content type and body.
 struct reply {
@@ -116,12 +158,22 @@ struct exchange {
 class router {
 public:
     router(std::vector<std::unique_ptr<backend>> prefills, std::vector<std::unique_ptr<backend>> decodes,
-           time_t timeout_s)
-        : prefills_(std::move(prefills)), decodes_(std::move(decodes)), timeout_s_(timeout_s) {
+           time_t timeout_s, int retries, std::chrono::milliseconds poll)
+        : prefills_(std::move(prefills)), decodes_(std::move(decodes)), timeout_s_(timeout_s), retries_(retries) {
         // Rooms from a random 63-bit start, so two routers (or a restarted one) in front of the
         // same servers do not hand out the same rooms.
         std::random_device rd;
         next_room_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) & (UINT64_MAX >> 2);
+        poller_ = std::thread([this, poll] { poll_loop(poll); });
+    }
+
+    ~router() {
+        {
+            std::lock_guard<std::mutex> lock(poll_mu_);
+            polling_ = false;
+        }
+        poll_cv_.notify_all();
+        poller_.join();
     }
 
     void routes(httplib::Server &http) {
@@ -157,13 +209,14 @@ private:
 
     void count(outcome o) { outcomes_[o].fetch_add(1); }
 
-    // Starts `f` on a detached thread; if the thread cannot start, takes back its count and
+    // Starts `f` on a detached thread; if the thread cannot start, takes back its counts and
     // rethrows (httplib answers 500).
     template <typename F>
-    void start_or_uncount(F &&f) {
+    void start_or_uncount(backend &b, F &&f) {
         try {
             std::thread(std::forward<F>(f)).detach();
         } catch (...) {
+            b.open_calls.fetch_sub(1);
             in_flight_.fetch_sub(1);
             throw;
         }
@@ -194,8 +247,75 @@ private:
             return;
         }
         const bool stream = j.value("stream", false);
-        backend &p = *prefills_[next_prefill_.fetch_add(1) % prefills_.size()];
-        backend &d = *decodes_[next_decode_.fetch_add(1) % decodes_.size()];
+        // Tries on other servers while a server refuses with 429 / 503 or does not answer and
+        // nothing has reached the client yet.
+        std::vector<const backend *> refused;
+        reply last;
+        outcome last_outcome = refused_decode;
+        for (int attempt = 0;; attempt++) {
+            backend *p = pick(prefills_, next_prefill_, refused, attempt == 0);
+            backend *d = pick(decodes_, next_decode_, refused, attempt == 0);
+            if (!p || !d) {
+                // Every server of a role refused this request (or is down): the last answer.
+                count(last_outcome);
+                send(res, last.status ? last : unreachable_all(!p ? "prefill" : "decode"));
+                return;
+            }
+            outcome_of_try t = try_once(path, j, stream, *p, *d);
+            if (t.x) {  // a stream whose headers came: it is the client's now
+                count(ok);
+                stream_to(res, t.x);
+                return;
+            }
+            if (t.refused_by && retryable(t.r.status) && attempt < retries_) {
+                refused.push_back(t.refused_by);
+                if (t.r.status == 502) mark_down(*t.refused_by, "a call did not connect or broke off");
+                retries_total_.fetch_add(1);
+                last = std::move(t.r);
+                last_outcome = t.refused_by->role == "prefill" ? refused_prefill : refused_decode;
+                continue;
+            }
+            count(t.r.status == 200 ? ok : (t.refused_by && t.refused_by->role == "prefill" ? refused_prefill : refused_decode));
+            send(res, t.r);
+            return;
+        }
+    }
+
+    // What one try of a request came to: a stream for the client (`x`), or an answer `r`, with
+    // the server that refused or failed it (`refused_by`).
+    struct outcome_of_try {
+        std::shared_ptr<exchange> x;
+        reply r;
+        const backend *refused_by = nullptr;
+    };
+
+    // The least loaded server of `group` in rotation and not in `refused` (ties: round robin);
+    // on a first try, a server out of rotation when none is in (its last poll may be stale).
+    backend *pick(std::vector<std::unique_ptr<backend>> &group, std::atomic<uint64_t> &turn,
+                  const std::vector<const backend *> &refused, bool first) {
+        const size_t n = group.size(), start = turn.fetch_add(1);
+        for (bool need_up : {true, false}) {
+            if (!need_up && !first) break;
+            backend *best = nullptr;
+            for (size_t k = 0; k < n; k++) {
+                backend *b = group[(start + k) % n].get();
+                if (need_up && !b->up.load()) continue;
+                if (std::find(refused.begin(), refused.end(), b) != refused.end()) continue;
+                if (!best || b->load() < best->load()) best = b;
+            }
+            if (best) return best;
+        }
+        return nullptr;
+    }
+
+    reply unreachable_all(const std::string &role) const {
+        reply r;
+        r.status = 502;
+        r.body = error_json(502, "BAD_GATEWAY", "no " + role + " server is in rotation (every /health failed): see the router's /health").dump();
+        return r;
+    }
+
+    outcome_of_try try_once(const std::string &path, const json &j, bool stream, backend &p, backend &d) {
         p.requests.fetch_add(1);
         d.requests.fetch_add(1);
         const uint64_t room = next_room_.fetch_add(1) & (UINT64_MAX >> 1);
@@ -212,7 +332,8 @@ private:
         // Counted as each starts: a thread that fails to start (httplib answers 500) leaves
         // no count behind.
         in_flight_.fetch_add(1);
-        start_or_uncount([this, x, &p, &d, path, rid, body = pj.dump(), timeout] {
+        p.open_calls.fetch_add(1);
+        start_or_uncount(p, [this, x, &p, &d, path, rid, body = pj.dump(), timeout] {
             reply r = post(p, path, body, timeout);
             const bool failed = r.status != 200;
             {
@@ -222,51 +343,59 @@ private:
             }
             x->cv.notify_all();
             if (failed) abort_on(d, rid);  // else the decode waits for its room until the timeout
+            p.open_calls.fetch_sub(1);
             in_flight_.fetch_sub(1);
         });
         in_flight_.fetch_add(1);
-        start_or_uncount([this, x, &p, &d, path, rid, body = dj.dump(), timeout, stream] {
+        d.open_calls.fetch_add(1);
+        start_or_uncount(d, [this, x, &p, &d, path, rid, body = dj.dump(), timeout, stream] {
             call_decode(*x, d, path, body, timeout, stream);
             bool failed;
             {
                 std::lock_guard<std::mutex> lock(x->mu);
-                failed = x->decode.status != 200;
+                failed = x->decode.status != 200 || x->decode_broken;
             }
             if (failed) abort_on(p, rid);  // else the prefill holds the room's pages until the timeout
+            d.open_calls.fetch_sub(1);
             in_flight_.fetch_sub(1);
         });
 
+        outcome_of_try t;
         std::unique_lock<std::mutex> lock(x->mu);
         // The prefill's answer comes when its room has been handed over, about when the decode's
         // first token does; waiting for it lets a refusal on either side reach the client as
-        // its status, not as a broken stream.
+        // its status (or be tried elsewhere), not as a broken stream.
         x->cv.wait(lock, [&] { return x->prefill_done || x->decode_failed(); });
         if (x->prefill_failed()) {
             // At once: the decode's half is being aborted by the prefill's thread (which, with
             // the decode's, holds `x` until it ends).
-            count(refused_prefill);
-            send(res, x->prefill);
-            return;
+            t.r = x->prefill;
+            t.refused_by = &p;
+            return t;
         }
         if (x->decode_failed() || !stream) {
             x->cv.wait(lock, [&] { return x->decode_done; });
             if (x->decode_broken) {
-                count(refused_decode);
-                send(res, unreachable(d, "the answer broke off"));
-                return;
+                t.r = unreachable(d, "the answer broke off");
+                t.refused_by = &d;
+            } else {
+                t.r = x->decode;
+                if (t.r.status != 200) t.refused_by = &d;
             }
-            count(x->decode.status == 200 ? ok : refused_decode);
-            send(res, x->decode);
-            return;
+            return t;
         }
         x->cv.wait(lock, [&] { return x->decode_headers || x->decode_done; });
         if (x->decode.status != 200) {
             x->cv.wait(lock, [&] { return x->decode_done; });
-            count(refused_decode);
-            send(res, x->decode);
-            return;
+            t.r = x->decode;
+            t.refused_by = &d;
+            return t;
         }
-        count(ok);
+        t.x = x;
+        return t;
+    }
+
+    void stream_to(httplib::Response &res, const std::shared_ptr<exchange> &x) {
         res.set_header("Cache-Control", "no-cache");
         res.set_chunked_content_provider(
             x->decode.content_type.empty() ? "text/event-stream" : x->decode.content_type,
@@ -291,6 +420,40 @@ private:
                 return true;
             },
             streams_.open());
+    }
+
+    // Takes a server out of rotation until its /health answers again.
+    void mark_down(const backend &b, const std::string &why) {
+        if (b.up.exchange(false)) {
+            std::printf("dsv4-router: %s server %s out of rotation: %s\n", b.role.c_str(), b.url.c_str(), why.c_str());
+            std::fflush(stdout);
+        }
+    }
+
+    // Every `every`: each server's /health (in or out of rotation) and /metrics (its load).
+    void poll_loop(std::chrono::milliseconds every) {
+        std::unique_lock<std::mutex> lock(poll_mu_);
+        while (polling_) {
+            lock.unlock();
+            for (const auto *group : {&prefills_, &decodes_}) {
+                for (const auto &b : *group) {
+                    auto c = client(b->url, 1);
+                    c->set_connection_timeout(1);
+                    httplib::Result h = c->Get("/health");
+                    if (!h || h->status != 200) {
+                        mark_down(*b, h ? "/health answered " + std::to_string(h->status) : "/health: " + httplib::to_string(h.error()));
+                        continue;
+                    }
+                    if (httplib::Result m = c->Get("/metrics"); m && m->status == 200) b->polled_load = load_of(m->body, b->role == "decode");
+                    if (!b->up.exchange(true)) {
+                        std::printf("dsv4-router: %s server %s back in rotation\n", b->role.c_str(), b->url.c_str());
+                        std::fflush(stdout);
+                    }
+                }
+            }
+            lock.lock();
+            poll_cv_.wait_for(lock, every, [this] { return !polling_; });
+        }
     }
 
     // The decode's half: its status as soon as the headers come, then its body, streamed into
@@ -369,22 +532,38 @@ private:
         m << "# HELP dsv4_router_calls_in_flight Calls to servers not yet answered (two per request).\n"
              "# TYPE dsv4_router_calls_in_flight gauge\ndsv4_router_calls_in_flight "
           << in_flight_.load() << "\n";
-        m << "# HELP dsv4_router_server_requests_total Requests sent to each server.\n"
-             "# TYPE dsv4_router_server_requests_total counter\n";
-        for (const auto *group : {&prefills_, &decodes_})
-            for (const auto &b : *group)
-                m << "dsv4_router_server_requests_total{role=\"" << b->role << "\",url=\"" << b->url << "\"} "
-                  << b->requests.load() << "\n";
+        m << "# HELP dsv4_router_retries_total Requests tried again on another server after a 429, 503 or no answer.\n"
+             "# TYPE dsv4_router_retries_total counter\ndsv4_router_retries_total "
+          << retries_total_.load() << "\n";
+        auto per_server = [&](const char *name, const char *type, const char *help, auto value) {
+            m << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
+            for (const auto *group : {&prefills_, &decodes_})
+                for (const auto &b : *group)
+                    m << name << "{role=\"" << b->role << "\",url=\"" << b->url << "\"} " << value(*b) << "\n";
+        };
+        per_server("dsv4_router_server_requests_total", "counter", "Requests sent to each server (tries included).",
+                   [](const backend &b) { return static_cast<double>(b.requests.load()); });
+        per_server("dsv4_router_server_up", "gauge", "1 while a server is in rotation (its /health answers 200).",
+                   [](const backend &b) { return b.up.load() ? 1.0 : 0.0; });
+        per_server("dsv4_router_server_load", "gauge",
+                   "The load the router picks by: queued + running requests + PD rooms + 2 x KV usage at the last poll, plus its open calls.",
+                   [](const backend &b) { return b.load(); });
         return m.str();
     }
 
     std::vector<std::unique_ptr<backend>> prefills_, decodes_;
     time_t timeout_s_;
-    std::atomic<uint64_t> next_prefill_{0}, next_decode_{0}, next_room_{0};
+    std::atomic<uint64_t> next_room_{0};
     std::atomic<int64_t> in_flight_{0};
     std::atomic<bool> stopping_{false};
     serve::streams streams_;
     std::atomic<uint64_t> outcomes_[n_outcomes] = {};
+    int retries_;
+    std::atomic<uint64_t> retries_total_{0}, next_prefill_{0}, next_decode_{0};
+    std::mutex poll_mu_;
+    std::condition_variable poll_cv_;
+    bool polling_ = true;
+    std::thread poller_;  // last: started once the rest is built
 };
 
 // Reads a server's /server_info until it answers (servers may still be loading), checks its
@@ -421,7 +600,7 @@ std::unique_ptr<backend> discover(const std::string &url, const std::string &rol
 int usage(const char *why) {
     std::fprintf(stderr,
                  "dsv4-router: %s\nusage: dsv4-router --prefill URL [URL...] --decode URL [URL...] [--host H] "
-                 "[--port P] [--timeout S] [--wait S] [--http-threads N]\n",
+                 "[--port P] [--timeout S] [--wait S] [--http-threads N] [--retries N] [--poll-ms MS]\n",
                  why);
     return 2;
 }
@@ -431,7 +610,7 @@ int usage(const char *why) {
 int main(int argc, char **argv) {
     std::vector<std::string> prefill_urls, decode_urls;
     std::string host = "127.0.0.1";
-    int port = 30080, wait_s = 60, threads = 256;
+    int port = 30080, wait_s = 60, threads = 256, retries = 2, poll_ms = 500;
     long timeout_s = 3600;
     std::vector<std::string> *list = nullptr;
     for (int i = 1; i < argc; i++) {
@@ -451,11 +630,14 @@ int main(int argc, char **argv) {
         else if (a == "--timeout") timeout_s = std::atol(v);
         else if (a == "--wait") wait_s = std::atoi(v);
         else if (a == "--http-threads") threads = std::atoi(v);
+        else if (a == "--retries") retries = std::atoi(v);
+        else if (a == "--poll-ms") poll_ms = std::atoi(v);
         else return usage(("unknown option " + a).c_str());
     }
     if (prefill_urls.empty() || decode_urls.empty()) return usage("pass at least one --prefill and one --decode URL");
     if (port < 0 || port > 65535) return usage("--port must be 0..65535");
-    if (timeout_s <= 0 || wait_s < 0 || threads <= 0) return usage("--timeout and --http-threads must be positive");
+    if (timeout_s <= 0 || wait_s < 0 || threads <= 0 || retries < 0 || poll_ms <= 0)
+        return usage("--timeout, --http-threads and --poll-ms must be positive, --retries and --wait not negative");
 
     const sigset_t signals = serve::block_stop_signals();
 
@@ -463,7 +645,8 @@ int main(int argc, char **argv) {
         std::vector<std::unique_ptr<backend>> prefills, decodes;
         for (const std::string &u : prefill_urls) prefills.push_back(discover(u, "prefill", wait_s));
         for (const std::string &u : decode_urls) decodes.push_back(discover(u, "decode", wait_s));
-        router r(std::move(prefills), std::move(decodes), static_cast<time_t>(timeout_s));
+        router r(std::move(prefills), std::move(decodes), static_cast<time_t>(timeout_s), retries,
+                 std::chrono::milliseconds(poll_ms));
         httplib::Server http;
         // A thread per open request (a stream holds one for its length): more than a server's
         // running + queued requests, so a burst reaches the servers' admission control (and

@@ -1,5 +1,6 @@
-"""The Grafana dashboard (examples/grafana/dsv4.json) against a real Prometheus: a prefill and
-a decode dsv4-server with HiCache behind dsv4-router, under a small workload, scraped every
+"""The Grafana dashboard (examples/grafana/dsv4.json) against a real Prometheus: a prefill (with
+HiCache), a decode and a refusing prefill dsv4-server behind dsv4-router, under a small
+workload, scraped every
 second by Prometheus (the Debian package `prometheus`, which `make deps` installs); then every
 panel's query, with Grafana's variables filled in as Grafana would, through Prometheus's HTTP
 API. Each query must return series, and each panel must have moved (a value other than zero)
@@ -166,16 +167,19 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path):
 
     hicache = {"enabled": True, "ratio": 4.0, "write_policy": "write_through"}
     small = {"device_memory_bytes": "4MiB", "max_running_requests": 4, "page_size": 128}
-    (tmp_path / "p").mkdir()
-    (tmp_path / "d").mkdir()
+    for d in ("p", "d", "q"):
+        (tmp_path / d).mkdir()
     prefill = Server(tmp_path / "p", role="prefill", pd=PD, kv=small, hicache=hicache)
     decode = Server(tmp_path / "d", role="decode", pd=PD)
-    router = Router([prefill], [decode])
+    # A second prefill server that refuses every prompt (429): the router tries those requests
+    # on the first (the retries panel), and queue_full refusals show.
+    refusing = Server(tmp_path / "q", role="prefill", pd=PD, admission={"max_queued_tokens": 4})
+    router = Router([prefill, refusing], [decode])
     prom = None
     stop = threading.Event()
     counts = {}
     try:
-        prom = Prometheus(tmp_path, {"dsv4": [f"127.0.0.1:{prefill.port}", f"127.0.0.1:{decode.port}"],
+        prom = Prometheus(tmp_path, {"dsv4": [f"127.0.0.1:{s.port}" for s in (prefill, decode, refusing)],
                                      "dsv4-router": [f"127.0.0.1:{router.port}"]})
         start = time.time()
         info = prefill.json("/server_info")[2]
@@ -185,7 +189,7 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path):
         deadline = time.time() + 60
         while True:
             up = prom.api("query", query="up")["result"]
-            if len(up) == 3 and all(r["value"][1] == "1" for r in up) and time.time() - start > 12:
+            if len(up) == 4 and all(r["value"][1] == "1" for r in up) and time.time() - start > 12:
                 break
             assert time.time() < deadline, f"the targets are not up: {up}"
             time.sleep(0.5)
@@ -206,5 +210,5 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path):
         stop.set()
         if prom:
             prom.stop()
-        for s in (router, decode, prefill):
+        for s in (router, decode, refusing, prefill):
             s.stop()

@@ -86,9 +86,11 @@ def pair(tmp_path):
         s.stop()
 
 
-def test_round_robin_over_two_of_each_gives_the_unified_tokens(tmp_path, engine):
+def test_two_of_each_take_turns_and_give_the_unified_tokens(tmp_path, engine):
     prefills, decodes = servers(tmp_path, "prefill", 2), servers(tmp_path, "decode", 2)
-    r = Router(prefills, decodes)
+    # One poll, at start (all idle): between polls only the router's own open calls change a
+    # server's load, so these sequential requests see equal loads.
+    r = Router(prefills, decodes, "--poll-ms", "60000")
     try:
         prompts = [PROMPT, PROMPT[::-1], [7, 7, 7, 200, 31], PROMPT + [3, 4]]
         for prompt in prompts:
@@ -97,7 +99,8 @@ def test_round_robin_over_two_of_each_gives_the_unified_tokens(tmp_path, engine)
             assert status == 200, body
             assert body["output_ids"] == list(engine.generate(prompt, max_new_tokens=5, **GREEDY))
             assert body["meta_info"]["finish_reason"] == {"type": "length"}
-        # Round robin: two requests to each server; each room moved once, counted on both sides.
+        # Idle servers of equal load take turns: two requests each; each room moved once,
+        # counted on both sides.
         for role, group in (("prefill", prefills), ("decode", decodes)):
             for s in group:
                 assert value(r, "dsv4_router_server_requests_total", role=role, url=s.url) == 2
@@ -230,6 +233,89 @@ def test_health_follows_the_servers_and_sigterm_exits_0(pair):
     r.proc.send_signal(15)
     assert r.proc.wait(timeout=30) == 0
     assert "SIGTERM: draining" in r.proc.stdout.read()
+
+
+def test_a_busy_decode_server_is_passed_over(tmp_path, engine):
+    """Least loaded first: while one decode server holds a long stream (its load: the router's
+    open call, then its running request at the next poll), new requests go to the other."""
+    (p,) = servers(tmp_path, "prefill", 1)
+    decodes = servers(tmp_path, "decode", 2)
+    r = Router([p], decodes, "--poll-ms", "100")
+    try:
+        long = {"input_ids": PROMPT, "stream": True,
+                "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+        with post_raw(r.port, "/generate", long) as c:
+            got = b""
+            while got.count(b"data:") < 2:
+                chunk = c.recv(4096)
+                assert chunk, got
+                got += chunk
+            busy = [d for d in decodes if value(d, "dsv4_num_running_reqs") == 1]
+            assert len(busy) == 1
+            (idle,) = [d for d in decodes if d is not busy[0]]
+            before = value(r, "dsv4_router_server_requests_total", role="decode", url=busy[0].url)
+            for i in range(6):
+                status, _, body = r.json("/generate", {"input_ids": PROMPT[i:], "sampling_params": {
+                    "max_new_tokens": 3, **GREEDY}})
+                assert status == 200, body
+                assert body["output_ids"] == list(engine.generate(PROMPT[i:], max_new_tokens=3,
+                                                                  **GREEDY))
+            assert value(r, "dsv4_router_server_requests_total", role="decode",
+                         url=busy[0].url) == before
+            assert value(r, "dsv4_router_server_requests_total", role="decode", url=idle.url) == 6
+            assert value(r, "dsv4_router_server_load", role="decode", url=busy[0].url) >= 1
+    finally:
+        for s in [r] + decodes + [p]:
+            s.stop()
+
+
+def test_a_429_is_tried_on_another_server_and_a_dead_one_leaves_the_rotation(tmp_path, engine):
+    """Two prefill servers, one refusing every prompt (429): each request still gets the
+    unified tokens, tried again on the other. Two decode servers, one killed mid-workload: the
+    request that finds it gone is tried on the other, /health takes it out of rotation, and a
+    server stopped (SIGSTOP) and resumed leaves the rotation and comes back."""
+    refusing = servers(tmp_path, "prefill", 1, admission={"max_queued_tokens": 4})
+    (tmp_path / "ok").mkdir()
+    prefills = refusing + [Server(tmp_path / "ok", role="prefill", pd=PD)]
+    decodes = servers(tmp_path, "decode", 2)
+    r = Router(prefills, decodes, "--poll-ms", "100", "--retries", "2")
+    try:
+        def generate(i):
+            prompt = PROMPT[i % 4:] + [i + 2]
+            status, _, body = r.json("/generate", {"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 3, **GREEDY}})
+            assert status == 200, body
+            assert body["output_ids"] == list(engine.generate(prompt, max_new_tokens=3, **GREEDY))
+
+        for i in range(4):
+            generate(i)
+        assert value(r, "dsv4_router_retries_total") >= 1
+        assert value(refusing[0], "dsv4_num_rejected_requests_total", reason="queue_full") >= 1
+        # A decode server killed: requests keep succeeding, and it leaves the rotation.
+        dead = decodes[0]
+        dead.proc.kill()
+        dead.proc.wait(timeout=30)
+        for i in range(4, 10):
+            generate(i)
+        wait_until("the dead server is still in rotation", lambda: value(
+            r, "dsv4_router_server_up", role="decode", url=dead.url) == 0)
+        status, _, health = r.json("/health")
+        assert status == 503 and any(s["state"] == "unreachable" for s in health["decode"])
+        # Stopped, it leaves the rotation; resumed, it comes back and takes requests again.
+        live = decodes[1]
+        live.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until("a stopped server is still in rotation", lambda: value(
+                r, "dsv4_router_server_up", role="decode", url=live.url) == 0)
+        finally:
+            live.proc.send_signal(signal.SIGCONT)
+        wait_until("a resumed server did not come back", lambda: value(
+            r, "dsv4_router_server_up", role="decode", url=live.url) == 1)
+        for i in range(10, 12):
+            generate(i)
+    finally:
+        for s in [r] + decodes + prefills:
+            s.stop()
 
 
 def test_the_router_refuses_a_server_of_the_wrong_role(pair):
