@@ -353,14 +353,6 @@ fn spec(prompt: &[u32]) -> RequestSpec {
     s
 }
 
-fn stream(events: &[Event]) -> Vec<(u32, u32)> {
-    events
-        .iter()
-        .filter(|e| e.kind() == EventKind::Token)
-        .map(|e| (e.token_id().unwrap(), e.logprob().to_bits()))
-        .collect()
-}
-
 impl Rig {
     fn new() -> Rig {
         let ids = common::ids("flash-like");
@@ -699,17 +691,6 @@ impl Rig {
             );
         }
     }
-}
-
-/// The same tokens, with log-probabilities within 1e-4: rooms of a case run concurrently, and
-/// the CPU kernels' last bits depend on how many sequences share a forward pass (the unified
-/// reference ran alone; tests/pd_loopback.rs checks bit-equality at equal batching).
-fn same_stream(got: &[(u32, u32)], want: &[(u32, u32)]) -> bool {
-    got.len() == want.len()
-        && got
-            .iter()
-            .zip(want)
-            .all(|(g, w)| g.0 == w.0 && (f32::from_bits(g.1) - f32::from_bits(w.1)).abs() <= 1e-4)
 }
 
 /// How a side's events ended.

@@ -51,15 +51,6 @@ fn pd(s: &RequestSpec, room: u64, peer: Option<&str>) -> RequestSpec {
     }
 }
 
-/// (token, logprob bits) of a request's TOKEN events.
-fn stream(events: &[Event]) -> Vec<(u32, u32)> {
-    events
-        .iter()
-        .filter(|e| e.kind() == EventKind::Token)
-        .map(|e| (e.token_id().unwrap(), e.logprob().to_bits()))
-        .collect()
-}
-
 /// Runs `s` through the pair (room `room`) and returns the prefill's and the decode's events.
 fn through(p: &Engine, d: &Engine, s: &RequestSpec, room: u64) -> (Vec<Event>, Vec<Event>) {
     let endpoint = p.pd_endpoint().unwrap();

@@ -10,7 +10,7 @@ mod common;
 
 use common::requests::*;
 
-use dsv4::engine::{Engine, Event, EventKind, FinishReason, RequestSpec, SamplingParams};
+use dsv4::engine::{Engine, EventKind, FinishReason, RequestSpec, SamplingParams};
 use dsv4::error::ErrorKind;
 use serde_json::{json, Value};
 
@@ -41,15 +41,6 @@ fn in_room(s: &RequestSpec, room: u64, peer: Option<String>) -> RequestSpec {
         pd_peer: peer,
         ..s.clone()
     }
-}
-
-/// (token, logprob bits) of a request's TOKEN events.
-fn tokens(events: &[Event]) -> Vec<(u32, u32)> {
-    events
-        .iter()
-        .filter(|e| e.kind() == EventKind::Token)
-        .map(|e| (e.token_id().unwrap(), e.logprob().to_bits()))
-        .collect()
 }
 
 #[test]
@@ -101,10 +92,10 @@ fn two_prefills_feed_one_decode_and_one_prefill_feeds_two_decodes_at_once() {
             "room {room}: {got:?}"
         );
         assert!(
-            same_stream(&tokens(&got), &tokens(&want)),
+            same_stream(&stream(&got), &stream(&want)),
             "room {room}: {:?} vs {:?}",
-            tokens(&got),
-            tokens(&want)
+            stream(&got),
+            stream(&want)
         );
     }
     // Each side counted its four rooms; each engine saw both peers of the other side.
@@ -115,15 +106,6 @@ fn two_prefills_feed_one_decode_and_one_prefill_feeds_two_decodes_at_once() {
         assert_eq!(m.pd.peers, 2);
         assert_eq!(m.pd.pages_held, 0);
     }
-}
-
-/// The same tokens, with log-probabilities within 1e-4.
-fn same_stream(got: &[(u32, u32)], want: &[(u32, u32)]) -> bool {
-    got.len() == want.len()
-        && got
-            .iter()
-            .zip(want)
-            .all(|(g, w)| g.0 == w.0 && (f32::from_bits(g.1) - f32::from_bits(w.1)).abs() <= 1e-4)
 }
 
 /// The request ids on engine `which` of one side (`prefill`: the prefill's, else the decode's).
@@ -190,7 +172,7 @@ fn a_prefill_that_goes_away_fails_only_its_own_rooms() {
     let uid = unified.submit(s.clone()).unwrap();
     let want = collect(&unified, &[uid]).remove(&uid).unwrap();
     let got = ended.remove(&did).unwrap();
-    assert!(same_stream(&tokens(&got), &tokens(&want)));
+    assert!(same_stream(&stream(&got), &stream(&want)));
     assert_eq!(
         terminal(&collect(&staying, &[pid]).remove(&pid).unwrap()).finish_reason(),
         Some(FinishReason::Transferred)

@@ -60,9 +60,11 @@ struct backend {
     // In rotation: its /health answered 200 at the last poll, and no call to it has failed to
     // connect since.
     mutable std::atomic<bool> up{true};  // taken out of rotation through const references too
-    // Its load at the last poll of its /metrics: requests queued and running, PD rooms in
-    // flight; for a decode server plus twice its KV usage (0..1), so the one with more pages
-    // free breaks ties (a prefill's pages are mostly its prefix cache, which it evicts).
+    // Its load at the last poll of its /metrics: requests queued and running; on a prefill
+    // also its computed rooms waiting for their claim (they hold pages but no longer run); on a
+    // decode plus twice its KV usage (0..1), so the one with more pages free breaks ties (a
+    // prefill's pages are mostly its prefix cache, which it evicts). The other room gauges
+    // count requests already queued or running.
     std::atomic<double> polled_load{0.0};
     // Calls the router has open to it now (counted at once, between polls).
     std::atomic<int64_t> open_calls{0};
@@ -72,7 +74,7 @@ struct backend {
 
 // The load a server's exposition shows (see backend::polled_load); every sample of a series
 // counts (a server may add labels of its own).
-double load_of(const std::string &exposition, bool with_usage) {
+double load_of(const std::string &exposition, bool decode) {
     double load = 0.0;
     std::istringstream lines(exposition);
     std::string line;
@@ -84,10 +86,9 @@ double load_of(const std::string &exposition, bool with_usage) {
         const std::string name = line.substr(0, name_end);
         const double v = std::strtod(line.c_str() + value_at + 1, nullptr);
         if (name == "dsv4_num_queue_reqs" || name == "dsv4_num_running_reqs" ||
-            name == "dsv4_num_prefill_bootstrap_queue_reqs" || name == "dsv4_num_prefill_inflight_queue_reqs" ||
-            name == "dsv4_num_decode_prealloc_queue_reqs" || name == "dsv4_num_decode_transfer_queue_reqs")
+            (!decode && name == "dsv4_num_prefill_bootstrap_queue_reqs"))
             load += v;
-        else if (with_usage && name == "dsv4_token_usage")
+        else if (decode && name == "dsv4_token_usage")
             load += 2.0 * v;
     }
     return load;
@@ -164,6 +165,7 @@ public:
         // same servers do not hand out the same rooms.
         std::random_device rd;
         next_room_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) & (UINT64_MAX >> 2);
+        poll_once();  // health and loads known before the first request
         poller_ = std::thread([this, poll] { poll_loop(poll); });
     }
 
@@ -430,29 +432,36 @@ private:
         }
     }
 
-    // Every `every`: each server's /health (in or out of rotation) and /metrics (its load).
+    // poll_once every `every`, until the router goes.
     void poll_loop(std::chrono::milliseconds every) {
         std::unique_lock<std::mutex> lock(poll_mu_);
         while (polling_) {
+            poll_cv_.wait_for(lock, every, [this] { return !polling_; });
+            if (!polling_) break;
             lock.unlock();
-            for (const auto *group : {&prefills_, &decodes_}) {
-                for (const auto &b : *group) {
-                    auto c = client(b->url, 1);
-                    c->set_connection_timeout(1);
-                    httplib::Result h = c->Get("/health");
-                    if (!h || h->status != 200) {
-                        mark_down(*b, h ? "/health answered " + std::to_string(h->status) : "/health: " + httplib::to_string(h.error()));
-                        continue;
-                    }
-                    if (httplib::Result m = c->Get("/metrics"); m && m->status == 200) b->polled_load = load_of(m->body, b->role == "decode");
-                    if (!b->up.exchange(true)) {
-                        std::printf("dsv4-router: %s server %s back in rotation\n", b->role.c_str(), b->url.c_str());
-                        std::fflush(stdout);
-                    }
+            poll_once();
+            lock.lock();
+        }
+    }
+
+    // Each server's /health (in or out of rotation) and /metrics (its load).
+    void poll_once() {
+        for (const auto *group : {&prefills_, &decodes_}) {
+            for (const auto &b : *group) {
+                auto c = client(b->url, 1);
+                c->set_connection_timeout(1);
+                httplib::Result h = c->Get("/health");
+                if (!h || h->status != 200) {
+                    mark_down(*b, h ? "/health answered " + std::to_string(h->status) : "/health: " + httplib::to_string(h.error()));
+                    continue;
+                }
+                if (httplib::Result m = c->Get("/metrics"); m && m->status == 200)
+                    b->polled_load = load_of(m->body, b->role == "decode");
+                if (!b->up.exchange(true)) {
+                    std::printf("dsv4-router: %s server %s back in rotation\n", b->role.c_str(), b->url.c_str());
+                    std::fflush(stdout);
                 }
             }
-            lock.lock();
-            poll_cv_.wait_for(lock, every, [this] { return !polling_; });
         }
     }
 
@@ -546,7 +555,7 @@ private:
         per_server("dsv4_router_server_up", "gauge", "1 while a server is in rotation (its /health answers 200).",
                    [](const backend &b) { return b.up.load() ? 1.0 : 0.0; });
         per_server("dsv4_router_server_load", "gauge",
-                   "The load the router picks by: queued + running requests + PD rooms + 2 x KV usage at the last poll, plus its open calls.",
+                   "The load the router picks by: queued + running requests (+ rooms awaiting a claim on a prefill, + 2 x KV usage on a decode) at the last poll, plus its open calls.",
                    [](const backend &b) { return b.load(); });
         return m.str();
     }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use dsv4::config::params::Params;
-use dsv4::engine::{Engine, Event, RequestSpec, SamplingParams};
+use dsv4::engine::{Engine, Event, EventKind, RequestSpec, SamplingParams};
 use serde_json::{json, Value};
 
 pub fn engine_with(extra: Value) -> Engine {
@@ -93,4 +93,26 @@ pub fn argmax(row: &[f32]) -> u32 {
         .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
         .unwrap()
         .0 as u32
+}
+
+/// (token, logprob bits) of a request's TOKEN events.
+#[allow(dead_code)]
+pub fn stream(events: &[Event]) -> Vec<(u32, u32)> {
+    events
+        .iter()
+        .filter(|e| e.kind() == EventKind::Token)
+        .map(|e| (e.token_id().unwrap(), e.logprob().to_bits()))
+        .collect()
+}
+
+/// The same tokens, with log-probabilities within 1e-4: for rooms run concurrently, as the CPU
+/// kernels' last bits depend on how many sequences share a forward pass (a reference run alone
+/// is bit-equal only at equal batching).
+#[allow(dead_code)]
+pub fn same_stream(got: &[(u32, u32)], want: &[(u32, u32)]) -> bool {
+    got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(g, w)| g.0 == w.0 && (f32::from_bits(g.1) - f32::from_bits(w.1)).abs() <= 1e-4)
 }

@@ -59,6 +59,24 @@ def value(server, name, **labels):
     return samples(server.call("/metrics")[2]).get((name, tuple(sorted(labels.items()))))
 
 
+def holds_nothing(server):
+    """No request queued or running, no PD room waiting or in flight, no page held for one."""
+    return all(value(server, name) == 0 for name in (
+        "dsv4_num_queue_reqs", "dsv4_num_running_reqs", "dsv4_pd_pages_held",
+        "dsv4_num_prefill_bootstrap_queue_reqs", "dsv4_num_prefill_inflight_queue_reqs",
+        "dsv4_num_decode_prealloc_queue_reqs", "dsv4_num_decode_transfer_queue_reqs"))
+
+
+def read_events(sock, n):
+    """Reads a streamed response off `sock` until `n` events have come."""
+    got = b""
+    while got.count(b"data:") < n:
+        chunk = sock.recv(4096)
+        if not chunk:
+            pytest.fail(f"the stream closed early: {got!r}")
+        got += chunk
+
+
 def wait_until(what, cond, timeout=30):
     deadline = time.time() + timeout
     while not cond():
@@ -99,6 +117,8 @@ def test_two_of_each_take_turns_and_give_the_unified_tokens(tmp_path, engine):
             assert status == 200, body
             assert body["output_ids"] == list(engine.generate(prompt, max_new_tokens=5, **GREEDY))
             assert body["meta_info"]["finish_reason"] == {"type": "length"}
+            # Its calls' threads end just after the answer: until then their servers look busier.
+            wait_until("calls still open", lambda: value(r, "dsv4_router_calls_in_flight") == 0)
         # Idle servers of equal load take turns: two requests each; each room moved once,
         # counted on both sides.
         for role, group in (("prefill", prefills), ("decode", decodes)):
@@ -144,9 +164,7 @@ def test_a_refusal_by_the_prefill_reaches_the_client_and_aborts_the_decode(tmp_p
         # The decode's half was aborted (before or after it was submitted) and holds nothing.
         # If the abort came first, the decode answered it without running the request (no
         # finished request there); either way the decode holds nothing.
-        wait_until("the decode's half still holds its room", lambda: value(d, "dsv4_pd_pages_held")
-                   == 0 and value(d, "dsv4_num_decode_transfer_queue_reqs") == 0
-                   and value(d, "dsv4_num_running_reqs") == 0 and value(d, "dsv4_num_queue_reqs") == 0)
+        wait_until("the decode's half still holds its room", lambda: holds_nothing(d))
         assert value(r, "dsv4_router_requests_total", outcome="refused_by_prefill") == 1
         # A request both refuse: one side's 400 reaches the client.
         status, _, body = r.json("/generate", {"input_ids": [1, 2], "sampling_params": {
@@ -168,10 +186,8 @@ def test_the_decode_refusing_aborts_the_prefills_half(tmp_path):
             "max_new_tokens": 5, **GREEDY}})
         assert status == 429 and body["error"]["status"] == "DSV4_ERR_QUEUE_FULL", body
         # Without the abort the prefill would hold the room's pages for pd.bootstrap_timeout_ms.
-        wait_until("the prefill's half was not aborted", lambda: value(
-            p, "dsv4_num_finished_requests_total", finish_reason="aborted") == 1)
-        wait_until("the prefill still holds the room", lambda: value(p, "dsv4_pd_pages_held") == 0
-                   and value(p, "dsv4_num_prefill_bootstrap_queue_reqs") == 0)
+        # (An abort that beats the request there answers it without running it.)
+        wait_until("the prefill still holds the room", lambda: holds_nothing(p))
         assert value(r, "dsv4_router_requests_total", outcome="refused_by_decode") == 1
     finally:
         for s in (r, d, p):
@@ -183,12 +199,7 @@ def test_a_client_that_disconnects_aborts_the_decode(pair):
     long = {"input_ids": PROMPT, "stream": True,
             "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
     with post_raw(r.port, "/generate", long) as c:
-        got = b""
-        while got.count(b"data:") < 3:
-            chunk = c.recv(4096)
-            if not chunk:
-                pytest.fail(f"the router closed the stream early: {got!r}")
-            got += chunk
+        read_events(c, 3)
     wait_until("the decode kept generating for a client that left", lambda: value(
         d, "dsv4_num_finished_requests_total", finish_reason="aborted") == 1
         and value(d, "dsv4_num_running_reqs") == 0)
@@ -228,8 +239,7 @@ def test_health_follows_the_servers_and_sigterm_exits_0(pair):
     status, _, body = r.json("/generate", {"input_ids": PROMPT, "sampling_params": {
         "max_new_tokens": 2, **GREEDY}})
     assert status == 502 and d.url in body["error"]["message"], body
-    wait_until("the prefill's half was not aborted", lambda: value(
-        p, "dsv4_num_finished_requests_total", finish_reason="aborted") == 1)
+    wait_until("the prefill's half still holds its room", lambda: holds_nothing(p))
     r.proc.send_signal(15)
     assert r.proc.wait(timeout=30) == 0
     assert "SIGTERM: draining" in r.proc.stdout.read()
@@ -245,14 +255,14 @@ def test_a_busy_decode_server_is_passed_over(tmp_path, engine):
         long = {"input_ids": PROMPT, "stream": True,
                 "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
         with post_raw(r.port, "/generate", long) as c:
-            got = b""
-            while got.count(b"data:") < 2:
-                chunk = c.recv(4096)
-                assert chunk, got
-                got += chunk
+            read_events(c, 2)
+            wait_until("no decode server shows the stream running", lambda: sum(
+                value(d, "dsv4_num_running_reqs") for d in decodes) == 1)
             busy = [d for d in decodes if value(d, "dsv4_num_running_reqs") == 1]
-            assert len(busy) == 1
             (idle,) = [d for d in decodes if d is not busy[0]]
+            # Its running request seen by a poll (load: that + the router's open call).
+            wait_until("the poll did not see the busy server's request", lambda: value(
+                r, "dsv4_router_server_load", role="decode", url=busy[0].url) >= 2)
             before = value(r, "dsv4_router_server_requests_total", role="decode", url=busy[0].url)
             for i in range(6):
                 status, _, body = r.json("/generate", {"input_ids": PROMPT[i:], "sampling_params": {
@@ -260,6 +270,8 @@ def test_a_busy_decode_server_is_passed_over(tmp_path, engine):
                 assert status == 200, body
                 assert body["output_ids"] == list(engine.generate(PROMPT[i:], max_new_tokens=3,
                                                                   **GREEDY))
+                # Only the long stream's call left open (the others' threads end just after).
+                wait_until("calls still open", lambda: value(r, "dsv4_router_calls_in_flight") == 1)
             assert value(r, "dsv4_router_server_requests_total", role="decode",
                          url=busy[0].url) == before
             assert value(r, "dsv4_router_server_requests_total", role="decode", url=idle.url) == 6
