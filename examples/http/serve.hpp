@@ -18,6 +18,17 @@
 
 namespace serve {
 
+// Waits until `count` reads 0, polling every 10 ms, at most `limit`; false if it has not.
+template <typename T>
+bool wait_for_zero(const std::atomic<T> &count, std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (count.load() > 0) {
+        if (std::chrono::steady_clock::now() >= deadline) return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return true;
+}
+
 // Streamed responses still open, so a drain can wait for their last chunk: httplib's stop()
 // ends a chunked response where it is, without its terminating chunk.
 class streams {
@@ -33,14 +44,7 @@ public:
     }
 
     // Waits until none is open, at most `limit`; false if some still are.
-    bool wait(std::chrono::milliseconds limit) const {
-        const auto deadline = std::chrono::steady_clock::now() + limit;
-        while (open_.load() > 0) {
-            if (std::chrono::steady_clock::now() >= deadline) return false;
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
-        return true;
-    }
+    bool wait(std::chrono::milliseconds limit) const { return wait_for_zero(open_, limit); }
 
 private:
     std::atomic<int> open_{0};

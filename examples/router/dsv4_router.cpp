@@ -197,14 +197,7 @@ public:
 
     // Waits until the calls to servers have ended (the last aborts), at most `limit`; false if
     // some have not (their threads use this router: the caller must not destroy it then).
-    bool drain(std::chrono::seconds limit) {
-        const auto deadline = std::chrono::steady_clock::now() + limit;
-        while (in_flight_.load() > 0) {
-            if (std::chrono::steady_clock::now() >= deadline) return false;
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        return true;
-    }
+    bool drain(std::chrono::seconds limit) { return serve::wait_for_zero(in_flight_, limit); }
 
 private:
     enum outcome { ok, refused_prefill, refused_decode, bad_request, n_outcomes };

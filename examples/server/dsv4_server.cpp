@@ -234,6 +234,8 @@ const char *openai_finish(dsv4::finish_reason r) {
 
 std::string sse(const json &j) { return "data: " + j.dump() + "\n\n"; }
 
+enum class api { sglang, completions, chat };
+
 class server {
 public:
     server(dsv4::engine &engine) : engine_(engine) {
@@ -339,7 +341,6 @@ private:
         s.stop = stop_strings(sp);
         if (sp.contains("stop_token_ids")) s.stop_token_ids = ids_of(sp["stop_token_ids"], "stop_token_ids");
 
-        job jb;
         std::vector<int32_t> prompt;
         if (j.contains("input_ids")) {
             prompt = ids_of(j["input_ids"], "input_ids");
@@ -349,14 +350,8 @@ private:
         } else {
             throw bad_request("pass input_ids (token ids) or text");
         }
-        jb.prompt_tokens = static_cast<uint32_t>(prompt.size());
-        jb.request = build(engine_, std::move(prompt), s);
-        routing_fields(j, jb);
-        jb.stream = field<bool>(j, "stream", false);
-        run(std::move(jb), res, api::sglang);
+        serve(j, std::move(prompt), s, res, api::sglang);
     }
-
-    enum class api { sglang, completions, chat };
 
     // POST /v1/completions and /v1/chat/completions.
     void openai(const httplib::Request &http_req, httplib::Response &res, bool chat) {
@@ -370,7 +365,6 @@ private:
         if (j.contains("seed") && !j["seed"].is_null()) s.seed = field<uint64_t>(j, "seed", 0);
         s.ignore_eos = field<bool>(j, "ignore_eos", false);
         s.stop = stop_strings(j);
-        job jb;
         std::vector<int32_t> prompt;
         if (chat) {
             if (!j.contains("messages") || !j["messages"].is_array())
@@ -387,11 +381,17 @@ private:
                 throw bad_request("prompt must be a string or a list of token ids");
             }
         }
+        serve(j, std::move(prompt), s, res, chat ? api::chat : api::completions);
+    }
+
+    // A request from its prompt, sampling and the body's routing fields and "stream".
+    void serve(const json &j, std::vector<int32_t> prompt, const sampling &s, httplib::Response &res, api a) {
+        job jb;
         jb.prompt_tokens = static_cast<uint32_t>(prompt.size());
         jb.request = build(engine_, std::move(prompt), s);
         routing_fields(j, jb);
         jb.stream = field<bool>(j, "stream", false);
-        run(std::move(jb), res, chat ? api::chat : api::completions);
+        run(std::move(jb), res, a);
     }
 
     // What one finished (or streamed) request reports.
@@ -437,6 +437,20 @@ private:
 
     // A request whose rid was aborted before it came: answered as aborted, never submitted (a
     // PD decode's half must not claim its room).
+    // A stream's last event: SGLang's final answer, or OpenAI's chunk with the finish reason
+    // and the usage.
+    json last_chunk(api a, const outcome &o, const std::string &id) const {
+        if (a == api::sglang) return final_json(a, o, id);
+        json choice = {{"index", 0}, {"finish_reason", openai_finish(o.last.finish_reason)}};
+        if (a == api::chat) choice["delta"] = json::object();
+        else choice["text"] = "";
+        return {{"id", id},
+                {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
+                {"model", model_name_},
+                {"choices", json::array({choice})},
+                {"usage", final_json(api::completions, o, id)["usage"]}};
+    }
+
     void answer_aborted(const job &jb, httplib::Response &res, api a) {
         outcome o;
         o.last.kind = dsv4::event_kind::finished;
@@ -447,19 +461,8 @@ private:
             res.set_content(final_json(a, o, id).dump(), "application/json");
             return;
         }
-        json last = final_json(a, o, id);
-        if (a != api::sglang) {
-            json choice = {{"index", 0}, {"finish_reason", openai_finish(o.last.finish_reason)}};
-            if (a == api::chat) choice["delta"] = json::object();
-            else choice["text"] = "";
-            last = {{"id", id},
-                    {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
-                    {"model", model_name_},
-                    {"choices", json::array({choice})},
-                    {"usage", final_json(api::completions, o, id)["usage"]}};
-        }
         res.set_header("Cache-Control", "no-cache");
-        res.set_content(sse(last) + "data: [DONE]\n\n", "text/event-stream");
+        res.set_content(sse(last_chunk(a, o, id)) + "data: [DONE]\n\n", "text/event-stream");
     }
 
     void run(job jb, httplib::Response &res, api a) {
@@ -543,17 +546,8 @@ private:
                     if (e->kind == dsv4::event_kind::error) {
                         chunk = sse(error_json(http_status(e->status),
                                                dsv4_status_name(static_cast<int32_t>(e->status)), e->message));
-                    } else if (a == api::sglang) {
-                        chunk = sse(final_json(a, *state, id));
                     } else {
-                        json last = {{"index", 0}, {"finish_reason", openai_finish(e->finish_reason)}};
-                        if (a == api::chat) last["delta"] = json::object();
-                        else last["text"] = "";
-                        chunk = sse({{"id", id},
-                                     {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
-                                     {"model", model_name_},
-                                     {"choices", json::array({last})},
-                                     {"usage", final_json(api::completions, *state, id)["usage"]}});
+                        chunk = sse(last_chunk(a, *state, id));
                     }
                     chunk += "data: [DONE]\n\n";
                 }
