@@ -130,3 +130,97 @@ fn corrupted_dropped_or_misstated_state_bytes_fail_the_room_on_both_sides() {
         assert_eq!(m.pd.failures[i], 1, "{reason}");
     }
 }
+
+/// The decode receives a room's bytes straight into the destination pages (CPU pools): an
+/// abort while a DATA frame is being read into them ends the request at once, but its pages
+/// stay taken until the read is over, so no late byte lands in pages another request got.
+/// The next room through the same link is still exact.
+#[test]
+fn an_abort_mid_frame_keeps_the_destination_until_the_reader_is_done_with_it() {
+    let ids = common::ids("flash-like");
+    let prompt: Vec<u32> = ids.iter().copied().cycle().take(700).collect();
+    let spec = RequestSpec {
+        prompt,
+        max_new_tokens: 4,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ..RequestSpec::default()
+    };
+    let p = pd_engine("prefill");
+    let d = pd_engine("decode");
+    let pause = Duration::from_millis(1500);
+    let stall = Fault::Stall { after: 4096, pause };
+    let proxy = proxy(&p.pd_endpoint().unwrap(), DATA, 1, stall);
+    let room_spec = |room: u64, peer: Option<String>| RequestSpec {
+        pd_room: room,
+        pd_peer: peer,
+        ..spec.clone()
+    };
+    let pid = p.submit(room_spec(1, None)).unwrap();
+    let did = d
+        .submit(room_spec(1, Some(proxy.addr().to_string())))
+        .unwrap();
+    let start = Instant::now();
+    while proxy.log().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no DATA frame came"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The decode's reader has the frame's first 4 KiB and waits for the rest.
+    std::thread::sleep(Duration::from_millis(100));
+    d.abort(did).unwrap();
+    let from_d = collect(&d, &[did]);
+    assert_eq!(
+        terminal(&from_d[&did]).finish_reason(),
+        Some(dsv4::engine::FinishReason::Aborted)
+    );
+    let m = d.metrics();
+    assert!(
+        start.elapsed() < pause,
+        "the abort waited for the stalled frame ({:?}): {}",
+        start.elapsed(),
+        proxy.report()
+    );
+    // Ended, but its destination is still the reader's.
+    assert!(m.pd.pages_held > 0, "{:?}", m.pd);
+    assert_eq!(m.pools.device_pages.used, m.pd.pages_held);
+    // The rest of the frame arrives: the pages go back.
+    let start = Instant::now();
+    loop {
+        let m = d.metrics();
+        if m.pools.device_pages.used == 0 && m.pd.pages_held == 0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < pause + Duration::from_secs(10),
+            "the destination was never released: {:?} {:?}",
+            m.pools.device_pages,
+            m.pd
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (kind, message) = error_of(&collect(&p, &[pid])[&pid]);
+    assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+    assert!(message.contains("(aborted)"), "{message}");
+    // The next room over the same connection lands whole and decodes what a unified engine
+    // does.
+    let pid = p.submit(room_spec(2, None)).unwrap();
+    let did = d
+        .submit(room_spec(2, Some(proxy.addr().to_string())))
+        .unwrap();
+    let got = tokens_of(&collect(&d, &[did])[&did]);
+    collect(&p, &[pid]);
+    let u = engine_with(json!({}));
+    let uid = u.submit(spec.clone()).unwrap();
+    assert_eq!(got, tokens_of(&collect(&u, &[uid])[&uid]));
+    assert_eq!(proxy.connections(), 1, "{}", proxy.report());
+    for e in [&p, &d] {
+        e.flush_cache(dsv4::kv::cache::Tier::Device).unwrap();
+        let m = e.metrics();
+        assert_eq!((m.pools.device_pages.used, m.pd.pages_held), (0, 0));
+    }
+}

@@ -333,6 +333,12 @@ pub trait Backend: Send + Sync + 'static {
     /// transport registers once (the KV pools publish it as `kv::PoolRegion`). Valid while the
     /// buffer lives; a device address on a GPU backend, a host address on the CPU backend.
     fn buffer_region(&self, b: &Self::Buffer) -> (u64, usize);
+    /// Whether [`Self::buffer_region`] addresses are host memory another thread may write
+    /// directly (the CPU backend): a PD decode then receives a room's bytes straight into its
+    /// destination pages instead of through a buffer and `write_bytes`.
+    fn buffers_in_host_memory(&self) -> bool {
+        false
+    }
     /// Copies `out.len()` bytes at `offset` to the host.
     fn read_bytes(&self, b: &Self::Buffer, offset: usize, out: &mut [u8]) -> Result<()>;
     /// Copies host bytes into the buffer at `offset`.

@@ -107,6 +107,7 @@ impl<B: Backend> Worker<B> {
     /// back to the pools, the gauges are published; returns what its terminal event needs.
     fn release_running(&mut self, i: usize, cache: bool) -> TerminalInfo {
         let mut r = self.sched.running.swap_remove(i);
+        let receiving = r.phase() == Phase::Receiving;
         r.set_phase(Phase::Finished);
         {
             let mut a = self.shared.admission();
@@ -130,7 +131,12 @@ impl<B: Backend> Worker<B> {
             pd_room: r.spec.pd_room,
         };
         let position = r.req.position();
-        if cache {
+        if receiving {
+            // A PD decode's destination: the node's reader may be writing into it.
+            if let Some(req) = self.release_landing(r.spec.pd_room, r.req) {
+                self.cache.abort(req);
+            }
+        } else if cache {
             self.cache.finish(r.req, &r.p.tokens[..position]);
         } else {
             self.cache.abort(r.req);

@@ -47,7 +47,12 @@ impl<B: Backend> Worker<B> {
             .iter()
             .filter(|r| matches!(r.phase(), Phase::Transferring | Phase::Receiving))
             .map(|r| r.req.kv().pages().len())
-            .sum();
+            .sum::<usize>()
+            + self
+                .parked
+                .values()
+                .map(|req| req.kv().pages().len())
+                .sum::<usize>();
         self.shared.metrics.update(|m| {
             m.pd.pages_held = pages_held as u64;
             m.running = running;

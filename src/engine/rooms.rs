@@ -13,7 +13,7 @@ use super::worker::Worker;
 use crate::backend::Backend;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::state;
-use crate::pd::{Claim, Delivery, FailReason, Notice, Side, StateHeader};
+use crate::pd::{Claim, Delivery, FailReason, Notice, Side, StateHeader, StateInfo};
 
 impl<B: Backend> Worker<B> {
     /// Prefill: the requests that sampled their first token hand their state to their rooms.
@@ -34,7 +34,7 @@ impl<B: Backend> Worker<B> {
                 st.rng = Some(r.p.sampler.rng_state());
                 let bytes = state::read(self.cache.pools(), &st)?;
                 let header = StateHeader {
-                    state: st,
+                    state: StateInfo::of(&st),
                     first_logprob: h.logprob,
                     cached_tokens_device: (r.p.cached - r.p.cached_host) as u32,
                     cached_tokens_host: r.p.cached_host as u32,
@@ -103,6 +103,12 @@ impl<B: Backend> Worker<B> {
                     self.end_running(i, End::Finished(FinishReason::Transferred), true);
                 }
             }
+            Notice::Released { room } => {
+                if let Some(req) = self.parked.remove(&room) {
+                    self.cache.abort(req);
+                    self.publish();
+                }
+            }
             Notice::Failed {
                 room,
                 request,
@@ -158,7 +164,10 @@ impl<B: Backend> Worker<B> {
             pages: r.req.kv().pages().iter().map(|p| p.0).collect(),
         };
         let max_bytes = self.cache.import_bytes(r.spec.prompt.len());
-        if let Err(e) = node.claim(r.spec.pd_room, claim, max_bytes) {
+        // Host-memory pools take the bytes straight from the link's reader; the request keeps
+        // its pages until the node releases them (`release_landing`).
+        let landing = self.cache.landing(&r.req);
+        if let Err(e) = node.claim(r.spec.pd_room, claim, max_bytes, landing) {
             self.end_running(i, End::Failed(e), false);
         }
     }
@@ -180,7 +189,15 @@ impl<B: Backend> Worker<B> {
                 r.spec.prompt.len()
             ))),
         };
-        let landed = checked.and_then(|t| self.cache.fill_import(&r.req, st, &d.bytes).map(|()| t));
+        let landed = checked.and_then(|t| {
+            match &d.bytes {
+                Some(bytes) => self.cache.fill_import(&r.req, st.position, st.pages, bytes),
+                None => self
+                    .cache
+                    .check_landed(&r.req, st.position, st.pages, st.bytes as usize),
+            }
+            .map(|()| t)
+        });
         let first = match landed {
             Ok(t) => t,
             Err(e) => {

@@ -11,6 +11,7 @@
 //! slot are freed, and it waits at the front of the queue to be recomputed, its sampler and
 //! emitted tokens kept, so its output is what it would have been.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,9 @@ pub struct Worker<B: Backend> {
     pub(super) shutdown: Option<ShutdownMode>,
     /// The PD node (prefill and decode roles).
     pub(super) pd: Option<Arc<Node>>,
+    /// Decode: destinations of ended requests that a link's reader was still writing into,
+    /// by room: freed on the node's `Notice::Released`.
+    pub(super) parked: HashMap<u64, crate::kv::Request>,
     /// The last step had nothing to compute (e.g. every request paused for unpolled events).
     stalled: bool,
 }
@@ -57,6 +61,7 @@ impl<B: Backend> Worker<B> {
             shared,
             rng: fastrand::Rng::new(),
             shutdown: None,
+            parked: HashMap::new(),
             stalled: false,
         };
         // Gauges are valid from creation on, not from the first step.
@@ -102,6 +107,22 @@ impl<B: Backend> Worker<B> {
         *shared.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
         shared.stopped_cv.notify_all();
         shared.sink.close();
+    }
+
+    /// Decode: gives `room`'s destination back to the pools, or keeps it (in `parked`) while
+    /// the node's reader is still writing into it; returns it when it may be freed now.
+    pub(super) fn release_landing(
+        &mut self,
+        room: u64,
+        req: crate::kv::Request,
+    ) -> Option<crate::kv::Request> {
+        match &self.pd {
+            Some(node) if !node.release_landing(room) => {
+                self.parked.insert(room, req);
+                None
+            }
+            _ => Some(req),
+        }
     }
 
     fn main_loop(&mut self) {
@@ -204,5 +225,15 @@ impl<B: Backend> Worker<B> {
         );
         self.end_after_step(&plan, outcome);
         true
+    }
+}
+
+impl<B: Backend> Drop for Worker<B> {
+    /// The node's readers may write into the pools (a decode receives states straight into
+    /// its destinations): they stop before the pools go.
+    fn drop(&mut self) {
+        if let Some(node) = &self.pd {
+            node.shutdown();
+        }
     }
 }

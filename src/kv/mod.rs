@@ -14,6 +14,7 @@
 pub mod cache;
 pub mod hicache;
 pub mod ids;
+pub mod landing;
 pub mod layout;
 pub mod pools;
 pub mod radix;
@@ -23,6 +24,7 @@ pub mod units;
 
 pub use cache::{CacheStats, PrefixCache, Request};
 pub use ids::{HostPageId, HostSnapshotId, NodeId, PageId, SnapshotId};
+pub use landing::Landing;
 pub use layout::{KvLayout, PoolId, Stream};
 pub use pools::{KvPools, SeqKv};
 pub use radix::RadixTree;

@@ -478,6 +478,63 @@ pub fn write_into<B: Backend>(
     write_regions(pools, seq, bytes)
 }
 
+/// Checks that an arrived state (from a peer whose layout was checked to equal these pools')
+/// of `bytes` bytes for `position` tokens in `pages` pages fits `seq`, the destination
+/// [`open_destination`] reserved for it: same position, same pages, and exactly the bytes
+/// this layout holds at that position.
+pub fn check_arrival<B: Backend>(
+    pools: &KvPools<B>,
+    position: usize,
+    pages: usize,
+    bytes: usize,
+    seq: &SeqKv,
+) -> Result<()> {
+    if seq.position() != position
+        || seq.pages().len() != pages
+        || pools.pages_for(position) != pages
+    {
+        return Err(Error::invalid_argument(format!(
+            "the destination was reserved for {} tokens in {} pages but the state covers \
+             {position} tokens in {pages}",
+            seq.position(),
+            seq.pages().len(),
+        )));
+    }
+    let expect = byte_len_at(pools, position);
+    if bytes != expect {
+        return Err(Error::invalid_argument(format!(
+            "the state holds {bytes} bytes but {position} tokens hold {expect} in this layout"
+        )));
+    }
+    Ok(())
+}
+
+/// [`check_arrival`], then writes the state's `bytes` (in region order) into `seq`.
+pub fn write_arrival<B: Backend>(
+    pools: &mut KvPools<B>,
+    position: usize,
+    pages: usize,
+    bytes: &[u8],
+    seq: &SeqKv,
+) -> Result<()> {
+    check_arrival(pools, position, pages, bytes.len(), seq)?;
+    write_regions(pools, seq, bytes)
+}
+
+/// Where `seq`'s state bytes live, in region order: one absolute `(address, length)` per
+/// region, for a receiver that writes a state straight into its destination. `None` when the
+/// pools are not host memory (a GPU backend: the bytes go through [`write_arrival`]).
+pub fn landing_spans<B: Backend>(pools: &KvPools<B>, seq: &SeqKv) -> Option<Vec<(u64, usize)>> {
+    if !pools.backend().buffers_in_host_memory() {
+        return None;
+    }
+    let whole = pools.regions();
+    regions(pools.layout(), seq.slot(), seq.pages(), seq.position())
+        .iter()
+        .map(|r| r.locate(&whole).ok())
+        .collect()
+}
+
 fn write_regions<B: Backend>(pools: &mut KvPools<B>, seq: &SeqKv, bytes: &[u8]) -> Result<()> {
     let dest = regions(pools.layout(), seq.slot(), seq.pages(), seq.position());
     let mut at = 0;

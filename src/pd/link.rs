@@ -13,7 +13,7 @@
 //! Every write uses `MSG_NOSIGNAL`: a peer that hangs up must not raise SIGPIPE in the host.
 
 use std::collections::VecDeque;
-use std::io::{self, ErrorKind as IoKind, Read};
+use std::io::{self, ErrorKind as IoKind, IoSliceMut, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,6 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::incoming::Lent;
 use super::wire::{self, Frame, Kind, ReadError};
 
 /// At most this many bytes are written by a caller directly (without blocking) before the rest
@@ -31,15 +32,25 @@ const DIRECT_BYTES: usize = 1 << 20;
 /// What the link reports to its owner (the node).
 pub trait Handler: Send + Sync + 'static {
     fn on_frame(&self, link: &Arc<Link>, frame: Frame);
-    /// A DATA frame's `len` bytes at `offset` of `room`'s state are about to be read: the
-    /// buffer they go into (read straight from the socket to `buf[offset..offset + len]`,
+    /// A DATA frame's `len` bytes at `offset` of `room`'s state are about to be read: where
+    /// they go (read straight from the socket into the room's destination or its buffer,
     /// without a frame buffer and a copy), handed back by [`Self::put_back`]. `None`: read the
     /// frame whole and pass it to `on_frame` (which checks and refuses what does not fit).
-    fn lend(&self, _link: &Arc<Link>, _room: u64, _offset: u64, _len: usize) -> Option<Vec<u8>> {
+    fn lend(&self, _link: &Arc<Link>, _room: u64, _offset: u64, _len: usize) -> Option<Lent> {
         None
     }
-    /// The lent buffer, now holding the DATA frame's bytes at `offset`.
-    fn put_back(&self, _link: &Arc<Link>, _room: u64, _offset: u64, _len: usize, _buf: Vec<u8>) {}
+    /// What `lend` lent, back: holding the DATA frame's bytes at `offset` when `filled`, else
+    /// the connection failed while they were read (the link goes down next).
+    fn put_back(
+        &self,
+        _link: &Arc<Link>,
+        _room: u64,
+        _offset: u64,
+        _len: usize,
+        _lent: Lent,
+        _filled: bool,
+    ) {
+    }
     /// The link is down (`why`); called once.
     fn on_down(&self, link: &Arc<Link>, why: String);
 }
@@ -520,9 +531,19 @@ impl Link {
     /// Fills `buf` from the stream, waiting through read timeouts until the peer has been
     /// silent for the dead interval (or the link was closed).
     fn fill(&self, stream: &mut TcpStream, buf: &mut [u8]) -> io::Result<()> {
-        let mut at = 0;
-        while at < buf.len() {
-            match stream.read(&mut buf[at..]) {
+        self.fill_parts(stream, &mut [IoSliceMut::new(buf)])
+    }
+
+    /// [`Self::fill`] for buffers filled in order, with as few reads as the socket allows (a
+    /// state's destination is hundreds of regions of a few KiB: one `readv` each time).
+    fn fill_parts(
+        &self,
+        stream: &mut TcpStream,
+        mut parts: &mut [IoSliceMut<'_>],
+    ) -> io::Result<()> {
+        IoSliceMut::advance_slices(&mut parts, 0); // skips empty parts
+        while !parts.is_empty() {
+            match stream.read_vectored(parts) {
                 Ok(0) => {
                     return Err(io::Error::new(
                         IoKind::UnexpectedEof,
@@ -530,7 +551,7 @@ impl Link {
                     ))
                 }
                 Ok(n) => {
-                    at += n;
+                    IoSliceMut::advance_slices(&mut parts, n);
                     *self.last_heard.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
                 }
                 Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut) => {
@@ -575,18 +596,45 @@ impl Link {
             fill(&mut at)?;
             let (offset, n) = (u64::from_le_bytes(at), len - 8);
             let start = usize::try_from(offset).unwrap_or(usize::MAX);
-            if let Some(mut buf) = handler.lend(self, room, offset, n) {
-                match buf.get_mut(start..start.saturating_add(n)) {
-                    Some(dst) => fill(dst)?,
-                    // The handler checked the range: a dsv4 bug, the room's bytes are unusable.
-                    None => {
-                        return Err(ReadError::Protocol(format!(
+            if let Some(mut lent) = handler.lend(self, room, offset, n) {
+                let end = start.saturating_add(n);
+                let read = match &mut lent {
+                    Lent::Buffer(buf) => match buf.get_mut(start..end) {
+                        Some(dst) => fill(dst),
+                        // The handler checked the range: a dsv4 bug, the room's bytes are
+                        // unusable.
+                        None => Err(io::Error::other(format!(
                             "a lent buffer of {} bytes cannot take bytes {start}..+{n}",
                             buf.len()
-                        )))
+                        ))),
+                    },
+                    Lent::Direct(landing) => {
+                        // SAFETY: the node lent bytes `start..end` of this room's destination,
+                        // checked to lie inside it and not to overlap bytes already in; the
+                        // engine keeps the pages until `put_back` (`Node::release_landing`),
+                        // and only this reader writes the room's bytes.
+                        let parts = unsafe { landing.slices_mut(start, end) };
+                        let mut io: Vec<IoSliceMut<'_>> =
+                            parts.into_iter().map(IoSliceMut::new).collect();
+                        // At most IOV_MAX (1024) buffers per read.
+                        io.chunks_mut(1024)
+                            .try_for_each(|c| self.fill_parts(stream, c))
                     }
-                }
-                handler.put_back(self, room, offset, n, buf);
+                    Lent::Discard => {
+                        let mut scratch = vec![0u8; n.min(64 << 10)];
+                        let mut left = n;
+                        let mut r = Ok(());
+                        while left > 0 && r.is_ok() {
+                            let k = left.min(scratch.len());
+                            r = fill(&mut scratch[..k]);
+                            left -= k;
+                        }
+                        r
+                    }
+                };
+                let filled = read.is_ok();
+                handler.put_back(self, room, offset, n, lent, filled);
+                read?;
                 return Ok(());
             }
             payload.reserve_exact(len);

@@ -12,6 +12,7 @@
 //! `wire`: frames; `room`: room states and failure reasons; `link`: one connection's reader
 //! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines.
 
+pub mod incoming;
 pub mod limits;
 pub mod link;
 pub mod node;
@@ -20,4 +21,4 @@ pub mod wire;
 
 pub use node::{Config, Delivery, Node, Notice, PdStats, Sink};
 pub use room::{FailReason, RoomState};
-pub use wire::{Claim, Side, StateHeader};
+pub use wire::{Claim, Side, StateHeader, StateInfo};

@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::incoming::{Incoming, Lent};
 use super::link::{spawn, Bulk, Handler, Link, Segment};
 use super::room::{FailReason, RoomState};
 use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
@@ -23,6 +24,7 @@ use crate::config::params::Endpoint;
 use crate::engine::{Histogram, BYTE_BUCKETS, LATENCY_BUCKETS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::state::LayoutFingerprint;
+use crate::kv::Landing;
 
 /// How often blocking handshake reads and connects look at the node's shutdown flag.
 const POLL: Duration = Duration::from_millis(100);
@@ -38,6 +40,9 @@ pub enum Notice {
         request: u64,
         delivery: Box<Delivery>,
     },
+    /// Decode: nothing writes into the destination of `room` any more, whose release
+    /// ([`Node::release_landing`]) had to wait for a DATA frame being read into it.
+    Released { room: u64 },
     /// Either side: the room failed; the request ends with this error.
     Failed {
         room: u64,
@@ -50,7 +55,9 @@ pub enum Notice {
 #[derive(Debug)]
 pub struct Delivery {
     pub header: StateHeader,
-    pub bytes: Vec<u8>,
+    /// The state's bytes for the engine to write into the destination; `None`: they were
+    /// received straight into it (the claim's [`Landing`]).
+    pub bytes: Option<Vec<u8>>,
 }
 
 /// Where notices go (the engine's inbox). Must not block.
@@ -121,109 +128,10 @@ impl Default for PdStats {
     }
 }
 
-/// Where a room's bytes stand on the decode: complete pages may arrive before the STATE
-/// frame (the prefill sends them while the prompt is still computing), at any offset the
-/// reserved destination can hold; no byte may arrive twice.
-struct Incoming {
-    header: Option<StateHeader>,
-    /// CRC-32C of the STATE payload.
-    header_crc: u32,
-    /// CRC-32C of `bytes[..crc_upto]`, taken as bytes arrive in offset order (a DATA frame
-    /// extends it when it starts where it stops): the reader does it while the next frame is
-    /// on its way instead of ~25 µs after the last. Seeded with `header_crc` when the STATE
-    /// frame came before any byte was folded in (the usual case); else DONE combines the two
-    /// (crc32c_combine: ~18 µs).
-    bytes_crc: u32,
-    crc_upto: usize,
-    seeded: bool,
-    bytes: Vec<u8>,
-    /// Byte ranges received: start → end, disjoint.
-    ranges: std::collections::BTreeMap<usize, usize>,
-    received: usize,
-}
-
-impl Incoming {
-    fn new(capacity: usize) -> Self {
-        Self {
-            header: None,
-            header_crc: 0,
-            bytes_crc: 0,
-            crc_upto: 0,
-            seeded: false,
-            bytes: vec![0; capacity],
-            ranges: Default::default(),
-            received: 0,
-        }
-    }
-
-    /// Where `len` bytes at `offset` go, or why they may not (past the end, or over bytes
-    /// already in).
-    fn check(&self, offset: u64, len: usize) -> std::result::Result<(usize, usize), String> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        let end = start.saturating_add(len);
-        if end > self.bytes.len() {
-            return Err(format!(
-                "DATA for bytes {offset}..{} runs past the {} bytes the state can hold",
-                offset.saturating_add(len as u64),
-                self.bytes.len()
-            ));
-        }
-        let before = self.ranges.range(..end).next_back();
-        if before.is_some_and(|(_, &e)| e > start) {
-            return Err(format!(
-                "DATA for bytes {start}..{end} overlaps bytes already received"
-            ));
-        }
-        Ok((start, end))
-    }
-
-    /// Takes `data` at `offset`, or says why not ([`Self::check`]).
-    fn put(&mut self, offset: u64, data: &[u8]) -> std::result::Result<(), String> {
-        let (start, end) = self.check(offset, data.len())?;
-        if data.is_empty() {
-            return Ok(()); // as a range it would replace the one starting at the same byte
-        }
-        self.bytes[start..end].copy_from_slice(data);
-        self.record(start, end);
-        Ok(())
-    }
-
-    /// Counts `bytes[start..end]` (checked, non-empty) as received.
-    fn record(&mut self, start: usize, end: usize) {
-        self.ranges.insert(start, end);
-        self.received += end - start;
-        // Pages sent early may have left a gap: once it is filled, the CRC runs on over them.
-        while let Some(&to) = self.ranges.get(&self.crc_upto) {
-            self.bytes_crc = crc32c::crc32c_append(self.bytes_crc, &self.bytes[self.crc_upto..to]);
-            self.crc_upto = to;
-        }
-    }
-
-    /// Takes the STATE payload's CRC (before any byte was folded in: as the running CRC's seed).
-    fn set_header_crc(&mut self, payload: &[u8]) {
-        self.header_crc = crc32c::crc32c(payload);
-        if self.crc_upto == 0 {
-            self.bytes_crc = self.header_crc;
-            self.seeded = true;
-        }
-    }
-
-    /// CRC-32C of the STATE payload followed by every byte, once all are in.
-    fn crc(&self) -> Option<u32> {
-        (self.crc_upto == self.bytes.len()).then(|| {
-            if self.seeded {
-                self.bytes_crc
-            } else {
-                crc32c::crc32c_combine(self.header_crc, self.bytes_crc, self.bytes.len())
-            }
-        })
-    }
-}
-
 /// Prefill: a computed state ready to go, with its STATE frame and the CRC-32C of the STATE
 /// payload then every byte, both made when the state is computed (outside the table's lock):
-/// made when the claim comes, they would delay the room's first byte by ~0.1 ms (a 611 KiB
-/// state: 27 µs to encode the header, 72 µs of CRC).
+/// made when the claim comes, the CRC would delay the room's first byte (72 µs for a 611 KiB
+/// state).
 struct Outgoing {
     header: StateHeader,
     bytes: Arc<Vec<u8>>,
@@ -250,6 +158,8 @@ struct Room {
     early: Vec<std::ops::Range<usize>>,
     /// Decode: the most bytes the reserved destination can take.
     max_bytes: usize,
+    /// Decode: the destination's memory, when the reader may write it directly.
+    landing: Option<Arc<Landing>>,
     incoming: Option<Incoming>,
     /// Prefill: its request left the admission queue (it is counted here while unclaimed).
     left_queue: bool,
@@ -284,6 +194,10 @@ struct Table {
     by_peer: HashMap<String, u64>,
     /// Decode: rooms waiting for a connection to a peer being opened.
     connecting: HashMap<String, Vec<u64>>,
+    /// Decode: rooms whose destination a link's reader is writing into now (the frame it
+    /// reads), and whether the engine asked for it back meanwhile
+    /// ([`Node::release_landing`]: it then waits for [`Notice::Released`]).
+    lent: HashMap<u64, bool>,
     next_link: u64,
     stats: PdStats,
 }
@@ -337,13 +251,23 @@ impl Handler for LinkHandler {
         }
     }
 
-    fn lend(&self, link: &Arc<Link>, room: u64, offset: u64, len: usize) -> Option<Vec<u8>> {
+    fn lend(&self, link: &Arc<Link>, room: u64, offset: u64, len: usize) -> Option<Lent> {
         self.0.upgrade()?.lend(link, room, offset, len)
     }
 
-    fn put_back(&self, link: &Arc<Link>, room: u64, offset: u64, len: usize, buf: Vec<u8>) {
+    fn put_back(
+        &self,
+        _link: &Arc<Link>,
+        room: u64,
+        offset: u64,
+        len: usize,
+        lent: Lent,
+        filled: bool,
+    ) {
         if let Some(inner) = self.0.upgrade() {
-            inner.put_back(link, room, offset, len, buf);
+            if let Some(n) = inner.put_back(room, offset, len, lent, filled) {
+                inner.emit(vec![n]);
+            }
         }
     }
 
@@ -484,6 +408,7 @@ impl Node {
                 outgoing: None,
                 early: Vec::new(),
                 max_bytes: 0,
+                landing: None,
                 incoming: None,
                 left_queue: false,
                 active: false,
@@ -627,8 +552,16 @@ impl Node {
     }
 
     /// Decode: the destination is reserved; claims the room from its prefill (connecting to
-    /// it first if needed). `max_bytes`: the most state bytes the destination can hold.
-    pub fn claim(&self, room: u64, claim: Claim, max_bytes: usize) -> Result<()> {
+    /// it first if needed). `max_bytes`: the most state bytes the destination can hold;
+    /// `landing`: its memory, when the bytes may be received straight into it — the engine
+    /// then keeps the destination until [`Self::release_landing`] lets it go.
+    pub fn claim(
+        &self,
+        room: u64,
+        claim: Claim,
+        max_bytes: usize,
+        landing: Option<Landing>,
+    ) -> Result<()> {
         let inner = &self.inner;
         let mut notices = Vec::new();
         let result = {
@@ -645,6 +578,7 @@ impl Node {
             let r = t.rooms.get_mut(&room).expect("looked up above");
             r.deadline = now + inner.cfg.transfer_timeout;
             r.max_bytes = max_bytes;
+            r.landing = landing.map(Arc::new);
             r.claim = Some(claim);
             match t.by_peer.get(&peer).and_then(|id| t.links.get(id)).cloned() {
                 Some(link) => {
@@ -694,6 +628,27 @@ impl Node {
             }
             let bytes = r.incoming.as_ref().map_or(0, |i| i.received);
             t.transferred(room, bytes, r.claimed_at);
+        }
+    }
+
+    /// Decode: the engine is ending `room`'s request and wants its destination back. From
+    /// now on nothing more is written into it; `true` when nothing is being written either
+    /// (free the pages now), `false` when a link's reader is filling part of it: the node
+    /// sends [`Notice::Released`] once it stopped, and the engine keeps the pages until then.
+    pub fn release_landing(&self, room: u64) -> bool {
+        let mut t = self.inner.table();
+        if let Some(inc) = t.rooms.get_mut(&room).and_then(|r| {
+            r.landing = None;
+            r.incoming.as_mut()
+        }) {
+            inc.release();
+        }
+        match t.lent.get_mut(&room) {
+            Some(asked) => {
+                *asked = true;
+                false
+            }
+            None => true,
         }
     }
 
@@ -1495,11 +1450,12 @@ impl Inner {
         }
     }
 
-    /// Decode: the buffer a DATA frame's bytes are read into, when the frame is one
-    /// `on_bytes` would take (else `None`: it goes there whole and is refused by name). The
-    /// buffer is out of the room until [`Self::put_back`]; only this link's reader sends the
-    /// room bytes, one frame at a time, so nothing else looks for it meanwhile.
-    fn lend(&self, link: &Arc<Link>, room: u64, offset: u64, len: usize) -> Option<Vec<u8>> {
+    /// Decode: where a DATA frame's bytes are read to (the destination, or the room's
+    /// buffer), when the frame is one `on_bytes` would take (else `None`: it goes there whole
+    /// and is refused by name). Until [`Self::put_back`] the room counts as lent: only this
+    /// link's reader sends the room bytes, one frame at a time, and the engine does not get
+    /// the destination back meanwhile ([`Node::release_landing`]).
+    fn lend(&self, link: &Arc<Link>, room: u64, offset: u64, len: usize) -> Option<Lent> {
         if self.cfg.side != Side::Decode || len == 0 {
             return None;
         }
@@ -1512,26 +1468,38 @@ impl Inner {
             if r.state != RoomState::Claimed {
                 return None;
             }
-            r.incoming = Some(Incoming::new(r.max_bytes));
+            r.incoming = Some(Incoming::new(r.max_bytes, r.landing.clone()));
         }
-        let inc = r.incoming.as_mut()?;
-        inc.check(offset, len).ok()?;
-        Some(std::mem::take(&mut inc.bytes))
+        let lent = r.incoming.as_mut()?.lend(offset, len)?;
+        if matches!(lent, Lent::Direct(_)) {
+            t.lent.insert(room, false);
+        }
+        Some(lent)
     }
 
-    /// Decode: a lent buffer back, with `len` more bytes at `offset`. A room that ended
-    /// meanwhile just drops it.
-    fn put_back(&self, _link: &Arc<Link>, room: u64, offset: u64, len: usize, buf: Vec<u8>) {
+    /// Decode: what [`Self::lend`] lent, back: `filled` with `len` more bytes at `offset`, or
+    /// not (the connection failed meanwhile). A room that ended meanwhile just drops it.
+    fn put_back(
+        &self,
+        room: u64,
+        offset: u64,
+        len: usize,
+        lent: Lent,
+        filled: bool,
+    ) -> Option<Notice> {
         let mut t = self.table();
-        let Some(inc) = t.rooms.get_mut(&room).and_then(|r| r.incoming.as_mut()) else {
-            return;
+        let released = match lent {
+            Lent::Direct(_) => t.lent.remove(&room).unwrap_or(false),
+            _ => false,
         };
-        inc.bytes = buf;
-        let start = offset as usize; // checked by lend
-        inc.record(start, start + len);
-        if inc.header.is_none() {
-            t.stats.early_bytes += len as u64;
+        if let Some(inc) = t.rooms.get_mut(&room).and_then(|r| r.incoming.as_mut()) {
+            let early = inc.header.is_none();
+            inc.put_back(offset, len, lent, filled);
+            if early && filled {
+                t.stats.early_bytes += len as u64;
+            }
         }
+        released.then_some(Notice::Released { room })
     }
 
     /// Decode: STATE, DATA and DONE frames of a claimed room, checked strictly.
@@ -1553,7 +1521,7 @@ impl Inner {
                     )));
                 }
                 let header: StateHeader = wire::parse(frame).map_err(mismatch)?;
-                let len = header.state.byte_len();
+                let len = usize::try_from(header.state.bytes).unwrap_or(usize::MAX);
                 let claim = r.claim.as_ref().expect("claimed");
                 if header.state.pages != claim.pages.len()
                     || header.state.position != claim.prompt_tokens
@@ -1577,8 +1545,10 @@ impl Inner {
                         ),
                     ));
                 }
-                let max_bytes = r.max_bytes;
-                let inc = r.incoming.get_or_insert_with(|| Incoming::new(max_bytes));
+                let (max_bytes, landing) = (r.max_bytes, r.landing.clone());
+                let inc = r
+                    .incoming
+                    .get_or_insert_with(|| Incoming::new(max_bytes, landing));
                 // Pages sent early must lie inside the state the header describes.
                 if let Some((_, &end)) = inc.ranges.iter().next_back() {
                     if end > len {
@@ -1587,7 +1557,7 @@ impl Inner {
                         )));
                     }
                 }
-                inc.bytes.truncate(len);
+                inc.set_len(len);
                 inc.set_header_crc(&frame.payload);
                 inc.header = Some(header);
                 r.state = RoomState::Transferring;
@@ -1601,7 +1571,7 @@ impl Inner {
                             r.state.label()
                         )));
                     }
-                    r.incoming = Some(Incoming::new(r.max_bytes));
+                    r.incoming = Some(Incoming::new(r.max_bytes, r.landing.clone()));
                 }
                 let inc = r.incoming.as_mut().expect("set above");
                 let (offset, bytes) = wire::split_data(&frame.payload)
@@ -1616,12 +1586,12 @@ impl Inner {
                     return Err(mismatch("DONE arrived before the STATE frame".into()));
                 };
                 let done: Done = wire::parse(frame).map_err(mismatch)?;
-                if done.bytes != inc.received as u64 || inc.received != inc.bytes.len() {
+                if done.bytes != inc.received as u64 || inc.received != inc.len() {
                     return Err(mismatch(format!(
                         "DONE says {} bytes were sent; {} arrived of the {} the state holds",
                         done.bytes,
                         inc.received,
-                        inc.bytes.len()
+                        inc.len()
                     )));
                 }
                 // Disjoint ranges adding up to the length cover every byte once, so the
@@ -1630,7 +1600,7 @@ impl Inner {
                     mismatch(format!(
                         "the bytes are in but their CRC stopped at byte {} of {} (a dsv4 bug)",
                         inc.crc_upto,
-                        inc.bytes.len()
+                        inc.len()
                     ))
                 })?;
                 if done.crc32c != crc {
@@ -1643,7 +1613,7 @@ impl Inner {
                     ));
                 }
                 let header = inc.header.take().expect("checked");
-                let bytes = std::mem::take(&mut inc.bytes);
+                let bytes = inc.take_bytes();
                 // Kept (without its bytes) for the transferred byte count.
                 inc.ranges.clear();
                 r.state = RoomState::Delivered;
@@ -1736,48 +1706,5 @@ impl Inner {
                 t = self.table();
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Incoming;
-
-    /// The running CRC equals one taken over the STATE payload and all bytes in offset order,
-    /// whatever order the ranges came in (pages sent early leave gaps filled later).
-    #[test]
-    fn the_running_crc_is_the_crc_of_the_bytes_in_offset_order() {
-        let header = b"{\"state\": 1}";
-        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 31 % 251) as u8).collect();
-        let want = crc32c::crc32c_append(crc32c::crc32c(header), &bytes);
-        for order in [
-            vec![0..4000, 4000..10_000],
-            vec![4000..8000, 0..4000, 8000..10_000],
-            vec![8000..10_000, 4000..8000, 0..10, 10..4000],
-        ] {
-            // The STATE frame first (the running CRC seeded with it), or after the first
-            // range (combined at the end).
-            for state_after in [0, 1] {
-                let mut inc = Incoming::new(bytes.len());
-                for (i, r) in order.iter().enumerate() {
-                    if i == state_after {
-                        inc.set_header_crc(header);
-                    }
-                    assert_eq!(inc.crc(), None, "{order:?}: not all bytes are in after {i}");
-                    inc.put(r.start as u64, &bytes[r.clone()]).unwrap();
-                    inc.put(r.start as u64, &[]).unwrap(); // an empty frame changes nothing
-                }
-                assert_eq!(
-                    inc.crc(),
-                    Some(want),
-                    "{order:?}, STATE after {state_after}"
-                );
-                assert_eq!(inc.bytes, bytes);
-            }
-        }
-        let mut inc = Incoming::new(10);
-        inc.put(2, &[1, 2, 3]).unwrap();
-        assert!(inc.put(4, &[9]).unwrap_err().contains("overlaps"));
-        assert!(inc.put(8, &[0; 3]).unwrap_err().contains("runs past"));
     }
 }

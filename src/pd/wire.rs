@@ -54,8 +54,8 @@ impl Kind {
     pub fn max_payload(self) -> usize {
         match self {
             Kind::Data => DATA_CHUNK + 8,
-            // A state header lists every region of a long sequence (tens of thousands).
-            Kind::State => 64 << 20,
+            // A state header is a few scalars.
+            Kind::State => 64 << 10,
             // A claim lists a long sequence's destination pages.
             Kind::Claim => 16 << 20,
             Kind::Heartbeat | Kind::Ack => 0,
@@ -71,7 +71,8 @@ pub const DATA_CHUNK: usize = 256 << 10;
 pub const HEADER: usize = 16;
 
 /// `dsv4-pd` protocol version; a peer speaking another is refused at HELLO.
-pub const VERSION: u32 = 1;
+/// 2: the STATE frame carries [`StateInfo`] (scalars), no longer the prefill's region list.
+pub const VERSION: u32 = 2;
 
 /// One frame as read.
 #[derive(Debug, Clone, PartialEq)]
@@ -242,11 +243,41 @@ pub struct Claim {
     pub pages: Vec<u32>,
 }
 
+/// A sequence state's scalars, as a room sends them: the bytes' layout follows from the
+/// layout both engines agreed on in HELLO and the position, so the prefill's own region list
+/// (offsets into its pools, ~13 KB of JSON for an 8000-token prompt, ~35 µs to parse on the
+/// decode's critical path) does not travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateInfo {
+    /// Tokens processed: the position of the next token.
+    pub position: usize,
+    /// The first generated token (sampled by the prefill, not yet fed).
+    pub last_token: Option<u32>,
+    /// The sampler's RNG state after that sample.
+    pub rng: Option<u64>,
+    /// Pages the state fills.
+    pub pages: usize,
+    /// Bytes of the state, in the layout's region order.
+    pub bytes: u64,
+}
+
+impl StateInfo {
+    pub fn of(state: &SequenceState) -> Self {
+        Self {
+            position: state.position,
+            last_token: state.last_token,
+            rng: state.rng,
+            pages: state.pages,
+            bytes: state.byte_len() as u64,
+        }
+    }
+}
+
 /// What the prefill sends ahead of the bytes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StateHeader {
-    /// Regions and scalars (position, last token = the first generated token, RNG state).
-    pub state: SequenceState,
+    /// Position, first token, RNG state and byte length.
+    pub state: StateInfo,
     /// The first token's log-probability (0 unless the request asked for logprobs).
     pub first_logprob: f32,
     /// Prompt tokens the prefill reused from its device / host cache (reported in events).

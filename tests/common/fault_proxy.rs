@@ -82,6 +82,9 @@ pub enum Fault {
     /// other rooms pass it), so the receiver sees that room's two frames swapped. Lost if the
     /// connection ends first.
     Reorder,
+    /// The header and the first `after` payload bytes go out, the rest `pause` later: the
+    /// receiver is in the middle of reading the frame meanwhile.
+    Stall { after: usize, pause: Duration },
     /// The connection closes (both directions) instead of the frame going out.
     Close,
     /// The payload is replaced by what the function makes of it (the header's length follows):
@@ -439,6 +442,14 @@ fn relay(s: &Shared, conn: &Conn, dir: Dir, mut from: TcpStream, mut to: TcpStre
                     out.push(f);
                 }
                 just_held = true;
+            }
+            Some(Fault::Stall { after, pause }) => {
+                let cut = HEADER + after.min(payload.len());
+                if to.write_all(&frame[..cut]).is_err() {
+                    break;
+                }
+                std::thread::sleep(pause);
+                out.push(frame[cut..].to_vec());
             }
             Some(Fault::Close) => break,
             Some(Fault::Rewrite(f)) => {

@@ -55,7 +55,7 @@ fn main() {
                 }
                 Kind::State => {
                     if let Some(h) = check::<StateHeader>(&frame) {
-                        assert!(h.state.byte_len() as u64 <= MAX_STATE_BYTES);
+                        assert!(h.state.bytes <= MAX_STATE_BYTES);
                     }
                 }
                 Kind::Data => {

@@ -188,6 +188,10 @@ impl Backend for CpuBackend {
         (b.base().expose_provenance() as u64, b.len())
     }
 
+    fn buffers_in_host_memory(&self) -> bool {
+        true
+    }
+
     fn read_bytes(&self, b: &CpuBuffer, offset: usize, out: &mut [u8]) -> Result<()> {
         out.copy_from_slice(b.get(offset, out.len())?);
         Ok(())

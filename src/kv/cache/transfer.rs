@@ -96,13 +96,34 @@ impl<B: Backend> PrefixCache<B> {
         state::byte_len_at(&self.pools, prompt_len)
     }
 
-    /// Writes an arrived state into `req`'s reserved destination ([`state::write_into`]).
+    /// Writes an arrived state (`position` tokens in `pages` pages) into `req`'s reserved
+    /// destination ([`state::write_arrival`]).
     pub fn fill_import(
         &mut self,
         req: &Request,
-        state: &SequenceState,
+        position: usize,
+        pages: usize,
         bytes: &[u8],
     ) -> Result<()> {
-        state::write_into(&mut self.pools, state, bytes, &req.kv)
+        state::write_arrival(&mut self.pools, position, pages, bytes, &req.kv)
+    }
+
+    /// Checks a state of `bytes` bytes that a transport wrote straight into `req`'s
+    /// destination ([`Self::landing_spans`]) ([`state::check_arrival`]).
+    pub fn check_landed(
+        &self,
+        req: &Request,
+        position: usize,
+        pages: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        state::check_arrival(&self.pools, position, pages, bytes, &req.kv)
+    }
+
+    /// Where `req`'s destination takes a state's bytes, in arrival order; `None` on pools a
+    /// transport cannot write directly. The caller keeps `req` (its pages) until nothing
+    /// writes through it any more.
+    pub fn landing(&self, req: &Request) -> Option<crate::kv::Landing> {
+        crate::kv::Landing::of(&self.pools, &req.kv)
     }
 }
