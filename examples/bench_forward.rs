@@ -4,7 +4,11 @@
 //! the same weights (scripts/bench_forward.py), and prints the ratios.
 //!
 //!     cargo run --release --example bench_forward -- [--model fixture|large] [--threads N]
-//!         [--weights f32|bf16] [--kv f32|bf16|fp8] [--phase prefill|decode1|decode8] [--json]
+//!         [--weights f32|bf16|native|auto] [--kv f32|bf16|fp8] [--phase prefill|decode1|decode8]
+//!         [--bandwidth] [--json]
+//!
+//! `--model large-fp8` is the large model written as an official FP8/FP4 checkpoint (the same
+//! weights rounded), `large-fp8-deq` its dequantised f32 copy (what transformers loads).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +19,7 @@ use dsv4::config::params::Params;
 use dsv4::config::params::WeightDtype;
 use dsv4::config::tensors::{checkpoint_tensors, Storage};
 use dsv4::config::ModelConfig;
+use dsv4::formats::{e2m1_encode, e4m3_decode, e4m3_encode, e8m0_decode, E2M1};
 use dsv4::kv::{KvPools, SeqKv};
 use dsv4::model::{Chunk, Logits, Model};
 use dsv4::plan;
@@ -65,20 +70,20 @@ impl Rng {
     }
 }
 
-/// Writes config.json and an official-named fp32 checkpoint with random weights, once.
-fn write_large(dir: &Path) -> ModelConfig {
-    let config_text = serde_json::to_string_pretty(&large_config()).unwrap();
-    let config = ModelConfig::from_json_str(&config_text, "bench-large").unwrap();
-    if dir.join("model.safetensors").is_file() {
-        return config;
-    }
-    std::fs::create_dir_all(dir).unwrap();
+/// One tensor of the large model: its values (f32, or the hash router's i64 table as bytes).
+enum Values {
+    F32(Vec<f32>),
+    I64(Vec<u8>),
+}
+
+/// The large model's random weights, deterministic.
+fn large_values(config: &ModelConfig) -> Vec<(dsv4::config::tensors::TensorSpec, Values)> {
     let mut rng = Rng(7);
-    let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for spec in checkpoint_tensors(&config) {
+    let mut out = Vec::new();
+    for spec in checkpoint_tensors(config) {
         let n = spec.elements() as usize;
         let name = spec.name.as_str();
-        let (dtype, bytes) = if spec.storage == Storage::Index {
+        let values = if spec.storage == Storage::Index {
             let k = spec.shape[1];
             let e = config.n_routed_experts as u64;
             let mut v = Vec::with_capacity(n * 8);
@@ -88,36 +93,227 @@ fn write_large(dir: &Path) -> ModelConfig {
                     v.extend_from_slice(&(((first + j) % e) as i64).to_le_bytes());
                 }
             }
-            (Dtype::I64, v)
+            Values::I64(v)
         } else {
             let fan_in = *spec.shape.last().unwrap() as f32;
-            let values: Vec<f32> = (0..n)
-                .map(|_| {
-                    if name.ends_with("norm.weight") {
-                        1.0 + 0.1 * rng.normal()
-                    } else if name.ends_with("_scale") {
-                        0.5 + rng.uniform()
-                    } else if spec.shape.len() == 2 && !name.ends_with(".ape") {
-                        rng.normal() / fan_in.sqrt()
-                    } else {
-                        0.3 * rng.normal()
-                    }
-                })
-                .collect();
-            (
-                Dtype::F32,
-                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Values::F32(
+                (0..n)
+                    .map(|_| {
+                        if name.ends_with("norm.weight") {
+                            1.0 + 0.1 * rng.normal()
+                        } else if name.ends_with("_scale") {
+                            0.5 + rng.uniform()
+                        } else if spec.shape.len() == 2 && !name.ends_with(".ape") {
+                            rng.normal() / fan_in.sqrt()
+                        } else {
+                            0.3 * rng.normal()
+                        }
+                    })
+                    .collect(),
             )
         };
-        blobs.push((spec.name.clone(), dtype, spec.shape.clone(), bytes));
+        out.push((spec, values));
     }
+    out
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn write_checkpoint(
+    dir: &Path,
+    config_text: &str,
+    blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    std::fs::create_dir_all(dir).unwrap();
     let views: Vec<(String, TensorView)> = blobs
         .iter()
         .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     std::fs::write(dir.join("config.json"), config_text).unwrap();
+}
+
+/// Writes config.json and an official-named fp32 checkpoint with random weights, once.
+fn write_large(dir: &Path) -> ModelConfig {
+    let config_text = serde_json::to_string_pretty(&large_config()).unwrap();
+    let config = ModelConfig::from_json_str(&config_text, "bench-large").unwrap();
+    if dir.join("model.safetensors").is_file() {
+        return config;
+    }
+    let blobs = large_values(&config)
+        .into_iter()
+        .map(|(spec, v)| match v {
+            Values::I64(b) => (spec.name, Dtype::I64, spec.shape, b),
+            Values::F32(v) => (spec.name, Dtype::F32, spec.shape, f32_bytes(&v)),
+        })
+        .collect();
+    write_checkpoint(dir, &config_text, blobs);
     config
+}
+
+/// The e8m0 exponent byte of the smallest power of two `s` with `amax / s <= max`.
+fn e8m0_for(amax: f32, max: f32) -> u8 {
+    if amax == 0.0 {
+        return 127;
+    }
+    ((amax / max).log2().ceil() as i32 + 127).clamp(1, 254) as u8
+}
+
+/// The same large model as an official FP8/FP4 checkpoint, once: dense linears rounded to FP8
+/// e4m3 with 128 × 128 e8m0 block scales, routed experts to FP4 e2m1 with 1 × 32 e8m0 scales
+/// (the release's formats), the other matrices bf16 and vectors f32. `dequantised` gets the rounded values as f32
+/// (what transformers and the f32 comparison load: the same weights).
+fn write_large_fp8(dir: &Path, dequantised: &Path) -> ModelConfig {
+    let mut doc = large_config();
+    doc["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
+        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]});
+    doc["expert_dtype"] = json!("fp4");
+    doc["torch_dtype"] = json!("bfloat16");
+    let config_text = serde_json::to_string_pretty(&doc).unwrap();
+    let config = ModelConfig::from_json_str(&config_text, "bench-large-fp8").unwrap();
+    if dir.join("model.safetensors").is_file() && dequantised.join("model.safetensors").is_file() {
+        return config;
+    }
+    let (mut quant, mut deq) = (Vec::new(), Vec::new());
+    for (spec, v) in large_values(&config) {
+        let scale_name = format!("{}.scale", spec.name.trim_end_matches(".weight"));
+        let v = match v {
+            Values::I64(b) => {
+                quant.push((spec.name.clone(), Dtype::I64, spec.shape.clone(), b.clone()));
+                deq.push((spec.name, Dtype::I64, spec.shape, b));
+                continue;
+            }
+            Values::F32(v) => v,
+        };
+        let (rows, cols) = (spec.shape[0], spec.shape.get(1).copied().unwrap_or(1));
+        let mut back = v.clone();
+        match spec.storage {
+            Storage::Linear => {
+                let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
+                let mut exps = vec![0u8; br * bc];
+                for (t, e) in exps.iter_mut().enumerate() {
+                    let (r0, c0) = ((t / bc) * 128, (t % bc) * 128);
+                    let amax = (r0..(r0 + 128).min(rows))
+                        .flat_map(|r| (c0..(c0 + 128).min(cols)).map(move |c| r * cols + c))
+                        .map(|i| v[i].abs())
+                        .fold(0.0f32, f32::max);
+                    *e = e8m0_for(amax, 448.0);
+                }
+                let q: Vec<u8> = (0..rows * cols)
+                    .map(|i| {
+                        let s = e8m0_decode(exps[(i / cols / 128) * bc + (i % cols) / 128]);
+                        let code = e4m3_encode(v[i] / s);
+                        back[i] = e4m3_decode(code) * s;
+                        code
+                    })
+                    .collect();
+                quant.push((spec.name.clone(), Dtype::F8_E4M3, spec.shape.clone(), q));
+                quant.push((scale_name, Dtype::F8_E8M0, vec![br, bc], exps));
+            }
+            Storage::Expert => {
+                let nb = cols / 32;
+                let mut exps = vec![0u8; rows * nb];
+                let mut packed = vec![0u8; rows * cols / 2];
+                for r in 0..rows {
+                    for b in 0..nb {
+                        let block = &v[r * cols + b * 32..r * cols + b * 32 + 32];
+                        let e = e8m0_for(block.iter().fold(0.0f32, |m, x| m.max(x.abs())), 6.0);
+                        exps[r * nb + b] = e;
+                        let s = e8m0_decode(e);
+                        for (j, &x) in block.iter().enumerate() {
+                            let code = e2m1_encode(x / s);
+                            let at = r * cols + b * 32 + j;
+                            back[at] = E2M1[code as usize] * s;
+                            packed[at / 2] |= if at % 2 == 0 { code } else { code << 4 };
+                        }
+                    }
+                }
+                quant.push((spec.name.clone(), Dtype::I8, vec![rows, cols / 2], packed));
+                quant.push((scale_name, Dtype::F8_E8M0, vec![rows, nb], exps));
+            }
+            // As in the release: unquantised matrices (embeddings, head, compressor
+            // projections, router gate) in bf16.
+            Storage::Unquantized if spec.shape.len() == 2 => {
+                let mut raw = Vec::with_capacity(2 * v.len());
+                for (x, b) in v.iter().zip(back.iter_mut()) {
+                    let h = half::bf16::from_f32(*x);
+                    *b = h.to_f32();
+                    raw.extend_from_slice(&h.to_le_bytes());
+                }
+                quant.push((spec.name.clone(), Dtype::BF16, spec.shape.clone(), raw));
+            }
+            _ => quant.push((
+                spec.name.clone(),
+                Dtype::F32,
+                spec.shape.clone(),
+                f32_bytes(&v),
+            )),
+        }
+        deq.push((spec.name, Dtype::F32, spec.shape, f32_bytes(&back)));
+    }
+    write_checkpoint(dir, &config_text, quant);
+    let plain = serde_json::to_string_pretty(&large_config()).unwrap();
+    write_checkpoint(dequantised, &plain, deq);
+    config
+}
+
+/// Bytes of weights one decode step reads with one token per sequence and `batch` sequences:
+/// every matrix once, except the routed experts (only those that fired: at most `batch × k`
+/// per MoE layer, counted as `min(batch × k, n) / n` of them) and the embedding table (one row
+/// per token). Bytes per element as the CPU backend holds them with `weights`.
+fn step_bytes(config: &ModelConfig, weights: WeightDtype, quantised: bool, batch: usize) -> f64 {
+    let native = weights.resolve(config) == WeightDtype::Native && quantised;
+    let bf16 = weights == WeightDtype::Bf16;
+    let fired = (batch * config.n_activated_experts).min(config.n_routed_experts) as f64
+        / config.n_routed_experts as f64;
+    checkpoint_tensors(config)
+        .iter()
+        .map(|spec| {
+            let n = spec.elements() as f64;
+            let per = match spec.storage {
+                Storage::Index => 0.0,
+                _ if spec.shape.len() < 2 => 4.0,
+                Storage::Float32 => 4.0,
+                Storage::Linear if native => 1.0 + 1.0 / 128.0,
+                Storage::Expert if native => 0.5 + 1.0 / 32.0,
+                Storage::Unquantized if native => 2.0,
+                _ if bf16 => 2.0,
+                _ => 4.0,
+            };
+            let share = match spec.storage {
+                Storage::Expert => fired,
+                _ if spec.name == "embed.weight" => batch as f64 / spec.shape[0] as f64,
+                _ => 1.0,
+            };
+            n * per * share
+        })
+        .sum()
+}
+
+/// Read bandwidth of this machine with `threads` threads: a plain sum over a buffer far larger
+/// than the caches (best of 3), bytes per second.
+fn read_bandwidth(threads: usize) -> f64 {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let buf: Vec<u64> = (0..(1usize << 27)).map(|i| i as u64).collect(); // 1 GiB
+    pool.install(|| {
+        (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                let sum: u64 = buf
+                    .par_chunks(1 << 16)
+                    .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+                    .reduce(|| 0, u64::wrapping_add);
+                std::hint::black_box(sum);
+                (buf.len() * 8) as f64 / t.elapsed().as_secs_f64()
+            })
+            .fold(0.0, f64::max)
+    })
 }
 
 struct Bench {
@@ -210,6 +406,8 @@ fn main() {
     let threads: usize = value("--threads").map_or(0, |t| t.parse().unwrap());
     let weights = match value("--weights").as_deref() {
         Some("bf16") => WeightDtype::Bf16,
+        Some("native") => WeightDtype::Native,
+        Some("auto") => WeightDtype::Auto,
         _ => WeightDtype::F32,
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -219,15 +417,35 @@ fn main() {
             let config = ModelConfig::load(&dir).unwrap();
             (dir, config, 256, 64)
         }
+        // The same model rounded to FP8/FP4 (official formats), and its dequantised f32 copy.
+        "large-fp8" | "large-fp8-deq" => {
+            let (q, deq) = (
+                root.join("target/bench/large-fp8"),
+                root.join("target/bench/large-fp8-deq"),
+            );
+            let quantised = write_large_fp8(&q, &deq);
+            if which == "large-fp8" {
+                (q, quantised, 512, 32)
+            } else {
+                let config = ModelConfig::load(&deq).unwrap();
+                (deq, config, 512, 32)
+            }
+        }
         _ => {
             let dir = root.join("target/bench/large");
             let config = write_large(&dir);
             (dir, config, 512, 32)
         }
     };
+    let quantised = which == "large-fp8";
     let backend = Arc::new(CpuBackend::new(threads).unwrap());
     let threads = backend.threads();
     let model = Model::load(&dir, config.clone(), backend.clone(), weights).unwrap();
+    let resident = model.info()["bytes_by_dtype"].clone();
+    let (bytes_b1, bytes_b8) = (
+        step_bytes(&config, weights, quantised, 1),
+        step_bytes(&config, weights, quantised, 8),
+    );
     let steps = value("--steps").map_or(steps, |s| s.parse().unwrap());
     let kv_dtype = value("--kv").unwrap_or_else(|| "f32".into());
     let params = Params::from_value(&json!({"kv": {
@@ -260,18 +478,43 @@ fn main() {
     } else {
         0.0
     };
+    // Measured after the model runs, with the same thread count.
+    let bandwidth = if args.iter().any(|a| a == "--bandwidth") {
+        read_bandwidth(threads)
+    } else {
+        0.0
+    };
     let report = json!({
         "model": which, "checkpoint": dir, "threads": threads, "prompt": prompt,
-        "decode_steps": steps, "weights": format!("{weights:?}").to_lowercase(), "kv": kv_dtype,
+        "decode_steps": steps, "weights": weights.resolve(&bench.model.config).name(),
+        "kv": kv_dtype,
         "prefill_tok_s": prefill, "decode_b1_tok_s": b1, "decode_b8_tok_s": b8,
+        "resident_bytes": resident, "step_bytes_b1": bytes_b1, "step_bytes_b8": bytes_b8,
+        "read_bandwidth": bandwidth,
+        // Weight bytes a decode step reads ÷ its time ÷ the machine's read bandwidth.
+        "bw_fraction_b1": if bandwidth > 0.0 { bytes_b1 * b1 / bandwidth } else { 0.0 },
+        "bw_fraction_b8": if bandwidth > 0.0 { bytes_b8 * b8 / 8.0 / bandwidth } else { 0.0 },
     });
     if args.iter().any(|a| a == "--json") {
         println!("{report}");
     } else {
         println!(
-            "dsv4 {which} ({threads} threads, {prompt}-token prompt): prefill {prefill:.1} tok/s, \
-             decode b1 {b1:.1} tok/s, decode b8 {b8:.1} tok/s (b8/b1 {:.2})",
-            b8 / b1
+            "dsv4 {which} ({threads} threads, {prompt}-token prompt, {} weights): prefill \
+             {prefill:.1} tok/s, decode b1 {b1:.1} tok/s, decode b8 {b8:.1} tok/s (b8/b1 {:.2}); \
+             a b1 step reads {:.1} MB of weights{}",
+            weights.resolve(&bench.model.config).name(),
+            b8 / b1,
+            bytes_b1 / 1e6,
+            if bandwidth > 0.0 {
+                format!(
+                    ", {:.1} GB/s of {:.1} GB/s measured ({:.0} %)",
+                    bytes_b1 * b1 / 1e9,
+                    bandwidth / 1e9,
+                    100.0 * bytes_b1 * b1 / bandwidth
+                )
+            } else {
+                String::new()
+            }
         );
     }
 }

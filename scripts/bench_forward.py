@@ -3,13 +3,16 @@
 weights, in one run. Runs examples/bench_forward (dsv4) on the flash-like fixture and on a larger
 random model (hidden 1024, 8 layers, every layer kind), then — when torch and transformers 5.23
 are importable — transformers on the same checkpoints with the same prompts, thread count and
-decode steps, and prints the ratios. The last line is
+decode steps, and prints the ratios. Each model prints
 
-    ratios decode_b1_vs_hf=X decode_b8_vs_hf=Y prefill_vs_hf=Z decode_b8_vs_b1=W
+    (ratios decode_b1_vs_hf=X decode_b8_vs_hf=Y prefill_vs_hf=Z decode_b8_vs_b1=W)
 
-for the larger model with fp32 weights on both sides (HF ratios are `n/a` without torch). A
-second dsv4 run with bf16 weights (`model.weight_dtype`, its cheaper CPU setting; transformers'
-bf16 is slower than its fp32 on CPU) is printed above it.
+with fp32 weights on both sides (HF ratios are `n/a` without torch); the large model also with
+dsv4's bf16 weights. Then the large model written as an official FP8/FP4 checkpoint (the same
+weights rounded): dsv4 with its weights native against transformers on the dequantised copy,
+and the fraction of the machine's read bandwidth a decode step reaches. The last line is
+
+    ratios(native) decode_b1_vs_hf=X decode_b8_vs_hf=Y prefill_vs_hf=Z bw_fraction=F
 """
 
 import json
@@ -24,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target") / "release" / "examples" / "bench_forward"
 
 
-def dsv4(model, threads, weights="f32"):
+def dsv4(model, threads, weights="f32", bandwidth=False):
     out = subprocess.run([str(EXAMPLE), "--model", model, "--threads", str(threads),
-                          "--weights", weights, "--json"],
+                          "--weights", weights, "--json"] + (["--bandwidth"] if bandwidth else []),
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -142,9 +145,32 @@ def main():
             print(f"  dsv4 (bf16)         {fmt(bf16)}")
             print(f"  (bf16 weights: {ratios(bf16)})")
         line = ratios(ours)
-        if model == "fixture":
-            print(f"  ({line})")
-    print(line)
+        print(f"  ({line})")
+    # The large model as an official FP8/FP4 checkpoint (the same weights rounded): dsv4 keeps
+    # it native (`model.weight_dtype = auto`); dsv4 f32 and transformers load the dequantised
+    # copy. The bandwidth fraction: weight bytes a decode step reads (only the experts that
+    # fired) / step time / this machine's measured read bandwidth (same threads).
+    native = dsv4("large-fp8", threads, "auto", bandwidth=True)
+    same = dsv4("large-fp8-deq", threads, "f32")
+    print(f"large-fp8: {native['prompt']}-token prompt, {native['decode_steps']} decode steps, "
+          f"{native['threads']} threads; resident weight bytes {native['resident_bytes']}")
+    print(f"  dsv4 (native)       {fmt(native)}")
+    print(f"  dsv4 (f32, same weights) {fmt(same)}")
+    theirs = hf(same) if have_hf else None
+    if theirs:
+        print(f"  transformers (f32)  {fmt(theirs)}")
+    else:
+        print(f"  transformers        skipped: {why}")
+    bw = native["read_bandwidth"]
+    print(f"  a b1 decode step reads {native['step_bytes_b1'] / 1e6:.1f} MB of weights, b8 "
+          f"{native['step_bytes_b8'] / 1e6:.1f} MB; read bandwidth {bw / 1e9:.1f} GB/s; fraction "
+          f"reached b1 {native['bw_fraction_b1']:.2f}, b8 {native['bw_fraction_b8']:.2f}")
+    vs_f32 = lambda k: f"{native[k] / same[k]:.2f}"
+    print(f"  native vs dsv4 f32: decode b1 {vs_f32('decode_b1_tok_s')}x, decode b8 "
+          f"{vs_f32('decode_b8_tok_s')}x, prefill {vs_f32('prefill_tok_s')}x")
+    r = (lambda k: f"{native[k] / theirs[k]:.2f}") if theirs else (lambda k: "n/a")
+    print(f"ratios(native) decode_b1_vs_hf={r('decode_b1_tok_s')} decode_b8_vs_hf={r('decode_b8_tok_s')} "
+          f"prefill_vs_hf={r('prefill_tok_s')} bw_fraction={native['bw_fraction_b1']:.2f}")
 
 
 if __name__ == "__main__":

@@ -187,3 +187,49 @@ fn official_numerics_match_the_emulated_golden() {
         }
     }
 }
+
+/// Native weights (what `auto` means for these checkpoints): FP8 and FP4 kept as stored and
+/// decoded inside the kernels give the goldens at the f32 tolerance, and the resident bytes
+/// are the checkpoint's FP8/FP4 bytes, not f32's.
+#[test]
+fn native_weights_match_the_goldens_and_stay_fp8_fp4() {
+    for fixture in ["flash-like", "pro-like"] {
+        let g = golden(fixture);
+        for variant in ["official-fp8", "hf-fp8"] {
+            let dir = fixtures().join(fixture).join(variant);
+            let config = ModelConfig::load(&dir).unwrap();
+            assert_eq!(WeightDtype::Auto.resolve(&config), WeightDtype::Native);
+            let model = load_as(&dir, WeightDtype::Auto);
+            let ours = score(&model, &g.ids);
+            let (max_err, agree, rows) = compare(&ours, &g.logits_q, model.config.vocab_size);
+            eprintln!("{fixture}/{variant} native weights: max abs error {max_err:.3e}, argmax {agree}/{rows}");
+            assert!(max_err <= 1e-3, "{fixture}/{variant}: {max_err}");
+            assert_eq!(agree, rows, "{fixture}/{variant}");
+            let bytes = &model.info()["bytes_by_dtype"];
+            assert!(bytes["fp8_e4m3"].as_u64().unwrap() > 0, "{bytes}");
+            assert!(bytes["fp4_e2m1"].as_u64().unwrap() > 0, "{bytes}");
+            // Against the same model widened to f32: each FP8 byte kept (value and scale)
+            // replaces ~4 bytes, each packed FP4 byte (two values and their scale) ~8.
+            let f32_bytes = load_as(&dir, WeightDtype::F32).info()["bytes_by_dtype"]["f32"]
+                .as_u64()
+                .unwrap();
+            let native: u64 = bytes
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|v| v.as_u64().unwrap())
+                .sum();
+            eprintln!("{fixture}/{variant}: {native} bytes native, {f32_bytes} as f32");
+            let kept = |k: &str| bytes[k].as_u64().unwrap() as f64;
+            let saved = (f32_bytes - native) as f64;
+            assert!(
+                saved >= 2.9 * kept("fp8_e4m3") + 6.5 * kept("fp4_e2m1"),
+                "{bytes} vs {f32_bytes}"
+            );
+        }
+    }
+    // An f32 checkpoint stays f32.
+    let dir = fixtures().join("flash-like").join("hf-f32");
+    let config = ModelConfig::load(&dir).unwrap();
+    assert_eq!(WeightDtype::Auto.resolve(&config), WeightDtype::F32);
+}

@@ -25,6 +25,9 @@ pub use weights::{WeightData, WeightFormat, WeightPart};
 pub enum Precision {
     F32,
     Bf16,
+    /// As the checkpoint stores it: FP8 / FP4 kept and decoded where used (on backends that
+    /// can), bf16 kept, f32 / f16 as f32.
+    Native,
 }
 
 /// The router's expert choice for one MoE layer.
@@ -319,6 +322,9 @@ pub trait Backend: Send + Sync + 'static {
     fn matrix_shape(&self, m: &Self::Matrix) -> (usize, usize);
     /// Bytes a matrix occupies.
     fn matrix_bytes(&self, m: &Self::Matrix) -> usize;
+    /// A matrix's bytes by the format they are held in ("f32", "bf16", "fp8_e4m3",
+    /// "fp4_e2m1"; stacked parts may differ).
+    fn matrix_bytes_by_dtype(&self, m: &Self::Matrix) -> Vec<(&'static str, usize)>;
     fn index(&self, data: &[i32]) -> Result<Self::Index>;
     fn read_index(&self, i: &Self::Index) -> Result<Vec<i32>>;
     /// A RoPE frequency set from its inverse frequencies (one per rotated pair).

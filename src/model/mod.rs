@@ -130,9 +130,10 @@ impl<B: Backend> Model<B> {
     ) -> Result<Self> {
         let started = std::time::Instant::now();
         let ckpt = Checkpoint::open(dir)?;
-        let precision = match weight_dtype {
+        let precision = match weight_dtype.resolve(&config) {
             WeightDtype::F32 => Precision::F32,
             WeightDtype::Bf16 => Precision::Bf16,
+            WeightDtype::Native | WeightDtype::Auto => Precision::Native,
         };
         let mut builder = Builder {
             loader: Loader::new(&ckpt, &config),
@@ -360,13 +361,9 @@ impl<'a, B: Backend> Builder<'a, B> {
     ) -> Option<B::Matrix> {
         match self.backend.matrix(data, precision) {
             Ok(m) => {
-                *self
-                    .bytes
-                    .entry(match precision {
-                        Precision::F32 => "f32",
-                        Precision::Bf16 => "bf16",
-                    })
-                    .or_insert(0) += self.backend.matrix_bytes(&m) as u64;
+                for (dtype, bytes) in self.backend.matrix_bytes_by_dtype(&m) {
+                    *self.bytes.entry(dtype).or_insert(0) += bytes as u64;
+                }
                 Some(m)
             }
             Err(e) => {

@@ -738,6 +738,7 @@ impl Plan {
                 "role": self.params.role,
                 "devices": self.params.devices,
                 "page_size": self.geometry.page_size,
+                "weight_dtype": self.params.model.weight_dtype.resolve(&self.model).name(),
                 "kv_dtype": kv_name(self.kv_dtype),
                 "indexer_dtype": indexer_name(self.indexer_dtype),
                 "max_running_requests": self.params.kv.max_running_requests,

@@ -14,7 +14,8 @@ static RECENT: Mutex<Vec<(String, BTreeMap<Dtype, u64>)>> = Mutex::new(Vec::new(
 const RECENT_MAX: usize = 16;
 
 /// Bytes one rank holds, by dtype. The CPU backend dequantises every matrix to
-/// `model.weight_dtype` at load; the CUDA backend keeps the checkpoint's FP8/FP4 format.
+/// `model.weight_dtype` at load or keeps them as stored (`native`, what `auto` means for an
+/// FP8/FP4 checkpoint); the CUDA backend keeps the checkpoint's FP8/FP4 format.
 pub fn per_rank(model: &ModelConfig, params: &Params) -> BTreeMap<Dtype, u64> {
     let key = format!(
         "{model:?}|{:?}|{:?}|{:?}|{:?}",
@@ -36,9 +37,10 @@ pub fn per_rank(model: &ModelConfig, params: &Params) -> BTreeMap<Dtype, u64> {
 
 fn compute(model: &ModelConfig, params: &Params) -> BTreeMap<Dtype, u64> {
     let (tp, ep) = (u64::from(params.parallel.tp), u64::from(params.parallel.ep));
-    let resident = match params.model.weight_dtype {
-        WeightDtype::F32 => Dtype::F32,
-        WeightDtype::Bf16 => Dtype::Bf16,
+    let resident = match params.model.weight_dtype.resolve(model) {
+        WeightDtype::F32 => Some(Dtype::F32),
+        WeightDtype::Bf16 => Some(Dtype::Bf16),
+        WeightDtype::Native | WeightDtype::Auto => None,
     };
     let mut bytes = BTreeMap::new();
     for spec in checkpoint_tensors(model) {
@@ -48,10 +50,13 @@ fn compute(model: &ModelConfig, params: &Params) -> BTreeMap<Dtype, u64> {
             Shard::Expert if ep > 1 => ep,
             Shard::Expert => tp,
         };
-        let parts = match (params.backend, spec.storage) {
-            (Backend::Cpu, Storage::Linear | Storage::Expert | Storage::Unquantized) => {
-                vec![(resident, resident.bytes(spec.elements()))]
-            }
+        let parts = match (params.backend, spec.storage, resident) {
+            (
+                Backend::Cpu,
+                Storage::Linear | Storage::Expert | Storage::Unquantized,
+                Some(resident),
+            ) => vec![(resident, resident.bytes(spec.elements()))],
+            (Backend::Cpu, _, None) => native_cpu(&spec, model),
             _ => stored_parts(&spec, model),
         };
         for (dtype, b) in parts {
@@ -59,4 +64,24 @@ fn compute(model: &ModelConfig, params: &Params) -> BTreeMap<Dtype, u64> {
         }
     }
     bytes
+}
+
+/// What the CPU backend holds of one tensor with `model.weight_dtype = native`: FP8 and FP4 as
+/// stored, except that FP8's 128 × 128 scale tiles are repeated on each of their rows (one
+/// e8m0 byte per row per 128 columns); f16 widened to f32.
+fn native_cpu(spec: &crate::config::tensors::TensorSpec, model: &ModelConfig) -> Vec<(Dtype, u64)> {
+    stored_parts(spec, model)
+        .into_iter()
+        .map(|(dtype, bytes)| match (dtype, spec.shape.as_slice()) {
+            (Dtype::E8m0, [out, inner]) if spec.storage != Storage::Expert => {
+                let block = match model.dense_format {
+                    crate::config::model::DenseFormat::Fp8Block { block } => block[1],
+                    _ => 128,
+                };
+                (Dtype::E8m0, (*out * inner.div_ceil(block)) as u64)
+            }
+            (Dtype::F16, _) => (Dtype::F32, 2 * bytes),
+            _ => (dtype, bytes),
+        })
+        .collect()
 }

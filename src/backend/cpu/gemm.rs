@@ -42,6 +42,20 @@ pub(super) fn gemm_into(
     dst: &mut [f32],
     dst_at: Strided,
 ) {
+    // Stacked parts: each part's rows, into their columns of the destination.
+    if let MatrixData::Stacked(parts) = &w.data {
+        for (first, m) in parts {
+            let (lo, hi) = (w_rows.start.max(*first), w_rows.end.min(first + m.rows));
+            if lo < hi {
+                let at = Strided {
+                    offset: dst_at.offset + (lo - w_rows.start),
+                    row_stride: dst_at.row_stride,
+                };
+                gemm_into(x, x_at, rows, m, lo - first..hi - first, dst, at);
+            }
+        }
+        return;
+    }
     if rows <= super::gemv::MAX_ROWS {
         return super::gemv::gemv_into(x, x_at, rows, w, w_rows, dst, dst_at);
     }
@@ -90,7 +104,7 @@ pub(super) fn gemm_into(
         }
         return;
     }
-    // bf16: widen blocks of output features, each multiplied on one thread.
+    // bf16, FP8, FP4: widen blocks of output features, each multiplied on one thread.
     let threads = rayon::current_num_threads().max(1);
     let work = rows * n * k;
     let blocks = if work < 1 << 16 {
@@ -109,6 +123,15 @@ pub(super) fn gemm_into(
             MatrixData::F32(v) => &v[w_block.start * k..w_block.end * k],
             MatrixData::Bf16(v) => {
                 widened = widen(&v[w_block.start * k..w_block.end * k]);
+                &widened
+            }
+            MatrixData::Stacked(_) => unreachable!("stacked parts are multiplied part by part"),
+            MatrixData::Native(q) => {
+                let mut rows = vec![0.0f32; w_block.len() * k];
+                for (r, out) in w_block.clone().zip(rows.chunks_exact_mut(k)) {
+                    q.decode_row(k, r, out);
+                }
+                widened = rows;
                 &widened
             }
         };

@@ -9,6 +9,7 @@ mod hc;
 mod moe;
 mod ops;
 mod pool;
+mod quant;
 
 use std::mem::ManuallyDrop;
 use std::ops::Range;
@@ -21,7 +22,7 @@ use half::bf16;
 use super::{
     AttentionArgs, Backend, CompressArgs, CopyDirection, CopyRegion, Expert, HcMix, HcParams,
     IndexerArgs, PageTable, Precision, RouteArgs, Routing, RowLayout, Rows, Ticket, TierCopy,
-    WeightData,
+    WeightData, WeightFormat,
 };
 use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
@@ -43,6 +44,34 @@ pub struct CpuMatrix {
 enum MatrixData {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
+    /// FP8 / FP4 as the checkpoint stores them, decoded where used (`quant`).
+    Native(quant::Native),
+    /// Row blocks in different formats (a fused projection whose parts are stored apart:
+    /// FP8 linears stacked with bf16 compressor projections), each with its first row.
+    Stacked(Vec<(usize, CpuMatrix)>),
+}
+
+impl MatrixData {
+    /// Row `r` of a `cols`-wide matrix as f32 into `out[..cols]`.
+    fn row_into(&self, cols: usize, r: usize, out: &mut [f32]) {
+        match self {
+            MatrixData::F32(v) => out[..cols].copy_from_slice(&v[r * cols..(r + 1) * cols]),
+            MatrixData::Bf16(v) => {
+                for (o, x) in out[..cols].iter_mut().zip(&v[r * cols..(r + 1) * cols]) {
+                    *o = x.to_f32();
+                }
+            }
+            MatrixData::Native(n) => n.decode_row(cols, r, out),
+            MatrixData::Stacked(parts) => {
+                let (first, m) = parts
+                    .iter()
+                    .rev()
+                    .find(|(first, _)| *first <= r)
+                    .expect("row 0 starts the first part");
+                m.data.row_into(cols, r - first, out);
+            }
+        }
+    }
 }
 
 /// i32 values in host memory.
@@ -280,13 +309,36 @@ impl Backend for CpuBackend {
     }
 
     fn matrix(&self, weight: &WeightData<'_>, precision: Precision) -> Result<CpuMatrix> {
-        // The CPU backend widens every format at load ("CPU speed" keeps FP8/FP4 native).
         weight.check().map_err(Error::internal)?;
         let (rows, cols) = (weight.rows(), weight.cols);
-        let data = weight.to_f32();
+        let all = |f: fn(WeightFormat) -> bool| weight.parts.iter().all(|p| f(p.format));
         let data = match precision {
-            Precision::F32 => MatrixData::F32(data),
-            Precision::Bf16 => MatrixData::Bf16(ops::to_bf16(&data)),
+            Precision::F32 => MatrixData::F32(weight.to_f32()),
+            Precision::Bf16 => MatrixData::Bf16(ops::to_bf16(&weight.to_f32())),
+            // FP8 / FP4 stay as stored; bf16 stays bf16 (exact); f32 and f16 become f32.
+            Precision::Native => match quant::Native::of(weight) {
+                Some(n) => MatrixData::Native(n),
+                None if all(|f| f == WeightFormat::Bf16) => {
+                    MatrixData::Bf16(ops::to_bf16(&weight.to_f32()))
+                }
+                // Parts in different formats: each run of one format kept its own way.
+                None if weight.parts.windows(2).any(|w| w[0].format != w[1].format) => {
+                    let mut parts = Vec::new();
+                    let mut first = 0;
+                    for run in weight.parts.chunk_by(|a, b| a.format == b.format) {
+                        let part = WeightData {
+                            cols,
+                            parts: run.to_vec(),
+                        };
+                        let m = self.matrix(&part, precision)?;
+                        let rows = m.rows;
+                        parts.push((first, m));
+                        first += rows;
+                    }
+                    MatrixData::Stacked(parts)
+                }
+                None => MatrixData::F32(weight.to_f32()),
+            },
         };
         Ok(CpuMatrix { rows, cols, data })
     }
@@ -295,10 +347,24 @@ impl Backend for CpuBackend {
         (m.rows, m.cols)
     }
 
+    fn matrix_bytes_by_dtype(&self, m: &CpuMatrix) -> Vec<(&'static str, usize)> {
+        match &m.data {
+            MatrixData::F32(v) => vec![("f32", v.len() * 4)],
+            MatrixData::Bf16(v) => vec![("bf16", v.len() * 2)],
+            MatrixData::Native(n) => vec![(n.name(), n.bytes())],
+            MatrixData::Stacked(parts) => parts
+                .iter()
+                .flat_map(|(_, p)| self.matrix_bytes_by_dtype(p))
+                .collect(),
+        }
+    }
+
     fn matrix_bytes(&self, m: &CpuMatrix) -> usize {
         match &m.data {
             MatrixData::F32(v) => v.len() * 4,
             MatrixData::Bf16(v) => v.len() * 2,
+            MatrixData::Native(n) => n.bytes(),
+            MatrixData::Stacked(parts) => parts.iter().map(|(_, p)| self.matrix_bytes(p)).sum(),
         }
     }
 

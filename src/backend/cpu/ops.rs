@@ -3,7 +3,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{CpuMatrix, MatrixData};
+use super::CpuMatrix;
 
 /// Rows below this many values are processed without splitting across threads.
 const PAR_MIN: usize = 1 << 14;
@@ -11,17 +11,9 @@ const PAR_MIN: usize = 1 << 14;
 pub(super) fn embed(table: &CpuMatrix, ids: &[i32]) -> Vec<f32> {
     let d = table.cols;
     let mut out = vec![0.0; ids.len() * d];
-    out.par_chunks_mut(d).zip(ids).for_each(|(row, &id)| {
-        let start = id as usize * d;
-        match &table.data {
-            MatrixData::F32(v) => row.copy_from_slice(&v[start..start + d]),
-            MatrixData::Bf16(v) => {
-                for (o, x) in row.iter_mut().zip(&v[start..start + d]) {
-                    *o = x.to_f32();
-                }
-            }
-        }
-    });
+    out.par_chunks_mut(d)
+        .zip(ids)
+        .for_each(|(row, &id)| table.data.row_into(d, id as usize, row));
     out
 }
 

@@ -414,6 +414,14 @@ impl Backend for CudaBackend {
         (m.rows, m.cols)
     }
 
+    fn matrix_bytes_by_dtype(&self, m: &CudaMatrix) -> Vec<(&'static str, usize)> {
+        let dtype = match &m.data {
+            MatrixData::F32(_) => "f32",
+            MatrixData::Bf16(_) => "bf16",
+        };
+        vec![(dtype, self.matrix_bytes(m))]
+    }
+
     fn matrix_bytes(&self, m: &CudaMatrix) -> usize {
         match &m.data {
             MatrixData::F32(d) => d.num_bytes(),

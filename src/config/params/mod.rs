@@ -42,8 +42,41 @@ pub enum Role {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightDtype {
+    /// `native` for a checkpoint with FP8 / FP4 matrices (the official release), else `f32`.
+    Auto,
     F32,
     Bf16,
+    /// As stored: FP8 / FP4 kept and decoded inside the kernels, bf16 kept, f32 / f16 as f32.
+    Native,
+}
+
+impl WeightDtype {
+    /// What `auto` means for `model`: `native` when it stores FP8 or FP4 matrices, else `f32`;
+    /// any other choice is itself.
+    pub fn resolve(self, model: &crate::config::ModelConfig) -> WeightDtype {
+        use crate::config::model::{DenseFormat, ExpertFormat};
+        match self {
+            WeightDtype::Auto => {
+                let low = matches!(model.dense_format, DenseFormat::Fp8Block { .. })
+                    || matches!(model.expert_format, ExpertFormat::Fp4 { .. });
+                if low {
+                    WeightDtype::Native
+                } else {
+                    WeightDtype::F32
+                }
+            }
+            other => other,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::Auto => "auto",
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+            WeightDtype::Native => "native",
+        }
+    }
 }
 
 /// `kv.dtype`: the format of compressed and window KV rows.

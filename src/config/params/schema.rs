@@ -139,7 +139,11 @@ pub const KEYS: &[KeySpec] = &[
     key("role", Kind::Choice(&["unified", "prefill", "decode"]), "\"unified\""),
     key("parallel.tp", int(1, 1024), "1").unit("ranks"),
     key("parallel.ep", int(1, 1024), "1").unit("ranks"),
-    key("model.weight_dtype", Kind::Choice(&["f32", "bf16"]), "\"f32\""),
+    key(
+        "model.weight_dtype",
+        Kind::Choice(&["auto", "f32", "bf16", "native"]),
+        "\"auto\"",
+    ),
     key("kv.dtype", Kind::Choice(&["auto", "f32", "bf16", "fp8"]), "\"auto\""),
     key(
         "kv.indexer_dtype",

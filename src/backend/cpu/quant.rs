@@ -1,0 +1,571 @@
+//! Weights kept in their checkpoint's FP8 / FP4 format (`model.weight_dtype = native`) and
+//! decoded to f32 where they are used: a few rows at a time into an L1-sized buffer for the
+//! matrix-vector kernels, blocks of rows for the GEMMs, one row for an embedding. Resident
+//! bytes are the checkpoint's (plus per-row FP8 scales), and a decode step reads a quarter
+//! (FP8) or an eighth (FP4) of the f32 bytes. Decoding is exact: every FP8/FP4 value times
+//! its power-of-two scale is an f32.
+
+use crate::backend::weights::{WeightData, WeightFormat};
+use crate::formats::{e4m3_decode, E2M1};
+
+/// A matrix in a native low-precision format, `[rows, cols]` row-major.
+#[derive(Debug, Clone)]
+pub(crate) enum Native {
+    /// FP8 e4m3fn values, one power-of-two scale per row per `block` columns, kept as its
+    /// exponent byte (the checkpoint's `128 × 128` e8m0 tiles repeated on each of their rows,
+    /// so a row needs no tile lookup: one byte per 128 values, 0.8 %).
+    Fp8 {
+        values: Vec<u8>,
+        exponents: Vec<u8>,
+        block: usize,
+        /// No value is a NaN code (0x7F / 0xFF), so the fused kernel skips the NaN blend.
+        nan_free: bool,
+    },
+    /// FP4 e2m1 values two per byte (element 2j in the low nibble), one power-of-two scale per
+    /// row per `block` columns, kept as its f32 exponent byte (e8m0, as in the checkpoint).
+    Fp4 {
+        packed: Vec<u8>,
+        exponents: Vec<u8>,
+        block: usize,
+    },
+}
+
+impl Native {
+    /// `weight` kept as stored, when every part has the same FP8 column block (or the same
+    /// FP4 block with power-of-two scales); `None` otherwise (the caller widens it).
+    pub(crate) fn of(weight: &WeightData<'_>) -> Option<Self> {
+        let cols = weight.cols;
+        let first = weight.parts.first()?.format;
+        match first {
+            WeightFormat::Fp8E4m3 { block } if block[1] > 0 && block[0] > 0 => {
+                let nb = cols.div_ceil(block[1]);
+                let mut values = Vec::with_capacity(weight.rows() * cols);
+                let mut exponents = Vec::with_capacity(weight.rows() * nb);
+                for p in &weight.parts {
+                    let WeightFormat::Fp8E4m3 { block: b } = p.format else {
+                        return None;
+                    };
+                    if b[1] != block[1] || b[0] == 0 {
+                        return None;
+                    }
+                    for r in p.rows.clone() {
+                        values.extend_from_slice(&p.bytes[r * cols..(r + 1) * cols]);
+                        let tile = (r / b[0]) * nb;
+                        for &s in &p.scales[tile..tile + nb] {
+                            exponents.push(power_of_two_exponent(s)?);
+                        }
+                    }
+                }
+                let nan_free = values.iter().all(|&b| b & 0x7f != 0x7f);
+                Some(Native::Fp8 {
+                    values,
+                    exponents,
+                    block: block[1],
+                    nan_free,
+                })
+            }
+            WeightFormat::Fp4E2m1 { block } if block > 0 && block % 2 == 0 => {
+                let nb = cols.div_ceil(block);
+                let mut packed = Vec::with_capacity(weight.rows() * cols / 2);
+                let mut exponents = Vec::with_capacity(weight.rows() * nb);
+                for p in &weight.parts {
+                    if p.format != first {
+                        return None;
+                    }
+                    for r in p.rows.clone() {
+                        packed.extend_from_slice(&p.bytes[r * cols / 2..(r + 1) * cols / 2]);
+                        for &s in &p.scales[r * nb..(r + 1) * nb] {
+                            exponents.push(power_of_two_exponent(s)?);
+                        }
+                    }
+                }
+                Some(Native::Fp4 {
+                    packed,
+                    exponents,
+                    block,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Native::Fp8 {
+                values, exponents, ..
+            } => values.len() + exponents.len(),
+            Native::Fp4 {
+                packed, exponents, ..
+            } => packed.len() + exponents.len(),
+        }
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Native::Fp8 { .. } => "fp8_e4m3",
+            Native::Fp4 { .. } => "fp4_e2m1",
+        }
+    }
+
+    /// Row `r` (of `cols` values) decoded into `out[..cols]`.
+    pub(crate) fn decode_row(&self, cols: usize, r: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        let simd = x86::has_avx512();
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        self.decode_row_with(simd, cols, r, out);
+    }
+
+    /// [`Self::decode_row`], on the SIMD kernels only when `simd` (and the CPU has them).
+    fn decode_row_with(&self, simd: bool, cols: usize, r: usize, out: &mut [f32]) {
+        let out = &mut out[..cols];
+        match self {
+            Native::Fp8 {
+                values,
+                exponents,
+                block,
+                ..
+            } => {
+                let nb = cols.div_ceil(*block);
+                let row = &values[r * cols..(r + 1) * cols];
+                let s = &exponents[r * nb..(r + 1) * nb];
+                #[cfg(target_arch = "x86_64")]
+                if simd && block.is_multiple_of(16) && cols.is_multiple_of(16) && x86::has_avx512()
+                {
+                    // SAFETY: AVX-512F (and F16C with it) detected; the row, scales and output
+                    // have the lengths the kernel reads and writes.
+                    unsafe { x86::fp8_row_avx512(row, s, *block, out) };
+                    return;
+                }
+                for (c, (o, &q)) in out.iter_mut().zip(row).enumerate() {
+                    *o = e4m3_decode(q) * scale_of(s[c / block]);
+                }
+            }
+            Native::Fp4 {
+                packed,
+                exponents,
+                block,
+            } => {
+                let nb = cols.div_ceil(*block);
+                let row = &packed[r * cols / 2..(r + 1) * cols / 2];
+                let e = &exponents[r * nb..(r + 1) * nb];
+                #[cfg(target_arch = "x86_64")]
+                if simd && block.is_multiple_of(32) && cols.is_multiple_of(32) && x86::has_avx512()
+                {
+                    // SAFETY: AVX-512F detected; lengths as the kernel needs them.
+                    unsafe { x86::fp4_row_avx512(row, e, *block, out) };
+                    return;
+                }
+                for (j, &byte) in row.iter().enumerate() {
+                    let c = 2 * j;
+                    out[c] = E2M1[(byte & 0x0f) as usize] * scale_of(e[c / block]);
+                    out[c + 1] = E2M1[(byte >> 4) as usize] * scale_of(e[(c + 1) / block]);
+                }
+            }
+        }
+    }
+}
+
+impl Native {
+    /// Whether [`Self::dot4`] has a fused kernel for rows `cols` wide on this CPU.
+    pub(crate) fn fuses(&self, cols: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_avx512() {
+            return match self {
+                Native::Fp8 { block, .. } => block.is_multiple_of(16) && cols.is_multiple_of(16),
+                Native::Fp4 { block, .. } => block.is_multiple_of(32) && cols.is_multiple_of(32),
+            };
+        }
+        let _ = cols;
+        false
+    }
+
+    /// Dot products of `x` (`cols` wide) with rows `j..j + 4`, decoding in registers (no
+    /// buffer): `None` where no fused kernel applies (no AVX-512, a block or width not a
+    /// multiple of the vector), and the caller decodes rows instead.
+    pub(crate) fn dot4(&self, cols: usize, j: usize, x: &[f32]) -> Option<[f32; 4]> {
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_avx512() && x.len() == cols {
+            match self {
+                Native::Fp8 {
+                    values,
+                    exponents,
+                    block,
+                    nan_free,
+                } if block.is_multiple_of(16) && cols.is_multiple_of(16) => {
+                    let nb = cols.div_ceil(*block);
+                    let rows = values.get(j * cols..(j + 4) * cols)?;
+                    let exps = exponents.get(j * nb..(j + 4) * nb)?;
+                    // SAFETY: AVX-512F/AVX2/F16C detected; four rows of `cols` values and their
+                    // `nb` exponents each, `x` of `cols`.
+                    return Some(unsafe {
+                        if *nan_free {
+                            x86::dot4_fp8_avx512::<false>(x, rows, exps, *block)
+                        } else {
+                            x86::dot4_fp8_avx512::<true>(x, rows, exps, *block)
+                        }
+                    });
+                }
+                Native::Fp4 {
+                    packed,
+                    exponents,
+                    block,
+                } if block.is_multiple_of(32) && cols.is_multiple_of(32) => {
+                    let nb = cols.div_ceil(*block);
+                    let rows = packed.get(j * cols / 2..(j + 4) * cols / 2)?;
+                    let exps = exponents.get(j * nb..(j + 4) * nb)?;
+                    // SAFETY: as above, with packed rows of `cols / 2` bytes.
+                    return Some(unsafe { x86::dot4_fp4_avx512(x, rows, exps, *block) });
+                }
+                _ => {}
+            }
+        }
+        let _ = (cols, j, x);
+        None
+    }
+}
+
+/// The f32 exponent byte of a positive normal power of two (an e8m0 scale), else `None`.
+fn power_of_two_exponent(s: f32) -> Option<u8> {
+    let bits = s.to_bits();
+    let e = (bits >> 23) as u8;
+    (bits & 0x807f_ffff == 0 && e != 0 && e != 255).then_some(e)
+}
+
+/// The scale an exponent byte stands for: 2^(e − 127).
+fn scale_of(e: u8) -> f32 {
+    f32::from_bits(u32::from(e) << 23)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    /// AVX-512F with AVX2 and F16C (every AVX-512 CPU has them).
+    pub fn has_avx512() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// FP8 e4m3fn → f32 sixteen at a time, through f16: the e4m3 bits moved into an f16's
+    /// (sign to bit 15, exponent and mantissa shifted up 7) are that value times 2⁻⁸ — f16
+    /// subnormals included, which `vcvtph2ps` converts exactly — so one multiply by the
+    /// block's scale × 2⁸ finishes it. 0x7F / 0xFF (NaN) become an f16 NaN.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2 and F16C available; `row.len() == out.len()`, a multiple of 16, and
+    /// `block` a multiple of 16 with `exponents` holding one per block.
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn fp8_row_avx512(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
+        assert!(row.len() == out.len() && row.len().is_multiple_of(16));
+        assert!(exponents.len() >= row.len().div_ceil(block));
+        let low7 = _mm256_set1_epi16(0x7f);
+        let sign = _mm256_set1_epi16(0x80);
+        let nan_in = _mm256_set1_epi16(0x7f << 7);
+        let nan_out = _mm256_set1_epi16(0x7e00);
+        let mut c = 0;
+        while c < row.len() {
+            let s = _mm512_set1_ps(super::scale_of(exponents[c / block]) * 256.0);
+            // SAFETY: c + 16 <= len for both slices (lengths asserted, c steps by 16).
+            unsafe {
+                let b = _mm_loadu_si128(row.as_ptr().add(c).cast());
+                let h = _mm256_cvtepu8_epi16(b);
+                let mag = _mm256_slli_epi16(_mm256_and_si256(h, low7), 7);
+                let sgn = _mm256_slli_epi16(_mm256_and_si256(h, sign), 8);
+                let nan = _mm256_cmpeq_epi16(mag, nan_in);
+                let f16 = _mm256_blendv_epi8(_mm256_or_si256(mag, sgn), nan_out, nan);
+                let v = _mm512_mul_ps(_mm512_cvtph_ps(f16), s);
+                _mm512_storeu_ps(out.as_mut_ptr().add(c), v);
+            }
+            c += 16;
+        }
+    }
+
+    /// Sixteen FP8 bytes at `p` as f32 times 2⁻⁸ (see [`fp8_row_avx512`]); `NAN`: NaN codes
+    /// become NaN (else they read as 480: callers know there are none).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    unsafe fn fp8x16<const NAN: bool>(p: *const u8) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable bytes at `p`.
+        let b = unsafe { _mm_loadu_si128(p.cast()) };
+        if !NAN {
+            // Sign-extended, shifted up 7: the sign lands in bit 15 and the byte's bit 7 in
+            // bit 14, which the mask clears (an e4m3 magnitude never reaches f16's top
+            // exponent bit).
+            let h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+            let f16 = _mm256_and_si256(h, _mm256_set1_epi16(0xbfffu16 as i16));
+            return _mm512_cvtph_ps(f16);
+        }
+        let h = _mm256_cvtepu8_epi16(b);
+        let mag = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7);
+        let sgn = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+        let nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f << 7));
+        let f16 = _mm256_blendv_epi8(_mm256_or_si256(mag, sgn), _mm256_set1_epi16(0x7e00), nan);
+        _mm512_cvtph_ps(f16)
+    }
+
+    /// Dot products of `x` with four FP8 rows decoded in registers: per column block, four
+    /// partial sums, then each times its row's scale.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2 and F16C available; `rows` holds 4 rows of `x.len()` bytes (a multiple
+    /// of 16), `exps` 4 rows of `x.len().div_ceil(block)`, `block` a multiple of 16.
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn dot4_fp8_avx512<const NAN: bool>(
+        x: &[f32],
+        rows: &[u8],
+        exps: &[u8],
+        block: usize,
+    ) -> [f32; 4] {
+        let k = x.len();
+        let nb = k.div_ceil(block);
+        assert!(rows.len() >= 4 * k && exps.len() >= 4 * nb && k.is_multiple_of(16));
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for b in 0..nb {
+            let mut part = [_mm512_setzero_ps(); 4];
+            let mut c = b * block;
+            while c < ((b + 1) * block).min(k) {
+                // SAFETY: c + 16 <= k; row r spans rows[r·k .. (r+1)·k].
+                unsafe {
+                    let xv = _mm512_loadu_ps(x.as_ptr().add(c));
+                    for (r, p) in part.iter_mut().enumerate() {
+                        let w = fp8x16::<NAN>(rows.as_ptr().add(r * k + c));
+                        *p = _mm512_fmadd_ps(w, xv, *p);
+                    }
+                }
+                c += 16;
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let s = _mm512_set1_ps(super::scale_of(exps[r * nb + b]) * 256.0);
+                *a = _mm512_fmadd_ps(part[r], s, *a);
+            }
+        }
+        [
+            _mm512_reduce_add_ps(acc[0]),
+            _mm512_reduce_add_ps(acc[1]),
+            _mm512_reduce_add_ps(acc[2]),
+            _mm512_reduce_add_ps(acc[3]),
+        ]
+    }
+
+    /// Dot products of `x` with four FP4 rows decoded in registers. The low nibbles of 16
+    /// bytes are 16 even elements, the high ones the odd: `x` is split the same way
+    /// (`vpermt2ps`), so no decoded value needs reordering.
+    ///
+    /// # Safety
+    /// AVX-512F available; `rows` holds 4 packed rows of `x.len() / 2` bytes (`x.len()` a
+    /// multiple of 32), `exps` 4 rows of `x.len().div_ceil(block)`, `block` a multiple of 32.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot4_fp4_avx512(x: &[f32], rows: &[u8], exps: &[u8], block: usize) -> [f32; 4] {
+        let k = x.len();
+        let nb = k.div_ceil(block);
+        assert!(rows.len() >= 2 * k && exps.len() >= 4 * nb && k.is_multiple_of(32));
+        // SAFETY: E2M1 has 16 f32s.
+        let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
+        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let nibble = _mm512_set1_epi32(0x0f);
+        let half = k / 2;
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for b in 0..nb {
+            let mut part = [_mm512_setzero_ps(); 4];
+            let mut c = b * block;
+            while c < ((b + 1) * block).min(k) {
+                // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2].
+                unsafe {
+                    let (x0, x1) = (
+                        _mm512_loadu_ps(x.as_ptr().add(c)),
+                        _mm512_loadu_ps(x.as_ptr().add(c + 16)),
+                    );
+                    let xe = _mm512_permutex2var_ps(x0, evens, x1);
+                    let xo = _mm512_permutex2var_ps(x0, odds, x1);
+                    for (r, p) in part.iter_mut().enumerate() {
+                        let bytes = _mm_loadu_si128(rows.as_ptr().add(r * half + c / 2).cast());
+                        let v = _mm512_cvtepu8_epi32(bytes);
+                        let lo = _mm512_permutexvar_ps(_mm512_and_si512(v, nibble), table);
+                        let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+                        *p = _mm512_fmadd_ps(lo, xe, *p);
+                        *p = _mm512_fmadd_ps(hi, xo, *p);
+                    }
+                }
+                c += 32;
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let s = _mm512_set1_ps(super::scale_of(exps[r * nb + b]));
+                *a = _mm512_fmadd_ps(part[r], s, *a);
+            }
+        }
+        [
+            _mm512_reduce_add_ps(acc[0]),
+            _mm512_reduce_add_ps(acc[1]),
+            _mm512_reduce_add_ps(acc[2]),
+            _mm512_reduce_add_ps(acc[3]),
+        ]
+    }
+
+    /// FP4 e2m1 → f32 thirty-two at a time: a 16-entry table in one register
+    /// (`vpermps`), low nibbles are the even elements, high nibbles the odd ones.
+    ///
+    /// # Safety
+    /// AVX-512F available; `out.len() == 2 * row.len()`, a multiple of 32, `block` a
+    /// multiple of 32 with `exponents` holding one per block.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fp4_row_avx512(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
+        assert!(out.len() == 2 * row.len() && out.len().is_multiple_of(32));
+        assert!(exponents.len() >= out.len().div_ceil(block));
+        // SAFETY: E2M1 has 16 f32s.
+        let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
+        let even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        let odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        let nibble = _mm512_set1_epi32(0x0f);
+        let mut c = 0;
+        while c < out.len() {
+            let s = _mm512_set1_ps(super::scale_of(exponents[c / block]));
+            // SAFETY: the 16 bytes at c / 2 and the 32 floats at c are in bounds (lengths
+            // asserted, c steps by 32).
+            unsafe {
+                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.as_ptr().add(c / 2).cast()));
+                let lo = _mm512_permutexvar_ps(_mm512_and_si512(b, nibble), table);
+                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+                let first = _mm512_permutex2var_ps(lo, even, hi);
+                let second = _mm512_permutex2var_ps(lo, odd, hi);
+                _mm512_storeu_ps(out.as_mut_ptr().add(c), _mm512_mul_ps(first, s));
+                _mm512_storeu_ps(out.as_mut_ptr().add(c + 16), _mm512_mul_ps(second, s));
+            }
+            c += 32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::weights::WeightData;
+
+    /// Every FP8 byte and FP4 nibble, with ragged scales, decodes to what the checkpoint
+    /// decoder (`WeightData::to_f32`) gives, on the SIMD path and the portable one.
+    #[test]
+    fn native_rows_decode_to_the_checkpoint_values() {
+        let (rows, cols) = (6, 512);
+        let fp8: Vec<u8> = (0..rows * cols).map(|i| (i * 37 % 256) as u8).collect();
+        // 2 × 128 tiles: 3 × 4 power-of-two scales (e8m0).
+        let scales: Vec<f32> = (0..12).map(|i| 2f32.powi(i - 6)).collect();
+        let w = WeightData::whole(
+            WeightFormat::Fp8E4m3 { block: [2, 128] },
+            &fp8,
+            scales,
+            rows,
+            cols,
+        );
+        let fp4: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 91 % 256) as u8).collect();
+        let exps: Vec<f32> = (0..rows * cols / 32)
+            .map(|i| 2f32.powi(i as i32 % 9 - 4))
+            .collect();
+        let w4 = WeightData::whole(WeightFormat::Fp4E2m1 { block: 32 }, &fp4, exps, rows, cols);
+        for weight in [w, w4] {
+            let want = weight.to_f32();
+            let native = Native::of(&weight).expect("kept native");
+            let mut got = vec![0.0f32; cols];
+            for simd in [true, false] {
+                for r in 0..rows {
+                    native.decode_row_with(simd, cols, r, &mut got);
+                    for c in 0..cols {
+                        let (a, b) = (got[c], want[r * cols + c]);
+                        assert!(
+                            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                            "{} simd {simd} row {r} col {c}: {a} vs {b}",
+                            native.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The matrix-vector kernels (a few input rows, four weight rows decoded at a time, a
+    /// ragged last quad) and the blocked GEMM on native matrices give the products of the
+    /// checkpoint's decoded values.
+    #[test]
+    fn products_with_native_matrices_match_the_decoded_values() {
+        use super::super::gemm::{gemm_into, Strided};
+        use super::super::gemv::gemv_into;
+        use super::super::{CpuMatrix, MatrixData};
+        let (out, k): (usize, usize) = (37, 256);
+        let fp8: Vec<u8> = (0..out * k)
+            .map(|i| (i * 53 % 256) as u8)
+            .map(|b| if b & 0x7f == 0x7f { 0x38 } else { b })
+            .collect();
+        let s8: Vec<f32> = (0..out.div_ceil(16) * 2)
+            .map(|i| 2f32.powi(i as i32 % 5 - 2))
+            .collect();
+        let fp4: Vec<u8> = (0..out * k / 2).map(|i| (i * 29 % 256) as u8).collect();
+        let s4: Vec<f32> = (0..out * k / 32)
+            .map(|i| 2f32.powi(i as i32 % 7 - 3))
+            .collect();
+        let weights = [
+            WeightData::whole(WeightFormat::Fp8E4m3 { block: [16, 128] }, &fp8, s8, out, k),
+            WeightData::whole(WeightFormat::Fp4E2m1 { block: 32 }, &fp4, s4, out, k),
+        ];
+        let at = |stride| Strided {
+            offset: 0,
+            row_stride: stride,
+        };
+        for weight in weights {
+            let w = weight.to_f32();
+            let m = CpuMatrix {
+                rows: out,
+                cols: k,
+                data: MatrixData::Native(Native::of(&weight).unwrap()),
+            };
+            for rows in [1, 5, 16, 40] {
+                let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
+                let mut y = vec![0.0f32; rows * out];
+                if rows <= super::super::gemv::MAX_ROWS {
+                    gemv_into(&x, at(k), rows, &m, 0..out, &mut y, at(out));
+                } else {
+                    gemm_into(&x, at(k), rows, &m, 0..out, &mut y, at(out));
+                }
+                for r in 0..rows {
+                    for j in 0..out {
+                        let terms =
+                            (0..k).map(|i| f64::from(x[r * k + i]) * f64::from(w[j * k + i]));
+                        let exact: f64 = terms.clone().sum();
+                        // f32 accumulation: error bounded by the terms' magnitude (FP8 values
+                        // reach 448 × the scale, and the sums cancel).
+                        let size: f64 = terms.map(f64::abs).sum();
+                        let got = f64::from(y[r * out + j]);
+                        assert!(
+                            (got - exact).abs() <= 1e-5 * size + 1e-6,
+                            "rows {rows}: [{r}, {j}] {got} vs {exact}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scales_that_are_not_powers_of_two_are_widened_instead() {
+        let fp8 = vec![0x38u8; 16];
+        let w = WeightData::whole(
+            WeightFormat::Fp8E4m3 { block: [128, 128] },
+            &fp8,
+            vec![0.3],
+            1,
+            16,
+        );
+        assert!(Native::of(&w).is_none());
+        let fp4 = vec![0x21u8; 16];
+        let w = WeightData::whole(WeightFormat::Fp4E2m1 { block: 32 }, &fp4, vec![0.3], 1, 32);
+        assert!(Native::of(&w).is_none());
+        assert_eq!(power_of_two_exponent(0.25), Some(125));
+        assert_eq!(power_of_two_exponent(-0.25), None);
+        assert_eq!(scale_of(125), 0.25);
+    }
+}
