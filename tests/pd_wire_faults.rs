@@ -44,6 +44,20 @@ fn pd_engine(role: &str) -> Engine {
     engine_with(json!({"role": role, "pd": {"listen": "tcp://127.0.0.1:0"}}))
 }
 
+/// A greedy request whose prompt is long enough for several 256 KiB DATA frames.
+fn long_greedy() -> RequestSpec {
+    let ids = common::ids("flash-like");
+    RequestSpec {
+        prompt: ids.iter().copied().cycle().take(700).collect(),
+        max_new_tokens: 4,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        ..RequestSpec::default()
+    }
+}
+
 fn error_of(events: &[Event]) -> (ErrorKind, String) {
     let t = terminal(events);
     assert_eq!(t.kind(), EventKind::Error, "{events:?}");
@@ -52,18 +66,7 @@ fn error_of(events: &[Event]) -> (ErrorKind, String) {
 
 #[test]
 fn corrupted_dropped_or_misstated_state_bytes_fail_the_room_on_both_sides() {
-    let ids = common::ids("flash-like");
-    // Long enough for several 256 KiB DATA frames.
-    let prompt: Vec<u32> = ids.iter().copied().cycle().take(700).collect();
-    let spec = RequestSpec {
-        prompt,
-        max_new_tokens: 4,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        ..RequestSpec::default()
-    };
+    let spec = long_greedy();
     let flip = Fault::Corrupt {
         at: At::Payload(8 + 1000),
         mask: 0x40,
@@ -137,17 +140,7 @@ fn corrupted_dropped_or_misstated_state_bytes_fail_the_room_on_both_sides() {
 /// The next room through the same link is still exact.
 #[test]
 fn an_abort_mid_frame_keeps_the_destination_until_the_reader_is_done_with_it() {
-    let ids = common::ids("flash-like");
-    let prompt: Vec<u32> = ids.iter().copied().cycle().take(700).collect();
-    let spec = RequestSpec {
-        prompt,
-        max_new_tokens: 4,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        ..RequestSpec::default()
-    };
+    let spec = long_greedy();
     let p = pd_engine("prefill");
     let d = pd_engine("decode");
     let pause = Duration::from_millis(1500);

@@ -158,7 +158,12 @@ fn start<B: Backend>(
     let mut model_info = model.info();
     model_info["threads"] = threads.into();
     // What `auto` resolved to for this checkpoint.
-    model_info["weight_dtype"] = params.model.weight_dtype.resolve(&model.config).name().into();
+    model_info["weight_dtype"] = params
+        .model
+        .weight_dtype
+        .resolve(&model.config)
+        .name()
+        .into();
     model_info["bos_token_id"] = model.config.bos_token_id.into();
     model_info["eos_token_ids"] = model.config.eos_token_ids.clone().into();
     let vocab_size = model.config.vocab_size;

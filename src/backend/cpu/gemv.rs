@@ -377,17 +377,9 @@ pub(super) fn gemv_into(
     dst_at: Strided,
 ) {
     // Stacked parts: each part's rows, into their columns of the destination.
-    if let MatrixData::Stacked(parts) = &w.data {
-        for (first, m) in parts {
-            let (lo, hi) = (w_rows.start.max(*first), w_rows.end.min(first + m.rows));
-            if lo < hi {
-                let at = Strided {
-                    offset: dst_at.offset + (lo - w_rows.start),
-                    row_stride: dst_at.row_stride,
-                };
-                gemv_into(x, x_at, rows, m, lo - first..hi - first, dst, at);
-            }
-        }
+    if w.for_each_part(&w_rows, dst_at, |m, part_rows, at| {
+        gemv_into(x, x_at, rows, m, part_rows, dst, at)
+    }) {
         return;
     }
     let k = w.cols;

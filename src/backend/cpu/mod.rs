@@ -51,6 +51,33 @@ enum MatrixData {
     Stacked(Vec<(usize, CpuMatrix)>),
 }
 
+impl CpuMatrix {
+    /// For a stacked matrix, calls `f(part, its rows, destination)` for each part overlapping
+    /// `w_rows` (rows local to the part, the destination moved to the part's first column)
+    /// and returns `true`; `false` for any other matrix.
+    fn for_each_part(
+        &self,
+        w_rows: &Range<usize>,
+        dst_at: gemm::Strided,
+        mut f: impl FnMut(&CpuMatrix, Range<usize>, gemm::Strided),
+    ) -> bool {
+        let MatrixData::Stacked(parts) = &self.data else {
+            return false;
+        };
+        for (first, m) in parts {
+            let (lo, hi) = (w_rows.start.max(*first), w_rows.end.min(first + m.rows));
+            if lo < hi {
+                let at = gemm::Strided {
+                    offset: dst_at.offset + (lo - w_rows.start),
+                    row_stride: dst_at.row_stride,
+                };
+                f(m, lo - first..hi - first, at);
+            }
+        }
+        true
+    }
+}
+
 impl MatrixData {
     /// Row `r` of a `cols`-wide matrix as f32 into `out[..cols]`.
     fn row_into(&self, cols: usize, r: usize, out: &mut [f32]) {

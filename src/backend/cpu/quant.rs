@@ -508,21 +508,45 @@ mod tests {
         let s4: Vec<f32> = (0..out * k / 32)
             .map(|i| 2f32.powi(i as i32 % 7 - 3))
             .collect();
+        // A fused projection stored in two formats: FP8 rows 0..20, then bf16 rows.
+        let bf16: Vec<u8> = (0..out * k)
+            .flat_map(|i| half::bf16::from_f32((i as f32 * 0.013).sin()).to_le_bytes())
+            .collect();
+        let mut stacked = WeightData::whole(
+            WeightFormat::Fp8E4m3 { block: [16, 128] },
+            &fp8,
+            s8.clone(),
+            out,
+            k,
+        );
+        stacked.parts[0].rows = 0..20;
+        stacked.parts.push(crate::backend::weights::WeightPart {
+            format: WeightFormat::Bf16,
+            bytes: &bf16,
+            scales: Vec::new(),
+            stored_rows: out,
+            rows: 20..out,
+        });
         let weights = [
             WeightData::whole(WeightFormat::Fp8E4m3 { block: [16, 128] }, &fp8, s8, out, k),
             WeightData::whole(WeightFormat::Fp4E2m1 { block: 32 }, &fp4, s4, out, k),
+            stacked,
         ];
+        let cpu = super::super::CpuBackend::new(2).unwrap();
         let at = |stride| Strided {
             offset: 0,
             row_stride: stride,
         };
         for weight in weights {
             let w = weight.to_f32();
-            let m = CpuMatrix {
-                rows: out,
-                cols: k,
-                data: MatrixData::Native(Native::of(&weight).unwrap()),
-            };
+            let m =
+                crate::backend::Backend::matrix(&cpu, &weight, crate::backend::Precision::Native)
+                    .unwrap();
+            assert!(matches!(
+                (&m.data, weight.parts.len()),
+                (MatrixData::Native(_), 1) | (MatrixData::Stacked(_), 2)
+            ));
+            let m: CpuMatrix = m;
             for rows in [1, 5, 16, 40] {
                 let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
                 let mut y = vec![0.0f32; rows * out];
