@@ -110,15 +110,11 @@ impl Native {
 
     /// Row `r` (of `cols` values) decoded into `out[..cols]`.
     pub(crate) fn decode_row(&self, cols: usize, r: usize, out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        let simd = x86::has_avx512();
-        #[cfg(not(target_arch = "x86_64"))]
-        let simd = false;
-        self.decode_row_with(simd, cols, r, out);
+        self.decode_row_with(Level::best(), cols, r, out);
     }
 
-    /// [`Self::decode_row`], on the SIMD kernels only when `simd` (and the CPU has them).
-    fn decode_row_with(&self, simd: bool, cols: usize, r: usize, out: &mut [f32]) {
+    /// [`Self::decode_row`] with the kernels of `level` at most.
+    fn decode_row_with(&self, level: Level, cols: usize, r: usize, out: &mut [f32]) {
         let out = &mut out[..cols];
         match self {
             Native::Fp8 {
@@ -131,11 +127,16 @@ impl Native {
                 let row = &values[r * cols..(r + 1) * cols];
                 let s = &exponents[r * nb..(r + 1) * nb];
                 #[cfg(target_arch = "x86_64")]
-                if simd && block.is_multiple_of(16) && cols.is_multiple_of(16) && x86::has_avx512()
-                {
+                if level == Level::Avx512 && block.is_multiple_of(16) && cols.is_multiple_of(16) {
                     // SAFETY: AVX-512F (and F16C with it) detected; the row, scales and output
                     // have the lengths the kernel reads and writes.
                     unsafe { x86::fp8_row_avx512(row, s, *block, out) };
+                    return;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if level >= Level::Avx2 && block.is_multiple_of(8) && cols.is_multiple_of(8) {
+                    // SAFETY: AVX2 and F16C detected; lengths as above.
+                    unsafe { x86::fp8_row_avx2(row, s, *block, out) };
                     return;
                 }
                 for (c, (o, &q)) in out.iter_mut().zip(row).enumerate() {
@@ -151,10 +152,15 @@ impl Native {
                 let row = &packed[r * cols / 2..(r + 1) * cols / 2];
                 let e = &exponents[r * nb..(r + 1) * nb];
                 #[cfg(target_arch = "x86_64")]
-                if simd && block.is_multiple_of(32) && cols.is_multiple_of(32) && x86::has_avx512()
-                {
+                if level == Level::Avx512 && block.is_multiple_of(32) && cols.is_multiple_of(32) {
                     // SAFETY: AVX-512F detected; lengths as the kernel needs them.
                     unsafe { x86::fp4_row_avx512(row, e, *block, out) };
+                    return;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if level >= Level::Avx2 && block.is_multiple_of(16) && cols.is_multiple_of(16) {
+                    // SAFETY: AVX2 detected; lengths as the kernel needs them.
+                    unsafe { x86::fp4_row_avx2(row, e, *block, out) };
                     return;
                 }
                 for (j, &byte) in row.iter().enumerate() {
@@ -226,6 +232,29 @@ impl Native {
     }
 }
 
+/// The decoders this CPU has, best last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+impl Level {
+    fn best() -> Level {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86::has_avx512() {
+                return Level::Avx512;
+            }
+            if x86::has_avx2() {
+                return Level::Avx2;
+            }
+        }
+        Level::Portable
+    }
+}
+
 /// The f32 exponent byte of a positive normal power of two (an e8m0 scale), else `None`.
 fn power_of_two_exponent(s: f32) -> Option<u8> {
     let bits = s.to_bits();
@@ -242,6 +271,84 @@ fn scale_of(e: u8) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
+
+    /// AVX2 with F16C (the f16 conversions the FP8 decoder uses).
+    pub fn has_avx2() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// FP8 e4m3fn → f32 eight at a time, as [`fp8_row_avx512`] does with 256-bit vectors.
+    ///
+    /// # Safety
+    /// AVX2 and F16C available; `row.len() == out.len()`, a multiple of 8, and `block` a
+    /// multiple of 8 with `exponents` holding one per block.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn fp8_row_avx2(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
+        assert!(row.len() == out.len() && row.len().is_multiple_of(8));
+        assert!(exponents.len() >= row.len().div_ceil(block));
+        let low7 = _mm_set1_epi16(0x7f);
+        let sign = _mm_set1_epi16(0x80);
+        let nan_in = _mm_set1_epi16(0x7f << 7);
+        let nan_out = _mm_set1_epi16(0x7e00);
+        let mut c = 0;
+        while c < row.len() {
+            let s = _mm256_set1_ps(super::scale_of(exponents[c / block]) * 256.0);
+            // SAFETY: c + 8 <= len for both slices (lengths asserted, c steps by 8).
+            unsafe {
+                let b = _mm_loadl_epi64(row.as_ptr().add(c).cast());
+                let h = _mm_cvtepu8_epi16(b);
+                let mag = _mm_slli_epi16(_mm_and_si128(h, low7), 7);
+                let sgn = _mm_slli_epi16(_mm_and_si128(h, sign), 8);
+                let nan = _mm_cmpeq_epi16(mag, nan_in);
+                let f16 = _mm_blendv_epi8(_mm_or_si128(mag, sgn), nan_out, nan);
+                let v = _mm256_mul_ps(_mm256_cvtph_ps(f16), s);
+                _mm256_storeu_ps(out.as_mut_ptr().add(c), v);
+            }
+            c += 8;
+        }
+    }
+
+    /// FP4 e2m1 → f32 sixteen at a time: the magnitude from an 8-entry table (`vpermps`), the
+    /// nibble's bit 3 as the sign, low and high nibbles interleaved back into order.
+    ///
+    /// # Safety
+    /// AVX2 available; `out.len() == 2 * row.len()`, a multiple of 16, `block` a multiple of
+    /// 16 with `exponents` holding one per block.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn fp4_row_avx2(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
+        assert!(out.len() == 2 * row.len() && out.len().is_multiple_of(16));
+        assert!(exponents.len() >= out.len().div_ceil(block));
+        // SAFETY: E2M1's first 8 entries are the magnitudes.
+        let table = unsafe { _mm256_loadu_ps(super::E2M1.as_ptr()) };
+        let seven = _mm256_set1_epi32(7);
+        let eight = _mm256_set1_epi32(8);
+        let value = |nib: __m256i| {
+            let mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(nib, seven));
+            let sign = _mm256_slli_epi32(_mm256_and_si256(nib, eight), 28);
+            _mm256_xor_ps(mag, _mm256_castsi256_ps(sign))
+        };
+        let mut c = 0;
+        while c < out.len() {
+            let s = _mm256_set1_ps(super::scale_of(exponents[c / block]));
+            // SAFETY: the 8 bytes at c / 2 and the 16 floats at c are in bounds (lengths
+            // asserted, c steps by 16).
+            unsafe {
+                let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.as_ptr().add(c / 2).cast()));
+                let lo = value(b);
+                let hi = value(_mm256_srli_epi32(b, 4));
+                let (a, z) = (_mm256_unpacklo_ps(lo, hi), _mm256_unpackhi_ps(lo, hi));
+                let first = _mm256_permute2f128_ps(a, z, 0x20);
+                let second = _mm256_permute2f128_ps(a, z, 0x31);
+                _mm256_storeu_ps(out.as_mut_ptr().add(c), _mm256_mul_ps(first, s));
+                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8), _mm256_mul_ps(second, s));
+            }
+            c += 16;
+        }
+    }
 
     /// AVX-512F with AVX2 and F16C (every AVX-512 CPU has them).
     pub fn has_avx512() -> bool {
@@ -472,14 +579,18 @@ mod tests {
             let want = weight.to_f32();
             let native = Native::of(&weight).expect("kept native");
             let mut got = vec![0.0f32; cols];
-            for simd in [true, false] {
+            for level in [
+                Level::best(),
+                Level::Avx2.min(Level::best()),
+                Level::Portable,
+            ] {
                 for r in 0..rows {
-                    native.decode_row_with(simd, cols, r, &mut got);
+                    native.decode_row_with(level, cols, r, &mut got);
                     for c in 0..cols {
                         let (a, b) = (got[c], want[r * cols + c]);
                         assert!(
                             a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                            "{} simd {simd} row {r} col {c}: {a} vs {b}",
+                            "{} {level:?} row {r} col {c}: {a} vs {b}",
                             native.name()
                         );
                     }
@@ -569,6 +680,56 @@ mod tests {
                             "rows {rows}: [{r}, {j}] {got} vs {exact}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// A NaN code in an FP8 matrix (the loader would flag it, but the kernels must not turn
+    /// it into a number) makes exactly its row's products NaN, fused or decoded.
+    #[test]
+    fn a_nan_weight_makes_its_row_nan_on_every_path() {
+        use super::super::gemm::Strided;
+        use super::super::gemv::gemv_into;
+        use super::super::{CpuMatrix, MatrixData};
+        let (out, k) = (4, 128);
+        let mut fp8 = vec![0x38u8; out * k]; // 1.0
+        fp8[2 * k + 5] = 0xff;
+        let w = WeightData::whole(
+            WeightFormat::Fp8E4m3 { block: [128, 128] },
+            &fp8,
+            vec![1.0],
+            out,
+            k,
+        );
+        let native = Native::of(&w).unwrap();
+        assert!(matches!(
+            native,
+            Native::Fp8 {
+                nan_free: false,
+                ..
+            }
+        ));
+        let m = CpuMatrix {
+            rows: out,
+            cols: k,
+            data: MatrixData::Native(native),
+        };
+        let at = |stride| Strided {
+            offset: 0,
+            row_stride: stride,
+        };
+        for rows in [1, 5] {
+            let x = vec![1.0f32; rows * k];
+            let mut y = vec![0.0f32; rows * out];
+            gemv_into(&x, at(k), rows, &m, 0..out, &mut y, at(out));
+            for r in 0..rows {
+                for j in 0..out {
+                    let v = y[r * out + j];
+                    assert!(
+                        if j == 2 { v.is_nan() } else { v == 128.0 },
+                        "rows {rows}: {v}"
+                    );
                 }
             }
         }
