@@ -292,6 +292,77 @@ fn step_bytes(config: &ModelConfig, weights: WeightDtype, quantised: bool, batch
         .sum()
 }
 
+/// Matrix-vector products alone (batch 1) on one large matrix per storage format, through the
+/// backend as the model calls it: weight bytes read per second, median of 15.
+fn kernel_rates(backend: &CpuBackend) -> Vec<(&'static str, f64)> {
+    use dsv4::backend::{Backend, Precision, WeightData, WeightFormat};
+    let (rows, cols) = (8192usize, 4096usize);
+    let mut rng = Rng(11);
+    let f32s: Vec<u8> = (0..rows * cols)
+        .flat_map(|_| (rng.normal() * 0.02).to_le_bytes())
+        .collect();
+    let bytes: Vec<u8> = (0..rows * cols)
+        .map(|_| (rng.next_u64() % 254) as u8)
+        .collect();
+    let cases: Vec<(&'static str, WeightData<'_>, Precision)> = vec![
+        (
+            "f32",
+            WeightData::whole(WeightFormat::F32, &f32s, vec![], rows, cols),
+            Precision::F32,
+        ),
+        (
+            "bf16",
+            WeightData::whole(WeightFormat::F32, &f32s, vec![], rows, cols),
+            Precision::Bf16,
+        ),
+        (
+            "fp8",
+            WeightData::whole(
+                WeightFormat::Fp8E4m3 { block: [128, 128] },
+                &bytes,
+                vec![1.0; (rows / 128) * (cols / 128)],
+                rows,
+                cols,
+            ),
+            Precision::Native,
+        ),
+        (
+            "fp4",
+            WeightData::whole(
+                WeightFormat::Fp4E2m1 { block: 32 },
+                &bytes[..rows * cols / 2],
+                vec![0.5; rows * cols / 32],
+                rows,
+                cols,
+            ),
+            Precision::Native,
+        ),
+    ];
+    let x = backend
+        .tensor(
+            &(0..cols)
+                .map(|i| (i as f32 * 0.01).sin())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    cases
+        .into_iter()
+        .map(|(name, w, precision)| {
+            let m = backend.matrix(&w, precision).unwrap();
+            let held = backend.matrix_bytes(&m) as f64;
+            let mut t: Vec<f64> = (0..15)
+                .map(|_| {
+                    let start = Instant::now();
+                    std::hint::black_box(backend.matmul(&x, 1, &m).unwrap());
+                    start.elapsed().as_secs_f64()
+                })
+                .collect();
+            t.sort_by(f64::total_cmp);
+            (name, held / t[t.len() / 2])
+        })
+        .collect()
+}
+
 /// Read bandwidth of this machine with `threads` threads: a plain sum over a buffer far larger
 /// than the caches (best of 3), bytes per second.
 fn read_bandwidth(threads: usize) -> f64 {
@@ -484,6 +555,15 @@ fn main() {
     } else {
         0.0
     };
+    // Each kernel alone against that bandwidth (what the decode step's kernels can reach).
+    let kernels: serde_json::Map<String, serde_json::Value> = if bandwidth > 0.0 {
+        kernel_rates(bench.model.backend())
+            .into_iter()
+            .map(|(name, rate)| (name.to_string(), json!(rate / bandwidth)))
+            .collect()
+    } else {
+        Default::default()
+    };
     let report = json!({
         "model": which, "checkpoint": dir, "threads": threads, "prompt": prompt,
         "decode_steps": steps, "weights": weights.resolve(&bench.model.config).name(),
@@ -491,6 +571,8 @@ fn main() {
         "prefill_tok_s": prefill, "decode_b1_tok_s": b1, "decode_b8_tok_s": b8,
         "resident_bytes": resident, "step_bytes_b1": bytes_b1, "step_bytes_b8": bytes_b8,
         "read_bandwidth": bandwidth,
+        // Batch-1 matrix-vector products alone, bytes read per second ÷ the read bandwidth.
+        "kernel_bw_fraction": kernels,
         // Weight bytes a decode step reads ÷ its time ÷ the machine's read bandwidth.
         "bw_fraction_b1": if bandwidth > 0.0 { bytes_b1 * b1 / bandwidth } else { 0.0 },
         "bw_fraction_b8": if bandwidth > 0.0 { bytes_b8 * b8 / 8.0 / bandwidth } else { 0.0 },

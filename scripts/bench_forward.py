@@ -165,6 +165,8 @@ def main():
     print(f"  a b1 decode step reads {native['step_bytes_b1'] / 1e6:.1f} MB of weights, b8 "
           f"{native['step_bytes_b8'] / 1e6:.1f} MB; read bandwidth {bw / 1e9:.1f} GB/s; fraction "
           f"reached b1 {native['bw_fraction_b1']:.2f}, b8 {native['bw_fraction_b8']:.2f}")
+    kernels = ", ".join(f"{name} {f:.2f}" for name, f in native["kernel_bw_fraction"].items())
+    print(f"  batch-1 matrix-vector kernels alone (8192 x 4096, bytes read / read bandwidth): {kernels}")
     vs_f32 = lambda k: f"{native[k] / same[k]:.2f}"
     print(f"  native vs dsv4 f32: decode b1 {vs_f32('decode_b1_tok_s')}x, decode b8 "
           f"{vs_f32('decode_b8_tok_s')}x, prefill {vs_f32('prefill_tok_s')}x")
