@@ -120,19 +120,23 @@ def main():
         why = "" if have_hf else f"transformers {transformers.__version__} (need 5.23.0)"
     except ImportError as e:
         have_hf, why = False, f"{e.name} not installed"
-    line = ""
     fmt = lambda r: (f"prefill {r['prefill_tok_s']:9.1f} tok/s   decode b1 {r['decode_b1_tok_s']:8.1f} "
                      f"tok/s   decode b8 {r['decode_b8_tok_s']:8.1f} tok/s")
+    def transformers(report):
+        """transformers on `report`'s checkpoint (printed), or None when it cannot run here."""
+        theirs = hf(report) if have_hf else None
+        if theirs:
+            print(f"  transformers (f32)  {fmt(theirs)}")
+        else:
+            print(f"  transformers        skipped: {why}")
+        return theirs
+
     for model in ("fixture", "large"):
         ours = dsv4(model, threads)
         print(f"{model}: {ours['prompt']}-token prompt, {ours['decode_steps']} decode steps, "
               f"{ours['threads']} threads")
         print(f"  dsv4 (f32)          {fmt(ours)}")
-        theirs = hf(ours) if have_hf else None
-        if theirs:
-            print(f"  transformers (f32)  {fmt(theirs)}")
-        else:
-            print(f"  transformers        skipped: {why}")
+        theirs = transformers(ours)
 
         def ratios(mine):
             r = (lambda k: f"{mine[k] / theirs[k]:.2f}") if theirs else (lambda k: "n/a")
@@ -144,8 +148,7 @@ def main():
             bf16 = dsv4(model, threads, "bf16")
             print(f"  dsv4 (bf16)         {fmt(bf16)}")
             print(f"  (bf16 weights: {ratios(bf16)})")
-        line = ratios(ours)
-        print(f"  ({line})")
+        print(f"  ({ratios(ours)})")
     # The large model as an official FP8/FP4 checkpoint (the same weights rounded): dsv4 keeps
     # it native (`model.weight_dtype = auto`); dsv4 f32 and transformers load the dequantised
     # copy. The bandwidth fraction: weight bytes a decode step reads (only the experts that
@@ -156,11 +159,7 @@ def main():
           f"{native['threads']} threads; resident weight bytes {native['resident_bytes']}")
     print(f"  dsv4 (native)       {fmt(native)}")
     print(f"  dsv4 (f32, same weights) {fmt(same)}")
-    theirs = hf(same) if have_hf else None
-    if theirs:
-        print(f"  transformers (f32)  {fmt(theirs)}")
-    else:
-        print(f"  transformers        skipped: {why}")
+    theirs = transformers(same)
     bw = native["read_bandwidth"]
     print(f"  a b1 decode step reads {native['step_bytes_b1'] / 1e6:.1f} MB of weights, b8 "
           f"{native['step_bytes_b8'] / 1e6:.1f} MB; read bandwidth {bw / 1e9:.1f} GB/s; fraction "

@@ -433,7 +433,7 @@ pub fn import<B: Backend>(
 }
 
 /// A fresh slot and `pages` pages for a sequence at `position` whose state arrives later
-/// ([`write_into`]): a PD decode engine reserves its destination before the bytes come.
+/// ([`write_arrival`]): a PD decode engine reserves its destination before the bytes come.
 pub fn open_destination<B: Backend>(
     pools: &mut KvPools<B>,
     position: usize,
@@ -455,27 +455,6 @@ pub fn byte_len_at<B: Backend>(pools: &KvPools<B>, position: usize) -> usize {
         .iter()
         .map(|r| r.len)
         .sum()
-}
-
-/// Writes `state`'s `bytes` into `seq`, a destination [`open_destination`] reserved for it:
-/// the same checks as [`import`], and the destination must be at the state's position with
-/// the pages it needs. On an error the destination holds partial bytes (the caller closes it).
-pub fn write_into<B: Backend>(
-    pools: &mut KvPools<B>,
-    state: &SequenceState,
-    bytes: &[u8],
-    seq: &SeqKv,
-) -> Result<()> {
-    let pages = check_import(pools, state, bytes)?;
-    if seq.position() != state.position || seq.pages().len() != pages {
-        return Err(Error::invalid_argument(format!(
-            "the destination was reserved for {} tokens in {} pages but the state covers {}              tokens in {pages}",
-            seq.position(),
-            seq.pages().len(),
-            state.position
-        )));
-    }
-    write_regions(pools, seq, bytes)
 }
 
 /// Checks that an arrived state (from a peer whose layout was checked to equal these pools')

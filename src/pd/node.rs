@@ -140,6 +140,16 @@ struct Outgoing {
     crc: u32,
 }
 
+impl Room {
+    /// Decode: where the room's bytes stand, opened at the first byte or the STATE frame:
+    /// straight into the destination when the claim gave its memory, else a buffer.
+    fn incoming(&mut self) -> &mut Incoming {
+        let (max_bytes, landing) = (self.max_bytes, &self.landing);
+        self.incoming
+            .get_or_insert_with(|| Incoming::new(max_bytes, landing.clone()))
+    }
+}
+
 struct Room {
     side: Side,
     state: RoomState,
@@ -1464,13 +1474,10 @@ impl Inner {
         if r.link.is_some_and(|l| l != link.id) {
             return None;
         }
-        if r.incoming.is_none() {
-            if r.state != RoomState::Claimed {
-                return None;
-            }
-            r.incoming = Some(Incoming::new(r.max_bytes, r.landing.clone()));
+        if r.incoming.is_none() && r.state != RoomState::Claimed {
+            return None;
         }
-        let lent = r.incoming.as_mut()?.lend(offset, len)?;
+        let lent = r.incoming().lend(offset, len)?;
         if matches!(lent, Lent::Direct(_)) {
             t.lent.insert(room, false);
         }
@@ -1545,10 +1552,7 @@ impl Inner {
                         ),
                     ));
                 }
-                let (max_bytes, landing) = (r.max_bytes, r.landing.clone());
-                let inc = r
-                    .incoming
-                    .get_or_insert_with(|| Incoming::new(max_bytes, landing));
+                let inc = r.incoming();
                 // Pages sent early must lie inside the state the header describes.
                 if let Some((_, &end)) = inc.ranges.iter().next_back() {
                     if end > len {
@@ -1564,16 +1568,13 @@ impl Inner {
             }
             Kind::Data => {
                 // Before the STATE frame only while claimed: complete pages sent early.
-                if r.incoming.is_none() {
-                    if r.state != RoomState::Claimed {
-                        return Err(mismatch(format!(
-                            "DATA arrived in state {}",
-                            r.state.label()
-                        )));
-                    }
-                    r.incoming = Some(Incoming::new(r.max_bytes, r.landing.clone()));
+                if r.incoming.is_none() && r.state != RoomState::Claimed {
+                    return Err(mismatch(format!(
+                        "DATA arrived in state {}",
+                        r.state.label()
+                    )));
                 }
-                let inc = r.incoming.as_mut().expect("set above");
+                let inc = r.incoming();
                 let (offset, bytes) = wire::split_data(&frame.payload)
                     .ok_or_else(|| mismatch("a DATA frame without its offset".into()))?;
                 inc.put(offset, bytes).map_err(mismatch)?;

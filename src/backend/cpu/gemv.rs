@@ -82,13 +82,13 @@ fn dot4_portable(x: &[f32], w: Rows4) -> [f32; 4] {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use half::bf16;
     use std::arch::x86_64::*;
 
     /// Horizontal sums of four vectors.
     #[target_feature(enable = "avx512f")]
-    fn reduce4_512(a: [__m512; 4]) -> [f32; 4] {
+    pub(in crate::backend::cpu) fn reduce4_512(a: [__m512; 4]) -> [f32; 4] {
         [
             _mm512_reduce_add_ps(a[0]),
             _mm512_reduce_add_ps(a[1]),

@@ -372,22 +372,12 @@ mod x86 {
     pub unsafe fn fp8_row_avx512(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
         assert!(row.len() == out.len() && row.len().is_multiple_of(16));
         assert!(exponents.len() >= row.len().div_ceil(block));
-        let low7 = _mm256_set1_epi16(0x7f);
-        let sign = _mm256_set1_epi16(0x80);
-        let nan_in = _mm256_set1_epi16(0x7f << 7);
-        let nan_out = _mm256_set1_epi16(0x7e00);
         let mut c = 0;
         while c < row.len() {
             let s = _mm512_set1_ps(super::scale_of(exponents[c / block]) * 256.0);
             // SAFETY: c + 16 <= len for both slices (lengths asserted, c steps by 16).
             unsafe {
-                let b = _mm_loadu_si128(row.as_ptr().add(c).cast());
-                let h = _mm256_cvtepu8_epi16(b);
-                let mag = _mm256_slli_epi16(_mm256_and_si256(h, low7), 7);
-                let sgn = _mm256_slli_epi16(_mm256_and_si256(h, sign), 8);
-                let nan = _mm256_cmpeq_epi16(mag, nan_in);
-                let f16 = _mm256_blendv_epi8(_mm256_or_si256(mag, sgn), nan_out, nan);
-                let v = _mm512_mul_ps(_mm512_cvtph_ps(f16), s);
+                let v = _mm512_mul_ps(fp8x16::<true>(row.as_ptr().add(c)), s);
                 _mm512_storeu_ps(out.as_mut_ptr().add(c), v);
             }
             c += 16;
@@ -453,12 +443,19 @@ mod x86 {
                 *a = _mm512_fmadd_ps(part[r], s, *a);
             }
         }
-        [
-            _mm512_reduce_add_ps(acc[0]),
-            _mm512_reduce_add_ps(acc[1]),
-            _mm512_reduce_add_ps(acc[2]),
-            _mm512_reduce_add_ps(acc[3]),
-        ]
+        super::super::gemv::x86::reduce4_512(acc)
+    }
+
+    /// Sixteen packed FP4 bytes at `p` as f32 through `table` (E2M1): the low nibbles (16
+    /// even elements) and the high ones (16 odd elements).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fp4x32(p: *const u8, table: __m512) -> (__m512, __m512) {
+        // SAFETY: the caller guarantees 16 readable bytes at `p`.
+        let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.cast()) });
+        let lo = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)), table);
+        let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+        (lo, hi)
     }
 
     /// Dot products of `x` with four FP4 rows decoded in registers. The low nibbles of 16
@@ -477,7 +474,6 @@ mod x86 {
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
         let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let nibble = _mm512_set1_epi32(0x0f);
         let half = k / 2;
         let mut acc = [_mm512_setzero_ps(); 4];
         for b in 0..nb {
@@ -493,10 +489,7 @@ mod x86 {
                     let xe = _mm512_permutex2var_ps(x0, evens, x1);
                     let xo = _mm512_permutex2var_ps(x0, odds, x1);
                     for (r, p) in part.iter_mut().enumerate() {
-                        let bytes = _mm_loadu_si128(rows.as_ptr().add(r * half + c / 2).cast());
-                        let v = _mm512_cvtepu8_epi32(bytes);
-                        let lo = _mm512_permutexvar_ps(_mm512_and_si512(v, nibble), table);
-                        let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+                        let (lo, hi) = fp4x32(rows.as_ptr().add(r * half + c / 2), table);
                         *p = _mm512_fmadd_ps(lo, xe, *p);
                         *p = _mm512_fmadd_ps(hi, xo, *p);
                     }
@@ -508,12 +501,7 @@ mod x86 {
                 *a = _mm512_fmadd_ps(part[r], s, *a);
             }
         }
-        [
-            _mm512_reduce_add_ps(acc[0]),
-            _mm512_reduce_add_ps(acc[1]),
-            _mm512_reduce_add_ps(acc[2]),
-            _mm512_reduce_add_ps(acc[3]),
-        ]
+        super::super::gemv::x86::reduce4_512(acc)
     }
 
     /// FP4 e2m1 → f32 thirty-two at a time: a 16-entry table in one register
@@ -530,16 +518,13 @@ mod x86 {
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
         let even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
         let odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-        let nibble = _mm512_set1_epi32(0x0f);
         let mut c = 0;
         while c < out.len() {
             let s = _mm512_set1_ps(super::scale_of(exponents[c / block]));
             // SAFETY: the 16 bytes at c / 2 and the 32 floats at c are in bounds (lengths
             // asserted, c steps by 32).
             unsafe {
-                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.as_ptr().add(c / 2).cast()));
-                let lo = _mm512_permutexvar_ps(_mm512_and_si512(b, nibble), table);
-                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+                let (lo, hi) = fp4x32(row.as_ptr().add(c / 2), table);
                 let first = _mm512_permutex2var_ps(lo, even, hi);
                 let second = _mm512_permutex2var_ps(lo, odd, hi);
                 _mm512_storeu_ps(out.as_mut_ptr().add(c), _mm512_mul_ps(first, s));

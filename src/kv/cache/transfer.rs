@@ -109,7 +109,7 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// Checks a state of `bytes` bytes that a transport wrote straight into `req`'s
-    /// destination ([`Self::landing_spans`]) ([`state::check_arrival`]).
+    /// destination ([`Self::landing`]) ([`state::check_arrival`]).
     pub fn check_landed(
         &self,
         req: &Request,
