@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod crc;
 pub mod engine;
 pub mod error;
 pub mod formats;

@@ -2,6 +2,7 @@
 
 use super::sampling::SamplingParams;
 use crate::error::{Error, Result};
+use xxhash_rust::xxh3::Xxh3;
 
 /// The largest total logit bias one token may get: far beyond any logit, yet small enough that
 /// logit + bias stays finite in f32.
@@ -174,48 +175,39 @@ impl RequestSpec {
 }
 
 impl RequestSpec {
-    /// What a PD room's two engines must agree on, as one 64-bit FNV-1a digest: the prompt,
-    /// the sampling params, the seed and the cache salt (a claim whose digest differs from the
+    /// What a PD room's two engines must agree on, as one 64-bit XXH3 digest: the prompt, the
+    /// sampling params, the seed and the cache salt (a claim whose digest differs from the
     /// prefill's fails the room). Stable across processes and builds: fixed byte encoding.
     pub fn pd_digest(&self) -> u64 {
-        let mut h = Fnv(0xcbf2_9ce4_8422_2325);
-        h.u64(self.prompt.len() as u64);
-        for &t in &self.prompt {
-            h.bytes(&t.to_le_bytes());
+        let mut h = Xxh3::new();
+        h.update(&(self.prompt.len() as u64).to_le_bytes());
+        // Little-endian token bytes, a few KiB at a time.
+        let mut buf = [0u8; 4096];
+        for chunk in self.prompt.chunks(buf.len() / 4) {
+            for (b, &t) in buf.chunks_exact_mut(4).zip(chunk) {
+                b.copy_from_slice(&t.to_le_bytes());
+            }
+            h.update(&buf[..4 * chunk.len()]);
         }
         let s = &self.sampling;
-        h.bytes(&s.temperature.to_bits().to_le_bytes());
-        h.bytes(&s.top_k.to_le_bytes());
-        h.bytes(&s.top_p.to_bits().to_le_bytes());
-        h.bytes(&s.min_p.to_bits().to_le_bytes());
-        h.u64(s.logit_bias.len() as u64);
+        h.update(&s.temperature.to_bits().to_le_bytes());
+        h.update(&s.top_k.to_le_bytes());
+        h.update(&s.top_p.to_bits().to_le_bytes());
+        h.update(&s.min_p.to_bits().to_le_bytes());
+        h.update(&(s.logit_bias.len() as u64).to_le_bytes());
         for &(t, b) in &s.logit_bias {
-            h.bytes(&t.to_le_bytes());
-            h.bytes(&b.to_bits().to_le_bytes());
+            h.update(&t.to_le_bytes());
+            h.update(&b.to_bits().to_le_bytes());
         }
-        h.u64(self.seed);
+        h.update(&self.seed.to_le_bytes());
         match &self.cache_salt {
             Some(salt) => {
-                h.u64(salt.len() as u64 + 1);
-                h.bytes(salt.as_bytes());
+                h.update(&(salt.len() as u64 + 1).to_le_bytes());
+                h.update(salt.as_bytes());
             }
-            None => h.u64(0),
+            None => h.update(&0u64.to_le_bytes()),
         }
-        h.0
-    }
-}
-
-struct Fnv(u64);
-
-impl Fnv {
-    fn bytes(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 = (self.0 ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-
-    fn u64(&mut self, v: u64) {
-        self.bytes(&v.to_le_bytes());
+        h.digest()
     }
 }
 
@@ -237,6 +229,36 @@ mod tests {
         // A partial match followed by a different token, then the full one.
         assert!(!spec.ends_with_stop_sequence(&[5, 6, 5]));
         assert!(spec.ends_with_stop_sequence(&[5, 6, 5, 6, 7]));
+    }
+
+    #[test]
+    fn pd_digest_is_xxh3_of_the_documented_encoding() {
+        // Built here in one piece: the chunked token encoding (3000 tokens cross chunks) and
+        // every field in order, little-endian.
+        let mut spec = RequestSpec {
+            prompt: (0..3000u32)
+                .map(|i| i.wrapping_mul(2_654_435_761))
+                .collect(),
+            seed: 7,
+            cache_salt: Some("salt".into()),
+            ..Default::default()
+        };
+        spec.sampling.logit_bias = vec![(5, -1.5)];
+        let s = &spec.sampling;
+        let mut b = Vec::new();
+        b.extend((spec.prompt.len() as u64).to_le_bytes());
+        spec.prompt.iter().for_each(|t| b.extend(t.to_le_bytes()));
+        b.extend(s.temperature.to_bits().to_le_bytes());
+        b.extend(s.top_k.to_le_bytes());
+        b.extend(s.top_p.to_bits().to_le_bytes());
+        b.extend(s.min_p.to_bits().to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(5u32.to_le_bytes());
+        b.extend((-1.5f32).to_bits().to_le_bytes());
+        b.extend(7u64.to_le_bytes());
+        b.extend(5u64.to_le_bytes());
+        b.extend(b"salt");
+        assert_eq!(spec.pd_digest(), xxhash_rust::xxh3::xxh3_64(&b));
     }
 
     #[test]
@@ -287,10 +309,7 @@ mod tests {
         for v in variants {
             assert!(seen.insert(v.pd_digest()), "{v:?}");
         }
-        // The FNV-1a 64 reference: the empty input hashes to the offset basis, "a" to
-        // 0xaf63dc4c8601ec8c (the algorithm's published test vector).
-        let mut f = Fnv(0xcbf2_9ce4_8422_2325);
-        f.bytes(b"a");
-        assert_eq!(f.0, 0xaf63_dc4c_8601_ec8c);
+        // XXH3-64 itself: the empty input's published digest.
+        assert_eq!(xxhash_rust::xxh3::xxh3_64(b""), 0x2d06_8005_38d3_94c2);
     }
 }

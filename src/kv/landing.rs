@@ -122,7 +122,7 @@ impl Landing {
             // are zeroed at allocation), and not written while read.
             let bytes =
                 unsafe { std::slice::from_raw_parts(std::ptr::with_exposed_provenance(addr), n) };
-            crc = crc32c::crc32c_append(crc, bytes);
+            crc = crate::crc::append(crc, bytes);
         }
         crc
     }

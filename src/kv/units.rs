@@ -60,7 +60,11 @@ impl<I: UnitId> UnitAllocator<I> {
         if n > self.free.len() {
             return None;
         }
-        let units = self.free.split_off(self.free.len() - n);
+        let mut units = self.free.split_off(self.free.len() - n);
+        // Ascending: units adjacent in number are adjacent in memory, so a sequence's pages
+        // in order make long contiguous runs (one region per run for a transfer's reads and
+        // a backup's copies) whenever the free list holds runs, as it does after a release.
+        units.sort_unstable_by_key(|u| u.index());
         for &u in &units {
             debug_assert_eq!(
                 self.refs[u.index()],

@@ -3,8 +3,13 @@
 //! an interval, and a reader thread that hands each frame to the node and declares the peer
 //! dead once it has been silent for `heartbeat_misses` intervals.
 //!
-//! Bulk data goes out in frames of at most [`wire::DATA_CHUNK`] bytes, rooms taking turns, so a
-//! heartbeat, a claim or a FAIL waits behind one frame at most, never behind a whole state.
+//! Bulk data goes out in frames of at most [`wire::DATA_CHUNK`] bytes, so a heartbeat, a claim
+//! or a FAIL waits behind one frame at most, never behind a whole state. Between rooms, the one
+//! with the fewest bytes left goes next, frame by frame: a small room overtakes a large one at
+//! the next frame, and rooms of one size finish one after another — each lands (and its first
+//! token goes out) while the next is on the wire — instead of all at the end, as taking turns
+//! would have them. A room starved by a stream of smaller ones would be failed by its transfer
+//! deadline; that needs the link to be overloaded for that long anyway.
 //!
 //! Frames queued while the writer thread is idle are written at once by the caller, without
 //! blocking (`MSG_DONTWAIT`): what the socket takes, up to [`DIRECT_BYTES`]; the rest goes to
@@ -72,6 +77,8 @@ pub enum Segment {
 pub struct Bulk {
     pub room: u64,
     segments: VecDeque<Segment>,
+    /// Bytes of the segments still to go (frames and state bytes, without DATA headers).
+    left: usize,
     /// Set when the room ends: the rest is not sent.
     pub cancel: Arc<AtomicBool>,
 }
@@ -103,9 +110,11 @@ impl Bulk {
 
     /// `segments`, in order.
     pub fn of(room: u64, segments: Vec<Segment>, cancel: Arc<AtomicBool>) -> Self {
+        let left = segments.iter().map(Segment::len).sum();
         Self {
             room,
             segments: segments.into(),
+            left,
             cancel,
         }
     }
@@ -118,6 +127,7 @@ impl Bulk {
                 Some(Segment::Frame(f)) => {
                     let f = std::mem::take(f);
                     self.segments.pop_front();
+                    self.left -= f.len();
                     break Out::Frame(f);
                 }
                 Some(Segment::Data { at, bytes, range }) => {
@@ -132,6 +142,7 @@ impl Bulk {
                         range: range.start..end,
                     };
                     *at += (end - range.start) as u64;
+                    self.left -= end - range.start;
                     range.start = end;
                     if range.start >= range.end {
                         self.segments.pop_front();
@@ -141,6 +152,15 @@ impl Bulk {
             }
         };
         (out, self.segments.is_empty())
+    }
+}
+
+impl Segment {
+    fn len(&self) -> usize {
+        match self {
+            Segment::Frame(f) => f.len(),
+            Segment::Data { range, .. } => range.len(),
+        }
     }
 }
 
@@ -259,8 +279,8 @@ impl Outbox {
         }
     }
 
-    /// The next frame in wire order: a partial frame's rest, control frames, then the rooms'
-    /// bulk frames taking turns (none while finishing).
+    /// The next frame in wire order: a partial frame's rest, control frames, then a frame of
+    /// the room with the fewest bytes left (none while finishing).
     fn pop(&mut self) -> Option<Out> {
         if let Some(rest) = self.partial.take() {
             return Some(Out::Frame(rest));
@@ -271,18 +291,15 @@ impl Outbox {
         if self.finishing {
             return None;
         }
-        while let Some(mut b) = self.bulk.pop_front() {
-            if b.cancel.load(Ordering::SeqCst) {
-                continue;
-            }
-            let (frame, last) = b.next_frame();
-            if !last {
-                // Rooms take turns, one frame each.
-                self.bulk.push_back(b);
-            }
-            return Some(frame);
+        self.bulk.retain(|b| !b.cancel.load(Ordering::SeqCst));
+        // The first of the rooms with the fewest bytes left: a scan of at most pd.max_rooms
+        // rooms once per frame of up to 256 KiB.
+        let next = (0..self.bulk.len()).min_by_key(|&i| self.bulk[i].left)?;
+        let (frame, last) = self.bulk[next].next_frame();
+        if last {
+            self.bulk.remove(next);
         }
-        None
+        Some(frame)
     }
 
     fn has_work(&self) -> bool {
@@ -380,7 +397,10 @@ impl Link {
     /// out in the order queued). False when the link is down.
     pub fn send_bulk(&self, mut bulk: Bulk) -> bool {
         self.queue(|o| match o.bulk.iter_mut().find(|b| b.room == bulk.room) {
-            Some(queued) => queued.segments.append(&mut bulk.segments),
+            Some(queued) => {
+                queued.left += bulk.left;
+                queued.segments.append(&mut bulk.segments);
+            }
             None => o.bulk.push_back(bulk),
         })
     }
@@ -723,6 +743,57 @@ mod tests {
         )
         .unwrap();
         (link, theirs, rx, threads)
+    }
+
+    /// The rooms' DONE frames in the order they arrive, reading until `n` have.
+    fn done_order(theirs: &mut TcpStream, n: usize) -> Vec<u64> {
+        let mut done = Vec::new();
+        while done.len() < n {
+            let f = wire::read_frame_from(theirs).unwrap();
+            if f.kind == Kind::Done {
+                done.push(f.room);
+            }
+        }
+        done
+    }
+
+    fn room_bulk(room: u64, chunks: usize) -> Bulk {
+        let data = Arc::new(vec![room as u8; chunks * wire::DATA_CHUNK]);
+        let state = wire::encode(Kind::State, room, b"{}");
+        let done = wire::encode(Kind::Done, room, b"{}");
+        Bulk::new(room, state, data, done, Arc::new(AtomicBool::new(false)))
+    }
+
+    #[test]
+    fn the_room_with_the_fewest_bytes_left_goes_next() {
+        let (link, mut theirs, _rx, threads) = pair(1000);
+        // Nobody reads yet: the 16 MiB room fills the socket buffers and waits, then a small
+        // room queued after it overtakes it at the next frame.
+        assert!(link.send_bulk(room_bulk(1, 64)));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(link.send_bulk(room_bulk(2, 1)));
+        assert_eq!(done_order(&mut theirs, 2), [2, 1]);
+        // Rooms of one size queued together go out one after another, not frame by frame in
+        // turns: the first one's DONE comes before any byte of the next.
+        let (mut seen, mut order) = (Vec::new(), Vec::new());
+        for room in [3, 4, 5] {
+            assert!(link.send_bulk(room_bulk(room, 8)));
+        }
+        while order.len() < 3 {
+            let f = wire::read_frame_from(&mut theirs).unwrap();
+            if seen.last() != Some(&f.room) {
+                seen.push(f.room);
+            }
+            if f.kind == Kind::Done {
+                order.push(f.room);
+            }
+        }
+        assert_eq!(order, [3, 4, 5]);
+        assert_eq!(seen, [3, 4, 5], "the rooms' frames interleaved");
+        link.close();
+        for t in threads {
+            t.join().unwrap();
+        }
     }
 
     #[test]

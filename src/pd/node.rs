@@ -480,7 +480,7 @@ impl Node {
         let mut notices = Vec::new();
         let state_frame = wire::encode_json(Kind::State, room, &header);
         // Over the STATE payload and every byte in offset order, however they are sent.
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&state_frame[wire::HEADER..]), &bytes);
+        let crc = crate::crc::append(crate::crc::crc32c(&state_frame[wire::HEADER..]), &bytes);
         let outgoing = Outgoing {
             header,
             bytes: Arc::new(bytes),
