@@ -2,13 +2,16 @@
 //! 10× overload in PD mode against a unified engine, all in this process.
 //!
 //! 1. Transfer. A prefill engine computes R rooms of one long prompt (the prefix cache makes all
-//!    but the first cheap) and holds them, waiting for their claims; the decode then claims them
-//!    one at a time (1 new token: landing the state ends the request, no decode step runs), so
-//!    the metrics' claim → done seconds are the transfer alone and do not overlap.
-//!    Throughput = kv_transfer_bytes_total / kv_transfer_seconds_total. The baseline: a raw
-//!    loopback socket moving the same rooms' bytes in the same 256 KiB chunks (wire::DATA_CHUNK)
-//!    into a staging buffer per room. The same at a short prompt splits a room's time into a
-//!    fixed cost and a per-byte rate; then R rooms claimed at once (wall clock).
+//!    but the first cheap) and holds them, waiting for their claims; the decode claims them with
+//!    1 new token (landing the state ends the request, no decode step runs). Each round is
+//!    followed by raw TCP loopback moving the same bytes in the same 256 KiB writes
+//!    (wire::DATA_CHUNK) over one stream into a warm buffer; each ratio is the median round's.
+//!    - Throughput, the headline: all R rooms claimed at once, wall clock from the first
+//!      decode submit to the last room landed.
+//!    - One room at a time: the metrics' claim → done (kv_transfer_seconds_total), which also
+//!      holds the claim's trip to the prefill and the engine thread's wake-up after the last
+//!      byte — a fixed cost per room that a stream does not pay. The same at a short prompt
+//!      splits a room's time into that fixed cost and a per-byte rate.
 //! 2. Overload. The pair's sustainable rate is measured with RUNNING rooms kept in flight; then
 //!    10× that rate is offered to the pair and to a unified engine, both with the same
 //!    admission bound (they refuse at once instead of queueing without bound). Admitted TTFT
@@ -158,6 +161,30 @@ fn delta(after: KvTransfer, before: KvTransfer) -> KvTransfer {
     }
 }
 
+fn add(sum: &mut KvTransfer, x: KvTransfer) {
+    sum.requests += x.requests;
+    sum.bytes += x.bytes;
+    sum.seconds += x.seconds;
+    sum.failures += x.failures;
+}
+
+/// Claims the computed rooms `ids` all at once: the wall seconds from the first decode submit
+/// to the last room landed, and the decode's counter delta.
+fn at_once(pair: &Pair, prompt: &[u32], ids: &[u64], peer: &str) -> (f64, KvTransfer) {
+    let (d0, done0) = (
+        pair.decode.metrics().kv_transfer,
+        pair.prefill.metrics().finished(Outcome::Transferred),
+    );
+    let start = Instant::now();
+    for &room in ids {
+        claim(pair, prompt, room, peer);
+    }
+    assert_eq!(wait_decode(pair, ids.len()), ids.len(), "a room failed");
+    let wall = start.elapsed().as_secs_f64();
+    wait_transferred(pair, done0 + ids.len() as u64);
+    (wall, delta(pair.decode.metrics().kv_transfer, d0))
+}
+
 /// Sequential transfers of `rooms` rooms of `prompt`: (decode, prefill) counter deltas.
 fn sequential(
     pair: &Pair,
@@ -245,7 +272,7 @@ fn per_byte_steps(room_bytes: usize) -> Steps {
             .collect();
         agentic::quantile(&mut t, 0.5)
     };
-    let crc = median(&mut || crc32c::crc32c(&source) as usize);
+    let crc = median(&mut || dsv4::crc::crc32c(&source) as usize);
     let mut warm = vec![0u8; room_bytes];
     let memcpy = median(&mut || {
         warm.copy_from_slice(&source);
@@ -372,97 +399,118 @@ fn main() {
     );
     let mut next_room = 1u64;
     // Warm-up: computes both prompts into the prefill's cache and opens the link (the
-    // connection and handshake are not part of a room's transfer).
+    // connection and handshake are not part of a room's transfer); then one batch of rooms at
+    // once, so the decode's destination pages have been touched once (a running server's
+    // have; first-touch page faults are start-up cost, not transfer).
     for p in [&long_prompt, &short_prompt] {
         let ids = prefill_rooms(&pair, p, 1, &mut next_room);
         claim(&pair, p, ids[0], &peer);
         assert_eq!(wait_decode(&pair, 1), 1, "the warm-up room failed");
     }
+    let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
+    let (_, warm) = at_once(&pair, &long_prompt, &ids, &peer);
+    let room_bytes = (warm.bytes / warm.requests) as usize;
+    raw_tcp(rooms, room_bytes, false); // warm-up: fresh memory, a cold socket
+
     // Rounds alternate the PD rooms and raw TCP on the same bytes, so load from elsewhere on
-    // this shared machine hits both alike; the ratio is the median round's.
-    let rounds = agentic::arg("--rounds", 5.0) as usize;
+    // this shared machine hits both alike; each ratio is the median round's.
+    let rounds = agentic::arg("--rounds", 9.0) as usize;
     let t = Instant::now();
+    // (a) Throughput: all rooms claimed at once, their DATA frames interleaved on the link.
+    let (mut batch_ratios, mut t_batch, mut t_batch_raw) = (Vec::new(), 0.0, 0.0);
+    let mut d_batch = KvTransfer::default();
+    for _ in 0..rounds {
+        let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
+        let (wall, d) = at_once(&pair, &long_prompt, &ids, &peer);
+        let raw = raw_tcp(rooms, room_bytes, false);
+        batch_ratios.push(raw / wall);
+        add(&mut d_batch, d);
+        t_batch += wall;
+        t_batch_raw += raw;
+    }
+    // (b) Latency: one room at a time, claim → landed (the metric), which includes the claim's
+    // trip to the prefill and the engine thread's wake-up after the last byte.
     let (mut d_long, mut p_long) = (KvTransfer::default(), KvTransfer::default());
-    let (mut t_raw, mut ratios) = (0.0, Vec::new());
-    let mut room_bytes = 0;
+    let (mut t_raw, mut seq_ratios) = (0.0, Vec::new());
     for _ in 0..rounds {
         let (d, p) = sequential(&pair, &long_prompt, rooms, &mut next_room);
-        room_bytes = (d.bytes / d.requests) as usize;
-        if t_raw == 0.0 {
-            raw_tcp(rooms, room_bytes, false); // warm-up: fresh memory, a cold socket
-        }
         let raw = raw_tcp(rooms, room_bytes, false);
-        ratios.push(pd::gbps(d.bytes, d.seconds) / pd::gbps(d.bytes, raw));
-        for (sum, x) in [(&mut d_long, d), (&mut p_long, p)] {
-            sum.requests += x.requests;
-            sum.bytes += x.bytes;
-            sum.seconds += x.seconds;
-            sum.failures += x.failures;
-        }
+        seq_ratios.push(pd::gbps(d.bytes, d.seconds) / pd::gbps(d.bytes, raw));
+        add(&mut d_long, d);
+        add(&mut p_long, p);
         t_raw += raw;
     }
     let t_long = t.elapsed().as_secs_f64();
     let (d_short, _) = sequential(&pair, &short_prompt, rooms, &mut next_room);
-    assert_eq!(d_long.failures + d_short.failures, 0);
+    assert_eq!(d_long.failures + d_short.failures + d_batch.failures, 0);
     let t_raw_ack = raw_tcp(rooms * rounds, room_bytes, true);
     let steps = per_byte_steps(room_bytes);
-    // All rooms claimed at once: the link interleaves their DATA frames.
-    let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
-    let (d0, done0) = (
-        pair.decode.metrics().kv_transfer,
-        pair.prefill.metrics().finished(Outcome::Transferred),
-    );
-    let start = Instant::now();
-    for &room in &ids {
-        claim(&pair, &long_prompt, room, &peer);
-    }
-    assert_eq!(wait_decode(&pair, rooms), rooms, "a room failed");
-    let t_batch = start.elapsed().as_secs_f64();
-    wait_transferred(&pair, done0 + rooms as u64);
-    let d_batch = delta(pair.decode.metrics().kv_transfer, d0);
     let pm = pair.prefill.metrics();
     let dm = pair.decode.metrics();
     drop(pair);
 
     let gb = |k: &KvTransfer| pd::gbps(k.bytes, k.seconds);
     let raw_gbps = pd::gbps(d_long.bytes, t_raw);
-    let round_ratios: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
-    let transfer_vs_tcp = agentic::quantile(&mut ratios, 0.5);
+    let listed = |r: &[f64]| {
+        r.iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (batch_list, seq_list) = (listed(&batch_ratios), listed(&seq_ratios));
+    let transfer_vs_tcp = agentic::quantile(&mut batch_ratios, 0.5);
+    let sequential_vs_tcp = agentic::quantile(&mut seq_ratios, 0.5);
     println!(
         "bench_transfer: tiny model, 2 threads per engine, both engines and the raw sockets in \
          this process on {} cores",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "transfer: {rounds} rounds of {rooms} rooms of a {long}-token prompt, claimed one at a \
-         time ({:.0} KiB per room, {:.1} MiB in all; {t_long:.1} s with their prefill)",
+        "transfer: {rounds} rounds of {rooms} rooms of a {long}-token prompt ({:.0} KiB per \
+         room, {:.1} MiB a round; {t_long:.1} s with their prefill), each round against raw TCP \
+         loopback moving the same bytes in the same 256 KiB writes over one stream into a warm \
+         buffer",
         room_bytes as f64 / 1024.0,
-        d_long.bytes as f64 / 1048576.0
+        (rooms * room_bytes) as f64 / 1048576.0
     );
     println!(
-        "  decode  claim → landed {:8.2} ms per room  {:7.3} GB/s",
+        "  {rooms} rooms claimed at once  {:7.2} ms a round  {:7.3} GB/s   (decode submit → last \
+         landed, wall)",
+        1e3 * t_batch / rounds as f64,
+        pd::gbps(d_batch.bytes, t_batch)
+    );
+    println!(
+        "  raw TCP, same bytes       {:7.2} ms a round  {:7.3} GB/s",
+        1e3 * t_batch_raw / rounds as f64,
+        pd::gbps(d_batch.bytes, t_batch_raw)
+    );
+    println!(
+        "  throughput vs raw TCP: {transfer_vs_tcp:.2}× (median of the rounds: {batch_list}; \
+         goal ≥ 0.8)"
+    );
+    println!("  one room at a time (claim → landed: a claim round trip and an engine wake-up per room that a stream does not pay):");
+    println!(
+        "    decode  claim → landed {:8.2} ms per room  {:7.3} GB/s",
         1e3 * d_long.seconds / d_long.requests as f64,
         gb(&d_long)
     );
     println!(
-        "  prefill claim → ACK    {:8.2} ms per room  {:7.3} GB/s",
+        "    prefill claim → ACK    {:8.2} ms per room  {:7.3} GB/s",
         1e3 * p_long.seconds / p_long.requests as f64,
         gb(&p_long)
     );
     println!(
-        "  raw TCP, same bytes    {:8.2} ms per room  {:7.3} GB/s   (256 KiB writes, one stream)",
+        "    raw TCP, same bytes    {:8.2} ms per room  {:7.3} GB/s",
         1e3 * t_raw / d_long.requests as f64,
         raw_gbps
     );
     println!(
-        "  raw TCP + ACK per room {:8.2} ms per room  {:7.3} GB/s   (a 1-byte reply after each room)",
+        "    raw TCP + ACK per room {:8.2} ms per room  {:7.3} GB/s   (a 1-byte reply after each \
+         room)",
         1e3 * t_raw_ack / d_long.requests as f64,
         pd::gbps(d_long.bytes, t_raw_ack)
     );
-    println!(
-        "  decode vs raw TCP: {transfer_vs_tcp:.2}× (median of the rounds: {}; goal ≥ 0.8)",
-        round_ratios.join(", ")
-    );
+    println!("    decode vs raw TCP: {sequential_vs_tcp:.2}× (median of the rounds: {seq_list})");
     let ms = |x: f64| 1e3 * x;
     println!(
         "  per-byte work the decode adds to the socket read, one room ({:.0} KiB), timed here: \
@@ -488,15 +536,6 @@ fn main() {
         1e3 * s1,
         1e3 * (s1 - per_byte * b1),
         1.0 / per_byte / 1e9
-    );
-    println!(
-        "  {rooms} rooms claimed at once: {:.1} MiB in {:.1} ms wall (decode submit → last \
-         landed) = {:.3} GB/s, {:.2}× raw TCP; the metric's claim → done sum {:.1} ms",
-        d_batch.bytes as f64 / 1048576.0,
-        1e3 * t_batch,
-        pd::gbps(d_batch.bytes, t_batch),
-        pd::gbps(d_batch.bytes, t_batch) / raw_gbps,
-        1e3 * d_batch.seconds
     );
     for line in pd::room_lines("prefill", &pm)
         .into_iter()
