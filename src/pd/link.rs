@@ -8,8 +8,8 @@
 //! with the fewest bytes left goes next, frame by frame: a small room overtakes a large one at
 //! the next frame, and rooms of one size finish one after another — each lands (and its first
 //! token goes out) while the next is on the wire — instead of all at the end, as taking turns
-//! would have them. A room starved by a stream of smaller ones would be failed by its transfer
-//! deadline; that needs the link to be overloaded for that long anyway.
+//! would have them. So that a stream of smaller rooms cannot starve a large one until its
+//! transfer deadline fails it, rooms queued for [`STARVED_AFTER`] go first, oldest first.
 //!
 //! Frames queued while the writer thread is idle are written at once by the caller, without
 //! blocking (`MSG_DONTWAIT`): what the socket takes, up to [`DIRECT_BYTES`]; the rest goes to
@@ -33,6 +33,11 @@ use super::wire::{self, Frame, Kind, ReadError};
 /// is left to the writer thread: a few DATA frames, a typical room's state (the caller may hold
 /// the node's table meanwhile).
 const DIRECT_BYTES: usize = 1 << 20;
+
+/// A room's bytes queued this long go ahead of rooms with fewer bytes left (oldest first): a
+/// room moves in milliseconds unless the link is overloaded, and then every room gets its turn
+/// in order instead of the largest waiting until its deadline.
+const STARVED_AFTER: Duration = Duration::from_millis(250);
 
 /// What the link reports to its owner (the node).
 pub trait Handler: Send + Sync + 'static {
@@ -79,6 +84,8 @@ pub struct Bulk {
     segments: VecDeque<Segment>,
     /// Bytes of the segments still to go (frames and state bytes, without DATA headers).
     left: usize,
+    /// When the room's bytes were queued (those appended later wait with them).
+    since: Instant,
     /// Set when the room ends: the rest is not sent.
     pub cancel: Arc<AtomicBool>,
 }
@@ -115,6 +122,7 @@ impl Bulk {
             room,
             segments: segments.into(),
             left,
+            since: Instant::now(),
             cancel,
         }
     }
@@ -280,7 +288,8 @@ impl Outbox {
     }
 
     /// The next frame in wire order: a partial frame's rest, control frames, then a frame of
-    /// the room with the fewest bytes left (none while finishing).
+    /// the room with the fewest bytes left, or of the oldest room queued for [`STARVED_AFTER`]
+    /// (none while finishing).
     fn pop(&mut self) -> Option<Out> {
         if let Some(rest) = self.partial.take() {
             return Some(Out::Frame(rest));
@@ -292,9 +301,15 @@ impl Outbox {
             return None;
         }
         self.bulk.retain(|b| !b.cancel.load(Ordering::SeqCst));
-        // The first of the rooms with the fewest bytes left: a scan of at most pd.max_rooms
-        // rooms once per frame of up to 256 KiB.
-        let next = (0..self.bulk.len()).min_by_key(|&i| self.bulk[i].left)?;
+        // A scan of at most pd.max_rooms rooms once per frame of up to 256 KiB.
+        let now = Instant::now();
+        let oldest = (0..self.bulk.len()).min_by_key(|&i| self.bulk[i].since)?;
+        let next = if now.duration_since(self.bulk[oldest].since) >= STARVED_AFTER {
+            oldest
+        } else {
+            // The first of the rooms with the fewest bytes left.
+            (0..self.bulk.len()).min_by_key(|&i| self.bulk[i].left)?
+        };
         let (frame, last) = self.bulk[next].next_frame();
         if last {
             self.bulk.remove(next);
@@ -794,6 +809,24 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
+    }
+
+    #[test]
+    fn a_room_queued_too_long_goes_before_smaller_ones() {
+        let mut out = Outbox::new();
+        let (mut big, small) = (room_bulk(1, 4), room_bulk(2, 1));
+        out.bulk.push_back(small);
+        // Fresh, the small room goes first; the big one, queued past the bound, goes first.
+        assert!(matches!(out.pop(), Some(Out::Frame(f)) if f[8] == 2));
+        big.since = Instant::now() - STARVED_AFTER;
+        out.bulk.push_back(big);
+        let mut rooms = Vec::new();
+        while let Some(o) = out.pop() {
+            let (a, _) = o.parts();
+            rooms.push(a[8]);
+        }
+        // The big room's STATE, 4 DATA frames and DONE, then the rest of the small one.
+        assert_eq!(rooms, [1, 1, 1, 1, 1, 1, 2, 2]);
     }
 
     #[test]
