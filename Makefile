@@ -23,7 +23,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo demo-pd test kernels-check test-rust test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-compare fuzz gpu-bundle
+.PHONY: all deps venv lib header install demo demo-pd test kernels-check test-rust test-netns test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-compare fuzz gpu-bundle
 
 all: lib
 
@@ -83,7 +83,7 @@ demo-pd: lib
 	@echo "== PD over HTTP: a prefill and a decode dsv4-server behind dsv4-router, the tiny model =="
 	@python3 scripts/demo_pd.py --bin $(STAGE)/bin --model "$$($(REL)/examples/tiny_model)"
 
-test: deps kernels-check test-rust test-c test-valgrind test-pkgconfig test-python
+test: deps kernels-check test-rust test-netns test-c test-valgrind test-pkgconfig test-python
 	@echo "make test: all passed"
 
 # Compiles every CUDA kernel in kernels/ with NVRTC for sm_90 and sm_100, as the CUDA backend
@@ -104,6 +104,13 @@ test-rust: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) test   # includes the header freshness test (include/dsv4.h vs src/ffi)
+
+# A prefill and a decode process on two "hosts": network namespaces joined by a veth pair
+# (tests/pd_netns.rs). Needs root to make the namespaces and fails, never skips, without it;
+# a plain `cargo test` lists these tests as ignored.
+test-netns: deps
+	$(CARGO) build --example pd_node
+	$(CARGO) test --test pd_netns -- --ignored
 
 test-c: lib
 	rm -rf $(STAGE) build/ctest

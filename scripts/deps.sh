@@ -2,9 +2,8 @@
 # Installs what `make` needs on a fresh Debian/Ubuntu machine that has only Rust, gcc, make and
 # python3: the C libraries hwlocality links (hwloc, udev), cmake and pkg-config for the
 # packaging tests, g++ for the C++ example, valgrind for `make test-valgrind` and promtool
-# (package prometheus) for the metrics tests, cpp-httplib and nlohmann-json for dsv4-server.
-# Does nothing
-# when everything is present.
+# (package prometheus) for the metrics tests, cpp-httplib and nlohmann-json for dsv4-server,
+# iproute2 (`ip netns`) for `make test-netns`. Does nothing when everything is present.
 set -eu
 
 missing=""
@@ -19,6 +18,8 @@ pkg-config --exists libudev 2>/dev/null || missing="$missing libudev-dev"
 # dsv4-server's HTTP and JSON libraries.
 pkg-config --exists cpp-httplib 2>/dev/null || missing="$missing libcpp-httplib-dev"
 [ -f /usr/include/nlohmann/json.hpp ] || missing="$missing nlohmann-json3-dev"
+# Network namespaces and veth pairs for the two-host tests.
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
 
 if [ -n "$missing" ]; then
     echo "deps: installing$missing"

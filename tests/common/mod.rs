@@ -4,6 +4,7 @@
 pub mod books;
 pub mod fault_proxy;
 pub mod machine;
+pub mod pd_node;
 pub mod requests;
 
 use std::path::{Path, PathBuf};
