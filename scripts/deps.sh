@@ -3,7 +3,8 @@
 # python3: the C libraries hwlocality links (hwloc, udev), cmake and pkg-config for the
 # packaging tests, g++ for the C++ example, valgrind for `make test-valgrind` and promtool
 # (package prometheus) for the metrics tests, cpp-httplib and nlohmann-json for dsv4-server,
-# iproute2 (`ip netns`) for `make test-netns`. Does nothing when everything is present.
+# iproute2 (`ip netns`) for `make test-netns`, UCX (libucx0, loaded at run time; ucx-utils for
+# ucx_perftest) for the ucx transport's tests. Does nothing when everything is present.
 set -eu
 
 missing=""
@@ -20,6 +21,10 @@ pkg-config --exists cpp-httplib 2>/dev/null || missing="$missing libcpp-httplib-
 [ -f /usr/include/nlohmann/json.hpp ] || missing="$missing nlohmann-json3-dev"
 # Network namespaces and veth pairs for the two-host tests.
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+# UCX for pd.transport = "ucx": the library the tests load, and ucx_perftest.
+ldconfig -p 2>/dev/null | grep -q 'libucp\.so\.0 ' || [ -e /usr/lib/x86_64-linux-gnu/libucp.so.0 ] \
+    || missing="$missing libucx0"
+command -v ucx_perftest >/dev/null 2>&1 || missing="$missing ucx-utils"
 
 if [ -n "$missing" ]; then
     echo "deps: installing$missing"

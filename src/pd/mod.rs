@@ -17,6 +17,7 @@ pub mod limits;
 pub mod link;
 pub mod node;
 pub mod room;
+pub mod ucx;
 pub mod wire;
 
 pub use node::{Config, Delivery, Node, Notice, PdStats, Sink};

@@ -1,0 +1,260 @@
+//! A UCP endpoint (one connection to a peer's worker): active messages out, RMA puts into the
+//! peer's registered memory, flushes, and the remote keys unpacked on it.
+
+use std::any::Any;
+use std::cell::Cell;
+use std::ffi::{c_uint, c_void};
+use std::rc::Rc;
+use std::time::Duration;
+
+use super::request::Request;
+use super::sockaddr;
+use super::sys::{self, Handle};
+use super::worker::{on_ep_error, Core, EpTarget};
+
+/// Names an endpoint in the worker's queues (messages' `from`, errors): its handle's address,
+/// the same on both the endpoint and the `reply_ep` UCX hands an active message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EpKey(usize);
+
+impl EpKey {
+    pub(super) fn of(h: Handle) -> EpKey {
+        EpKey(h as usize)
+    }
+}
+
+struct EpInner {
+    core: Rc<Core>,
+    h: Handle,
+    closed: Cell<bool>,
+}
+
+impl Drop for EpInner {
+    fn drop(&mut self) {
+        if self.closed.get() {
+            return;
+        }
+        // Not closed by its owner: force-closed (what is in flight is cancelled), waited for.
+        let mut rp = sys::RequestParam::empty();
+        rp.op_attr_mask = sys::OP_ATTR_FIELD_FLAGS;
+        rp.flags = sys::EP_CLOSE_FLAG_FORCE;
+        // SAFETY: this endpoint's handle, closed once.
+        let ptr = unsafe { (self.core.ctx.api.ucp_ep_close_nbx)(self.h, &rp) };
+        if let Ok(mut r) = Request::start(&self.core, ptr, "ucp_ep_close_nbx", None) {
+            let _ = r.wait(Duration::from_secs(5));
+        }
+    }
+}
+
+/// One connection to a peer's worker. Closed (forcibly) on drop if not [`Self::close`]d.
+pub struct Endpoint {
+    inner: Rc<EpInner>,
+}
+
+impl Endpoint {
+    pub(super) fn create(core: &Rc<Core>, target: EpTarget) -> Result<Endpoint, String> {
+        let mut params = sys::EpParams {
+            field_mask: sys::EP_PARAM_FIELD_ERR_HANDLING_MODE | sys::EP_PARAM_FIELD_ERR_HANDLER,
+            address: std::ptr::null(),
+            err_mode: sys::ERR_HANDLING_MODE_PEER,
+            err_handler: Some(on_ep_error),
+            err_arg: Rc::as_ptr(core).cast_mut().cast(),
+            user_data: std::ptr::null_mut(),
+            flags: 0,
+            sockaddr: sys::SockAddr {
+                addr: std::ptr::null(),
+                addrlen: 0,
+            },
+            conn_request: std::ptr::null_mut(),
+            name: std::ptr::null(),
+            local_sockaddr: sys::SockAddr {
+                addr: std::ptr::null(),
+                addrlen: 0,
+            },
+        };
+        let storage;
+        let what = match target {
+            EpTarget::Request(req) => {
+                params.field_mask |= sys::EP_PARAM_FIELD_CONN_REQUEST;
+                params.conn_request = req;
+                "accepting a UCX connection".to_string()
+            }
+            EpTarget::Address(addr) => {
+                let (s, len) = sockaddr::to_c(&addr);
+                storage = s;
+                params.field_mask |= sys::EP_PARAM_FIELD_SOCK_ADDR | sys::EP_PARAM_FIELD_FLAGS;
+                params.flags = sys::EP_PARAMS_FLAGS_CLIENT_SERVER;
+                params.sockaddr = sys::SockAddr {
+                    addr: (&storage as *const libc::sockaddr_storage).cast(),
+                    addrlen: len,
+                };
+                format!("connecting to ucx://{addr}")
+            }
+        };
+        let api = &core.ctx.api;
+        let mut h: Handle = std::ptr::null_mut();
+        // SAFETY: live worker; `params` and the address it points to live across the call; the
+        // error handler's argument is the core, which outlives the endpoint (it holds an Rc).
+        let status = unsafe { (api.ucp_ep_create)(core.h, &params, &mut h) };
+        api.check(status, &what)?;
+        Ok(Endpoint {
+            inner: Rc::new(EpInner {
+                core: core.clone(),
+                h,
+                closed: Cell::new(false),
+            }),
+        })
+    }
+
+    pub fn key(&self) -> EpKey {
+        EpKey::of(self.inner.h)
+    }
+
+    /// Sends active message `id` (`header`, then `data`); the receiver's `from` names the
+    /// connection it came on.
+    pub fn send(&self, id: u32, header: Vec<u8>, data: Vec<u8>) -> Result<Request, String> {
+        let keep: Box<(Vec<u8>, Vec<u8>)> = Box::new((header, data));
+        let mut rp = sys::RequestParam::empty();
+        rp.op_attr_mask = sys::OP_ATTR_FIELD_FLAGS;
+        rp.flags = sys::AM_SEND_FLAG_REPLY;
+        let core = &self.inner.core;
+        // SAFETY: live endpoint; the header and data are owned by `keep`, which the request
+        // holds until UCX is done with them (their heap blocks do not move with the Box).
+        let ptr = unsafe {
+            (core.ctx.api.ucp_am_send_nbx)(
+                self.inner.h,
+                id as c_uint,
+                keep.0.as_ptr().cast(),
+                keep.0.len(),
+                keep.1.as_ptr().cast(),
+                keep.1.len(),
+                &rp,
+            )
+        };
+        Request::start(core, ptr, "ucp_am_send_nbx", Some(keep as Box<dyn Any>))
+    }
+
+    /// Writes `data` at `remote_addr` in the peer's memory registered under `rkey`.
+    pub fn put<B: AsRef<[u8]> + 'static>(
+        &self,
+        data: B,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Request, String> {
+        let keep = Box::new(data);
+        let bytes = (*keep).as_ref();
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        // SAFETY: the bytes are the boxed value's, taken after boxing, and the request keeps
+        // the box until UCX is done with them.
+        unsafe { self.put_from(ptr, len, remote_addr, rkey, Some(keep as Box<dyn Any>)) }
+    }
+
+    /// [`Self::put`] from memory the caller owns (a pool's pages).
+    ///
+    /// # Safety
+    /// `len` bytes at `ptr` stay readable and unchanged until the request completes (or is
+    /// dropped, which waits for UCX to let go of them).
+    pub unsafe fn put_raw(
+        &self,
+        ptr: *const u8,
+        len: usize,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Request, String> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.put_from(ptr, len, remote_addr, rkey, None) }
+    }
+
+    unsafe fn put_from(
+        &self,
+        ptr: *const u8,
+        len: usize,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        keep: Option<Box<dyn Any>>,
+    ) -> Result<Request, String> {
+        if !Rc::ptr_eq(&rkey.ep, &self.inner) {
+            return Err(
+                "a remote key is used on an endpoint other than the one it was \
+                        unpacked on (a dsv4 bug)"
+                    .into(),
+            );
+        }
+        let rp = sys::RequestParam::empty();
+        let core = &self.inner.core;
+        // SAFETY: live endpoint and remote key; the caller vouches for the source bytes.
+        let p = unsafe {
+            (core.ctx.api.ucp_put_nbx)(
+                self.inner.h,
+                ptr.cast::<c_void>(),
+                len,
+                remote_addr,
+                rkey.h,
+                &rp,
+            )
+        };
+        Request::start(core, p, "ucp_put_nbx", keep)
+    }
+
+    /// Completes when every operation issued on this endpoint before it is complete at the
+    /// peer: a put then reads back on the peer's side.
+    pub fn flush(&self) -> Result<Request, String> {
+        let rp = sys::RequestParam::empty();
+        let core = &self.inner.core;
+        // SAFETY: live endpoint.
+        let p = unsafe { (core.ctx.api.ucp_ep_flush_nbx)(self.inner.h, &rp) };
+        Request::start(core, p, "ucp_ep_flush_nbx", None)
+    }
+
+    /// Unpacks a peer's packed remote key (its [`super::Registered::rkey`]) for puts on this
+    /// endpoint.
+    pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey, String> {
+        let core = &self.inner.core;
+        let mut h: Handle = std::ptr::null_mut();
+        // SAFETY: live endpoint; UCX validates the packed bytes it reads (`packed` lives
+        // across the call); `h` is an out-pointer.
+        let status = unsafe {
+            (core.ctx.api.ucp_ep_rkey_unpack)(self.inner.h, packed.as_ptr().cast(), &mut h)
+        };
+        core.ctx.api.check(status, "ucp_ep_rkey_unpack")?;
+        Ok(RemoteKey {
+            ep: self.inner.clone(),
+            h,
+        })
+    }
+
+    /// Closes the endpoint: gracefully (pending operations complete first) or `force`d
+    /// (cancelled). Remote keys unpacked on it must be dropped first.
+    pub fn close(self, force: bool) -> Result<Request, String> {
+        if Rc::strong_count(&self.inner) > 1 {
+            return Err(
+                "an endpoint is closed while remote keys unpacked on it remain \
+                        (a dsv4 bug)"
+                    .into(),
+            );
+        }
+        let mut rp = sys::RequestParam::empty();
+        if force {
+            rp.op_attr_mask = sys::OP_ATTR_FIELD_FLAGS;
+            rp.flags = sys::EP_CLOSE_FLAG_FORCE;
+        }
+        let inner = &self.inner;
+        inner.closed.set(true);
+        // SAFETY: this endpoint's handle, closed once (`closed` keeps Drop from closing it).
+        let p = unsafe { (inner.core.ctx.api.ucp_ep_close_nbx)(inner.h, &rp) };
+        Request::start(&inner.core, p, "ucp_ep_close_nbx", None)
+    }
+}
+
+/// A peer's remote key, unpacked on one endpoint (which it keeps open); destroyed on drop.
+pub struct RemoteKey {
+    ep: Rc<EpInner>,
+    h: Handle,
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        // SAFETY: this key's handle, destroyed once, before its endpoint (held here).
+        unsafe { (self.ep.core.ctx.api.ucp_rkey_destroy)(self.h) };
+    }
+}

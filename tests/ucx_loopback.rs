@@ -1,0 +1,148 @@
+//! The UCX layer against the real libucp (Debian's libucx0, which `scripts/deps.sh` installs;
+//! these tests fail, never skip, without it), on UCX's tcp, self and shared-memory transports
+//! (`UCX_TLS=tcp,self,sm`: no RDMA here): a server worker listens, a client connects, the
+//! server registers a buffer and sends its address and packed remote key by active message,
+//! the client writes a known pattern into it by RMA puts, flushes and says done, and the
+//! server's buffer equals the pattern byte for byte (compared with the client's source, as
+//! memcmp does). Active messages large enough to go by rendezvous arrive whole.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dsv4::pd::ucx::{Context, Message, Worker};
+
+const TLS: &str = "tcp,self,sm";
+const ADDR_KEY: u32 = 1;
+const DONE: u32 = 2;
+
+fn context() -> Arc<Context> {
+    Context::new(None, Some(TLS)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Progresses both workers until `done` gives a value; fails after 10 s.
+fn drive<T>(a: &Worker, b: &Worker, what: &str, mut done: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        a.progress();
+        b.progress();
+        if let Some(v) = done() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what}: not after 10 s");
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+fn take(w: &Worker, id: u32) -> Option<Message> {
+    w.take_message().inspect(|m| assert_eq!(m.id, id, "{m:?}"))
+}
+
+/// An independent byte pattern (not a multiple of any page or chunk size).
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
+        .collect()
+}
+
+#[test]
+fn puts_land_in_the_peers_registered_memory_byte_for_byte() {
+    let (sctx, cctx) = (context(), context());
+    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
+    server.receive(DONE).unwrap();
+    client.receive(ADDR_KEY).unwrap();
+    let listener = server
+        .listen("127.0.0.1:0".parse::<SocketAddr>().unwrap())
+        .unwrap();
+    let addr = listener.local_addr();
+    assert_ne!(addr.port(), 0, "the listener's bound port");
+    let to_server = client.connect(addr).unwrap();
+    let to_client = drive(&server, &client, "the connection request", || {
+        server.accept()
+    })
+    .unwrap();
+
+    // 4 MiB + 3 bytes of destination, registered, its address and key sent to the client.
+    let len = (4 << 20) + 3;
+    let mut dest = vec![0u8; len];
+    // SAFETY: `dest` outlives the registration (dropped below, before `dest`), and the client
+    // writes only while it is registered.
+    let reg = unsafe { sctx.register(dest.as_mut_ptr(), len) }.unwrap();
+    let mut sent = to_client
+        .send(ADDR_KEY, reg.addr.to_le_bytes().to_vec(), reg.rkey.clone())
+        .unwrap();
+    let m = drive(&server, &client, "the address and key", || {
+        take(&client, ADDR_KEY)
+    });
+    assert!(sent.poll().is_some_and(|r| r.is_ok()));
+    assert_eq!(m.from, Some(to_server.key()), "the message's connection");
+    let base = u64::from_le_bytes(m.header[..8].try_into().unwrap());
+    let rkey = to_server.unpack_rkey(&m.data).unwrap();
+
+    // The pattern, in pieces of every size class: 64 KiB frames, one odd piece, the tail.
+    let source = Arc::new(pattern(len, 7));
+    let mut puts = Vec::new();
+    let mut at = 0;
+    for size in std::iter::once(1).chain(std::iter::repeat(65_536)) {
+        if at >= len {
+            break;
+        }
+        let n = size.min(len - at);
+        let piece = source[at..at + n].to_vec();
+        puts.push(to_server.put(piece, base + at as u64, &rkey).unwrap());
+        at += n;
+    }
+    // Over tcp the puts are carried out by the server's progress: both workers run here.
+    let mut flush = to_server.flush().unwrap();
+    drive(&server, &client, "the flush", || flush.poll()).unwrap();
+    for p in &mut puts {
+        assert!(
+            p.poll().is_some_and(|r| r.is_ok()),
+            "a put not done after the flush"
+        );
+    }
+    // Done, with a 1 MiB payload (over UCX's eager limit: it goes by rendezvous).
+    let payload = pattern(1 << 20, 99);
+    let mut done = to_server
+        .send(DONE, b"done".to_vec(), payload.clone())
+        .unwrap();
+    let m = drive(&server, &client, "the done message", || take(&server, DONE));
+    assert!(drive(&server, &client, "the send's completion", || done.poll()).is_ok());
+    assert_eq!(m.header, b"done");
+    assert_eq!(m.data.len(), payload.len());
+    assert!(m.data == payload, "the rendezvous payload differs");
+    assert_eq!(m.from, Some(to_client.key()));
+    assert!(
+        dest == *source,
+        "the registered memory differs from the source"
+    );
+
+    drop(rkey);
+    let mut closing = to_server.close(false).unwrap();
+    assert!(drive(&server, &client, "the close", || closing.poll()).is_ok());
+    drop(reg);
+    drop(dest);
+    assert!(client.take_errors().is_empty());
+}
+
+#[test]
+fn a_peer_that_goes_away_is_reported_on_the_endpoint() {
+    let (sctx, cctx) = (context(), context());
+    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
+    server.receive(DONE).unwrap();
+    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let to_server = client.connect(listener.local_addr()).unwrap();
+    let mut hello = to_server.send(DONE, b"hi".to_vec(), Vec::new()).unwrap();
+    let to_client = drive(&server, &client, "the connection", || server.accept()).unwrap();
+    drive(&server, &client, "the hello", || take(&server, DONE));
+    assert!(hello.poll().is_some_and(|r| r.is_ok()));
+    // The server's side goes, forcibly (as a process killed does: no goodbye).
+    drop(to_client);
+    drop(listener);
+    drop(server);
+    let errors = drive(&client, &Worker::new(&cctx).unwrap(), "the error", || {
+        let e = client.take_errors();
+        (!e.is_empty()).then_some(e)
+    });
+    assert_eq!(errors[0].0, to_server.key(), "{errors:?}");
+}
