@@ -49,8 +49,8 @@ fn pattern(len: usize, seed: u32) -> Vec<u8> {
 fn puts_land_in_the_peers_registered_memory_byte_for_byte() {
     let (sctx, cctx) = (context(), context());
     let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
-    server.receive(DONE).unwrap();
-    client.receive(ADDR_KEY).unwrap();
+    server.receive(DONE, 64, 2 << 20).unwrap();
+    client.receive(ADDR_KEY, 64, 4096).unwrap();
     let listener = server
         .listen("127.0.0.1:0".parse::<SocketAddr>().unwrap())
         .unwrap();
@@ -129,7 +129,7 @@ fn puts_land_in_the_peers_registered_memory_byte_for_byte() {
 fn a_peer_that_goes_away_is_reported_on_the_endpoint() {
     let (sctx, cctx) = (context(), context());
     let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
-    server.receive(DONE).unwrap();
+    server.receive(DONE, 64, 64).unwrap();
     let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let to_server = client.connect(listener.local_addr()).unwrap();
     let mut hello = to_server.send(DONE, b"hi".to_vec(), Vec::new()).unwrap();
@@ -145,4 +145,39 @@ fn a_peer_that_goes_away_is_reported_on_the_endpoint() {
         (!e.is_empty()).then_some(e)
     });
     assert_eq!(errors[0].0, to_server.key(), "{errors:?}");
+}
+
+#[test]
+fn a_message_over_the_receivers_limits_is_dropped_and_its_endpoint_reported() {
+    let (sctx, cctx) = (context(), context());
+    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
+    server.receive(DONE, 16, 1024).unwrap();
+    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let to_server = client.connect(listener.local_addr()).unwrap();
+    let _to_client = drive(&server, &client, "the connection", || server.accept()).unwrap();
+    // Within the limits, then data over them (eager), then far over them (rendezvous).
+    let mut sends = vec![
+        to_server.send(DONE, vec![1; 16], vec![2; 1024]).unwrap(),
+        to_server.send(DONE, vec![1; 4], vec![3; 1025]).unwrap(),
+        to_server.send(DONE, vec![1; 4], vec![4; 4 << 20]).unwrap(),
+    ];
+    let m = drive(&server, &client, "the first message", || {
+        take(&server, DONE)
+    });
+    assert_eq!((m.header.len(), m.data.len()), (16, 1024));
+    let errors = drive(&server, &client, "both refusals", || {
+        let e = server.take_errors();
+        (e.len() == 2).then_some(e)
+    });
+    for (ep, why) in &errors {
+        assert_eq!(Some(*ep), m.from);
+        assert!(why.contains("over the limits of 16 + 1024"), "{why}");
+    }
+    for s in &mut sends {
+        let _ = drive(&server, &client, "the sends' completion", || s.poll());
+    }
+    assert!(
+        server.take_message().is_none(),
+        "a refused message was delivered"
+    );
 }

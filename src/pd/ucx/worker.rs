@@ -38,16 +38,26 @@ pub(super) struct Events {
     receiving: Vec<(*mut c_void, Message)>,
 }
 
+/// What an active-message handler is registered with.
+struct AmArg {
+    core: *const Core,
+    id: u32,
+    /// Header and data bytes above these are refused (the peer is reported, as an endpoint
+    /// error): a peer cannot make this side allocate what it likes.
+    max_header: usize,
+    max_data: usize,
+}
+
 /// The worker itself, shared by its endpoints, listeners and requests (destroyed after them).
 pub(super) struct Core {
     pub(super) ctx: Arc<Context>,
     pub(super) h: Handle,
     efd: RawFd,
     pub(super) events: RefCell<Events>,
-    /// Callback arguments of the active-message handlers: (this core, message id). Boxed: UCX
-    /// holds their addresses, which must not move when the Vec grows.
+    /// Callback arguments of the active-message handlers. Boxed: UCX holds their addresses,
+    /// which must not move when the Vec grows.
     #[allow(clippy::vec_box)]
-    am_args: RefCell<Vec<Box<(*const Core, u32)>>>,
+    am_args: RefCell<Vec<Box<AmArg>>>,
 }
 
 impl Core {
@@ -228,9 +238,16 @@ impl Worker {
         self.core.wait(timeout, also)
     }
 
-    /// Queues active messages of `id` for [`Self::take_message`].
-    pub fn receive(&self, id: u32) -> Result<(), String> {
-        let arg = Box::new((Rc::as_ptr(&self.core), id));
+    /// Queues active messages of `id` for [`Self::take_message`]. A message with a header over
+    /// `max_header` or data over `max_data` bytes is dropped and its endpoint reported in
+    /// [`Self::take_errors`] (the peer broke the protocol).
+    pub fn receive(&self, id: u32, max_header: usize, max_data: usize) -> Result<(), String> {
+        let arg = Box::new(AmArg {
+            core: Rc::as_ptr(&self.core),
+            id,
+            max_header,
+            max_data,
+        });
         let params = sys::AmHandlerParam {
             field_mask: sys::AM_HANDLER_PARAM_FIELD_ID
                 | sys::AM_HANDLER_PARAM_FIELD_FLAGS
@@ -239,7 +256,7 @@ impl Worker {
             id,
             flags: sys::AM_FLAG_WHOLE_MSG,
             cb: Some(on_message),
-            arg: (&*arg as *const (*const Core, u32)).cast_mut().cast(),
+            arg: (&*arg as *const AmArg).cast_mut().cast(),
         };
         let api = &self.core.ctx.api;
         // SAFETY: live worker; `arg` is boxed and kept with the core, which outlives every
@@ -362,12 +379,30 @@ unsafe extern "C" fn on_message(
     length: usize,
     param: *const sys::AmRecvParam,
 ) -> sys::Status {
-    // SAFETY: `arg` is the boxed (core, id) of `Worker::receive`, alive with the core.
-    let &(core, id) = unsafe { &*(arg as *const (*const Core, u32)) };
+    // SAFETY: `arg` is the boxed AmArg of `Worker::receive`, alive with the core.
+    let arg = unsafe { &*(arg as *const AmArg) };
+    let id = arg.id;
     // SAFETY: the core outlives its handlers; this runs inside its progress.
-    let core = unsafe { &*core };
+    let core = unsafe { &*arg.core };
     // SAFETY: UCX passes a valid param for the duration of the callback.
     let param = unsafe { &*param };
+    let from = (param.recv_attr & sys::AM_RECV_ATTR_FIELD_REPLY_EP != 0)
+        .then(|| EpKey::of(param.reply_ep));
+    if header_length > arg.max_header || length > arg.max_data {
+        if let Some(ep) = from {
+            core.events.borrow_mut().errors.push((
+                ep,
+                format!(
+                    "the peer sent an active message of {header_length} + {length} bytes, over \
+                     the limits of {} + {}",
+                    arg.max_header, arg.max_data
+                ),
+            ));
+        }
+        // Dropped: UCX releases eager data and a rendezvous descriptor when the callback
+        // returns UCS_OK without taking them.
+        return sys::UCS_OK;
+    }
     let copy = |p: *const c_void, n: usize| -> Vec<u8> {
         if n == 0 || p.is_null() {
             Vec::new()
@@ -376,8 +411,6 @@ unsafe extern "C" fn on_message(
             unsafe { std::slice::from_raw_parts(p.cast::<u8>(), n) }.to_vec()
         }
     };
-    let from = (param.recv_attr & sys::AM_RECV_ATTR_FIELD_REPLY_EP != 0)
-        .then(|| EpKey::of(param.reply_ep));
     let mut message = Message {
         id,
         header: copy(header, header_length),
