@@ -264,6 +264,16 @@ fn repair(doc: &mut Map<String, Value>) {
     {
         set_path(doc, "devices", json!([0]));
     }
+    // The endpoints' scheme is the transport's.
+    if let Some(t) = get_path(doc, "pd.transport").and_then(Value::as_str) {
+        let t = t.to_string();
+        for key in ["pd.listen", "pd.advertise"] {
+            if let Some(e) = get_path(doc, key).and_then(Value::as_str) {
+                let rest = e.split_once("://").map_or(e, |(_, r)| r).to_string();
+                set_path(doc, key, json!(format!("{t}://{rest}")));
+            }
+        }
+    }
     // A dead peer must be noticed before a transfer times out: shorten the heartbeat.
     let misses = int(doc, "pd.heartbeat_misses", 3);
     let timeout = int(doc, "pd.transfer_timeout_ms", 30000);

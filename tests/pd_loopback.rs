@@ -1,6 +1,6 @@
-//! Prefill and decode engines in one process over TCP loopback: the pair's tokens and
-//! log-probabilities are bit-equal to a unified engine's, and every failure ends the request
-//! on both sides with an error, leaving the pools as they were (issue "PD 1").
+//! Prefill and decode engines in one process over loopback, on both transports (tcp and ucx):
+//! the pair's tokens and log-probabilities are bit-equal to a unified engine's, and every
+//! failure ends the request on both sides with an error, leaving the pools as they were.
 
 mod common;
 
@@ -14,18 +14,6 @@ use dsv4::engine::{Engine, Event, EventKind, FinishReason, RequestSpec, Sampling
 #[allow(unused_imports)]
 use dsv4::error::ErrorKind;
 use serde_json::{json, Value};
-
-fn prefill(extra: Value) -> Engine {
-    let mut doc = json!({"role": "prefill", "pd": {"listen": "tcp://127.0.0.1:0"}});
-    merge(&mut doc, extra);
-    engine_with(doc)
-}
-
-fn decode(extra: Value) -> Engine {
-    let mut doc = json!({"role": "decode", "pd": {"listen": "tcp://127.0.0.1:0"}});
-    merge(&mut doc, extra);
-    engine_with(doc)
-}
 
 fn spec(prompt: &[u32], sampled: bool, max_new: u32) -> RequestSpec {
     RequestSpec {
@@ -51,9 +39,24 @@ fn pd(s: &RequestSpec, room: u64, peer: Option<&str>) -> RequestSpec {
     }
 }
 
+on_both_transports! {
+
+fn prefill(extra: Value) -> Engine {
+    let mut doc = common::pd_doc("prefill", TRANSPORT);
+    merge(&mut doc, extra);
+    engine_with(doc)
+}
+
+fn decode(extra: Value) -> Engine {
+    let mut doc = common::pd_doc("decode", TRANSPORT);
+    merge(&mut doc, extra);
+    engine_with(doc)
+}
+
 /// Runs `s` through the pair (room `room`) and returns the prefill's and the decode's events.
 fn through(p: &Engine, d: &Engine, s: &RequestSpec, room: u64) -> (Vec<Event>, Vec<Event>) {
     let endpoint = p.pd_endpoint().unwrap();
+    assert!(endpoint.starts_with(&format!("{TRANSPORT}://")), "{endpoint}");
     let pid = p.submit(pd(s, room, None)).unwrap();
     let did = d.submit(pd(s, room, Some(&endpoint))).unwrap();
     let mut from_d = collect(d, &[did]);
@@ -136,7 +139,7 @@ fn a_prefill_decode_pair_is_bit_equal_to_a_unified_engine() {
 }
 
 /// Waits for the terminal event of each of `ids`, within `limit`.
-fn ends_within(engine: &Engine, ids: &[u64], limit: Duration) -> HashMap<u64, Vec<Event>> {
+pub fn ends_within(engine: &Engine, ids: &[u64], limit: Duration) -> HashMap<u64, Vec<Event>> {
     let start = Instant::now();
     let out = collect(engine, ids);
     assert!(
@@ -153,7 +156,7 @@ fn in_use(engine: &Engine) -> (usize, usize) {
     (u.pages, u.slots)
 }
 
-fn error_of(events: &[Event]) -> (ErrorKind, String) {
+pub fn error_of(events: &[Event]) -> (ErrorKind, String) {
     let t = terminal(events);
     assert_eq!(t.kind(), EventKind::Error, "{events:?}");
     (t.error_kind().unwrap(), t.message().unwrap().to_string())
@@ -197,7 +200,7 @@ fn a_decode_whose_peer_does_not_exist_fails_at_once() {
         .local_addr()
         .unwrap()
         .port();
-    let peer = format!("tcp://127.0.0.1:{port}");
+    let peer = format!("{TRANSPORT}://127.0.0.1:{port}");
     let id = d
         .submit(pd(&spec(&ids[..50], false, 4), 3, Some(&peer)))
         .unwrap();
@@ -537,4 +540,58 @@ fn complete_pages_go_out_while_the_prompt_computes() {
     assert!(mp.kv_transfer.early_bytes < mp.kv_transfer.bytes);
     assert_eq!((mp.kv_transfer.failures, md.kv_transfer.failures), (0, 0));
     assert_eq!((mp.pd.pages_held, md.pd.pages_held), (0, 0));
+}
+
+}
+
+/// An engine on the ucx transport where libucp cannot be loaded is refused at creation with
+/// `Unsupported`, naming the package; the params checks name a scheme that does not match the
+/// transport; a decode on one transport refuses a peer on the other at its claim.
+#[test]
+fn the_ucx_transport_is_refused_clearly_where_it_cannot_work() {
+    use dsv4::config::params::Params;
+    let mut doc = json!({
+        "model_path": common::fixture("flash-like/hf-f32").to_str().unwrap(),
+        "threads": 2,
+        "kv": {"device_memory_bytes": "32MiB", "max_running_requests": 16, "page_size": 128},
+        "role": "prefill",
+        "pd": {"transport": "ucx", "ucx_library": "/nonexistent/libucp.so.0"},
+    });
+    let Err(e) = Engine::create(Params::from_value(&doc).unwrap()) else {
+        panic!("an engine started without libucp");
+    };
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    assert!(
+        e.message().contains("pd.transport = \"ucx\"")
+            && e.message().contains("/nonexistent/libucp.so.0")
+            && e.message().contains("apt install libucx0"),
+        "{e}"
+    );
+    merge(
+        &mut doc,
+        json!({"pd": {"listen": "tcp://127.0.0.1:0", "ucx_library": null}}),
+    );
+    let e = Params::from_value(&doc).unwrap_err();
+    assert!(
+        e.message().contains(
+            "`pd.listen` = tcp://127.0.0.1:0 does not match `pd.transport` = \"ucx\": use \
+             ucx://HOST:PORT"
+        ),
+        "{e}"
+    );
+    // A ucx decode given a tcp prefill: the room fails with the mismatch named.
+    let p = engine_with(common::pd_doc("prefill", "tcp"));
+    let d = engine_with(common::pd_doc("decode", "ucx"));
+    let ids = common::ids("flash-like");
+    let peer = p.pd_endpoint().unwrap();
+    let id = d
+        .submit(pd(&spec(&ids[..20], false, 4), 5, Some(&peer)))
+        .unwrap();
+    let events = tcp::ends_within(&d, &[id], Duration::from_secs(5));
+    let (kind, message) = tcp::error_of(&events[&id]);
+    assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+    assert!(
+        message.contains("is a tcp endpoint but this engine's pd.transport is \"ucx\""),
+        "{message}"
+    );
 }

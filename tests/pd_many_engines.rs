@@ -1,4 +1,4 @@
-//! More than one engine on a side (issue "PD across hosts", over TCP loopback): one decode engine
+//! More than one engine on a side (issue "PD across hosts", on loopback, over both transports (tcp, ucx)): one decode engine
 //! takes rooms from two prefill engines and one prefill engine serves two decode engines at
 //! once, every room's tokens those of a unified engine (log-probabilities within 1e-4: rooms in
 //! flight together share forward passes, and the CPU kernels' last bits depend on how many
@@ -14,8 +14,10 @@ use dsv4::engine::{Engine, EventKind, FinishReason, RequestSpec, SamplingParams}
 use dsv4::error::ErrorKind;
 use serde_json::{json, Value};
 
+on_both_transports! {
+
 fn engine(role: &str, extra: Value) -> Engine {
-    let mut doc = json!({"role": role, "pd": {"listen": "tcp://127.0.0.1:0"}});
+    let mut doc = common::pd_doc(role, TRANSPORT);
     merge(&mut doc, extra);
     engine_with(doc)
 }
@@ -181,4 +183,6 @@ fn a_prefill_that_goes_away_fails_only_its_own_rooms() {
     assert_eq!((m.kv_transfer.requests, m.kv_transfer.failures), (1, 3));
     assert_eq!(m.pd.pages_held, 0);
     assert_eq!(m.pd.peers, 1);
+}
+
 }

@@ -1,6 +1,8 @@
 //! Two hosts on one machine: a prefill process in one network namespace and a decode process in
 //! another, joined only by a veth pair (10.231.0.1 ↔ 10.231.0.2), as a prefill and a decode on
-//! two hosts are. The pair's tokens equal a unified engine's and both sides count every room
+//! two hosts are; on both transports. Over UCX the processes are limited to UCX's tcp transport
+//! on the veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES`): left to itself UCX would see two processes
+//! of one machine and use shared memory, which two hosts do not have. The pair's tokens equal a unified engine's and both sides count every room
 //! transferred; a kill -9 of either side ends every room on the survivor with a lost-peer error
 //! and leaves its pools empty.
 //!
@@ -44,6 +46,7 @@ fn ip(args: &[&str]) {
 struct Hosts {
     prefill: String,
     decode: String,
+    tag: String,
 }
 
 impl Hosts {
@@ -52,6 +55,7 @@ impl Hosts {
         let hosts = Hosts {
             prefill: format!("dsv4-{tag}-p{pid}"),
             decode: format!("dsv4-{tag}-d{pid}"),
+            tag: tag.to_string(),
         };
         // Left over from a killed run with the same pid: gone first (errors ignored).
         for ns in [&hosts.prefill, &hosts.decode] {
@@ -94,27 +98,42 @@ impl Hosts {
         hosts
     }
 
-    /// The prefill, listening on its veth address only; and the decode, continuing its rooms.
-    fn pair(&self, prefill: Value, decode: Value) -> (Node, Node) {
+    /// The prefill on `transport`, listening on its veth address only; and the decode,
+    /// continuing its rooms.
+    fn pair(&self, transport: &str, prefill: Value, decode: Value) -> (Node, Node) {
+        let t = transport;
         let mut pp = prefill;
         common::requests::merge(
             &mut pp,
-            json!({"pd": {"listen": format!("tcp://{PREFILL_ADDR}:0")}}),
+            json!({"pd": {"transport": t, "listen": format!("{t}://{PREFILL_ADDR}:0")}}),
         );
-        let p = Node::start_in(Some(&self.prefill), "prefill", "prefill", pp, None);
+        let (vp, vd) = (self.dev(&self.prefill), self.dev(&self.decode));
+        let pe = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", vp.as_str())];
+        let de = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", vd.as_str())];
+        let p = Node::start_in(Some(&self.prefill), &pe, "prefill", "prefill", pp, None);
         assert!(
-            p.endpoint.starts_with(&format!("tcp://{PREFILL_ADDR}:")),
+            p.endpoint.starts_with(&format!("{t}://{PREFILL_ADDR}:")),
             "the prefill listens on {}",
             p.endpoint
         );
         let mut dp = decode;
         common::requests::merge(
             &mut dp,
-            json!({"pd": {"listen": format!("tcp://{DECODE_ADDR}:0")}}),
+            json!({"pd": {"transport": t, "listen": format!("{t}://{DECODE_ADDR}:0")}}),
         );
         let peer = p.endpoint.clone();
-        let d = Node::start_in(Some(&self.decode), "decode", "decode", dp, Some(&peer));
+        let d = Node::start_in(Some(&self.decode), &de, "decode", "decode", dp, Some(&peer));
         (p, d)
+    }
+
+    /// The veth end inside namespace `ns`.
+    fn dev(&self, ns: &str) -> String {
+        let tag = &self.tag;
+        if ns == self.prefill {
+            format!("vp{tag}")
+        } else {
+            format!("vd{tag}")
+        }
     }
 }
 
@@ -125,6 +144,8 @@ impl Drop for Hosts {
         }
     }
 }
+
+on_both_transports! {
 
 /// Dead after 3 missed 100 ms heartbeats; nothing else times out during a test.
 fn fast_death() -> Value {
@@ -151,8 +172,8 @@ fn a_pair_on_two_hosts_is_bit_equal_to_a_unified_engine_and_counts_its_transfers
             })
             .collect()
     };
-    let hosts = Hosts::new("eq");
-    let (mut p, mut d) = hosts.pair(common::pd_node::base(), common::pd_node::base());
+    let hosts = Hosts::new(&format!("eq{}", &TRANSPORT[..1]));
+    let (mut p, mut d) = hosts.pair(TRANSPORT, common::pd_node::base(), common::pd_node::base());
     let rooms: Vec<u64> = (1..=lens.len() as u64).collect();
     for (&room, &n) in rooms.iter().zip(&lens) {
         p.submit(room, max_new, &ids[..n]);
@@ -206,8 +227,8 @@ fn four_rooms(ids: &[u32]) -> Vec<(u64, &[u32])> {
 fn killing_the_prefill_host_ends_every_room_on_the_decode_host() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let ids = common::ids("flash-like");
-    let hosts = Hosts::new("kp");
-    let (mut p, mut d) = hosts.pair(fast_death(), fast_death());
+    let hosts = Hosts::new(&format!("kp{}", &TRANSPORT[..1]));
+    let (mut p, mut d) = hosts.pair(TRANSPORT, fast_death(), fast_death());
     let rooms = four_rooms(&ids);
     claim_early(&mut p, &mut d, &rooms, (9, &ids[..5]));
     let killed = Instant::now();
@@ -235,8 +256,8 @@ fn killing_the_prefill_host_ends_every_room_on_the_decode_host() {
 fn killing_the_decode_host_ends_every_room_on_the_prefill_host() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let ids = common::ids("flash-like");
-    let hosts = Hosts::new("kd");
-    let (mut p, mut d) = hosts.pair(fast_death(), fast_death());
+    let hosts = Hosts::new(&format!("kd{}", &TRANSPORT[..1]));
+    let (mut p, mut d) = hosts.pair(TRANSPORT, fast_death(), fast_death());
     let rooms = four_rooms(&ids);
     claim_early(&mut p, &mut d, &rooms, (9, &ids[..5]));
     // The prefill computes the rooms and sends what it can; the decode dies meanwhile.
@@ -285,14 +306,14 @@ fn killing_the_decode_host_ends_every_room_on_the_prefill_host() {
 fn cutting_the_wire_between_the_hosts_ends_every_room_on_both_by_missed_heartbeats() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let ids = common::ids("flash-like");
-    let hosts = Hosts::new("cw");
-    let (mut p, mut d) = hosts.pair(fast_death(), fast_death());
+    let hosts = Hosts::new(&format!("cw{}", &TRANSPORT[..1]));
+    let (mut p, mut d) = hosts.pair(TRANSPORT, fast_death(), fast_death());
     let rooms = four_rooms(&ids);
     claim_early(&mut p, &mut d, &rooms, (9, &ids[..5]));
     // The link goes down under both processes: no FIN, no RST, nothing more arrives (a
     // cable pulled, a switch gone); only the heartbeats' silence tells.
     let cut = Instant::now();
-    ip(&["-n", &hosts.prefill, "link", "set", "vpcw", "down"]);
+    ip(&["-n", &hosts.prefill, "link", "set", &hosts.dev(&hosts.prefill), "down"]);
     let room_ids: Vec<u64> = rooms.iter().map(|r| r.0).collect();
     d.wait_ends(&room_ids, Duration::from_secs(3));
     let took = cut.elapsed();
@@ -320,4 +341,6 @@ fn cutting_the_wire_between_the_hosts_ends_every_room_on_both_by_missed_heartbea
         "wire cut: decode rooms failed in {:.0} ms",
         took.as_secs_f64() * 1e3
     );
+}
+
 }

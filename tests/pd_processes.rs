@@ -1,4 +1,4 @@
-//! Prefill and decode engines in processes of their own (examples/pd_node.rs, driven over its
+//! Prefill and decode engines in processes of their own, on both transports (tcp and ucx) (examples/pd_node.rs, driven over its
 //! stdin/stdout, tests/common/pd_node.rs): a pair's tokens equal a unified engine's, and when
 //! one side is killed with SIGKILL while rooms are in flight, every room on the survivor ends
 //! with an error within the heartbeat deadline and its pools return to empty; a frozen
@@ -14,11 +14,27 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::pd_node::{
-    assert_lost_peer, base, claim_early, claim_early_with, with, Node, ONE_AT_A_TIME,
-};
-use common::requests::{collect, engine_with, exact, tokens_of};
+use common::pd_node::{assert_lost_peer, claim_early, claim_early_with, Node, ONE_AT_A_TIME};
+use common::requests::{collect, engine_with, exact, merge, tokens_of};
 use serde_json::{json, Value};
+
+on_both_transports! {
+
+/// [`common::pd_node::base`] on this module's transport.
+fn base() -> Value {
+    with(json!({}))
+}
+
+/// [`common::pd_node::with`] on this module's transport.
+fn with(extra: Value) -> Value {
+    let mut doc = common::pd_node::with(extra);
+    let t = TRANSPORT;
+    merge(
+        &mut doc,
+        json!({"pd": {"transport": t, "listen": format!("{t}://127.0.0.1:0")}}),
+    );
+    doc
+}
 
 #[test]
 fn a_prefill_and_a_decode_process_are_bit_equal_to_a_unified_engine() {
@@ -38,6 +54,7 @@ fn a_prefill_and_a_decode_process_are_bit_equal_to_a_unified_engine() {
     };
     let mut p = Node::start("prefill", "prefill", base(), None);
     let peer = p.endpoint.clone();
+    assert!(peer.starts_with(&format!("{TRANSPORT}://")), "{peer}");
     let mut d = Node::start("decode", "decode", base(), Some(&peer));
     let rooms: Vec<u64> = (1..=lens.len() as u64).collect();
     for (&room, &n) in rooms.iter().zip(&lens) {
@@ -373,4 +390,6 @@ fn aborting_on_the_decode_while_claimed_fails_the_room_on_the_prefill() {
         failed_in.as_secs_f64() * 1e3,
         started.elapsed().as_secs_f64()
     );
+}
+
 }

@@ -187,6 +187,7 @@ fn start<B: Backend>(
                     Side::Decode
                 },
                 listen: endpoint(&p.listen)?,
+                ucx_library: p.ucx_library.as_ref().map(std::path::PathBuf::from),
                 advertise: p.advertise.as_deref().map(endpoint).transpose()?,
                 bootstrap_timeout: Duration::from_millis(p.bootstrap_timeout_ms.into()),
                 transfer_timeout: Duration::from_millis(p.transfer_timeout_ms.into()),

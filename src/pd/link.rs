@@ -1,7 +1,9 @@
-//! One TCP connection to a peer engine, shared by every room between the two: a writer thread
-//! that sends control frames before bulk data and a heartbeat whenever it has been idle for
-//! an interval, and a reader thread that hands each frame to the node and declares the peer
-//! dead once it has been silent for `heartbeat_misses` intervals.
+//! One connection to a peer engine, shared by every room between the two. Over TCP: a writer
+//! thread that sends control frames before bulk data and a heartbeat whenever it has been idle
+//! for an interval, and a reader thread that hands each frame to the node and declares the peer
+//! dead once it has been silent for `heartbeat_misses` intervals. Over UCX the node's UCX
+//! thread ([`super::ucx_port`]) does both for every link, taking frames from the same outbox in
+//! the same order and handing frames to the same handler.
 //!
 //! Bulk data goes out in frames of at most [`wire::DATA_CHUNK`] bytes, so a heartbeat, a claim
 //! or a FAIL waits behind one frame at most, never behind a whole state. Between rooms, the one
@@ -174,7 +176,7 @@ impl Segment {
 
 /// One frame for the writer: whole, or a DATA frame's header and offset then a slice of the
 /// room's bytes (written together, without copying the bytes into a frame first).
-enum Out {
+pub(super) enum Out {
     Frame(Vec<u8>),
     Data {
         prefix: [u8; wire::HEADER + 8],
@@ -185,7 +187,7 @@ enum Out {
 
 impl Out {
     /// The frame's bytes, in two parts (a DATA frame's header and its slice of the state).
-    fn parts(&self) -> (&[u8], &[u8]) {
+    pub(super) fn parts(&self) -> (&[u8], &[u8]) {
         match self {
             Out::Frame(f) => (f, &[]),
             Out::Data {
@@ -331,12 +333,20 @@ enum Next {
     Stop,
 }
 
+/// How a link's frames travel.
+enum Conn {
+    /// A TCP connection, with the link's own reader and writer threads.
+    Tcp(TcpStream),
+    /// An endpoint of the node's UCX thread, which sends and receives for every UCX link.
+    Ucx(super::ucx_port::Port),
+}
+
 /// A live connection to one peer.
 pub struct Link {
     pub id: u64,
     /// The peer's advertised endpoint (from its HELLO).
     pub peer: String,
-    stream: TcpStream,
+    conn: Conn,
     out: Mutex<Outbox>,
     ready: Condvar,
     /// Held while a frame goes onto the socket (by the writer thread, or by a caller writing
@@ -376,7 +386,7 @@ impl Link {
         let link = Arc::new(Link {
             id,
             peer,
-            stream: stream.try_clone()?,
+            conn: Conn::Tcp(stream.try_clone()?),
             out: Mutex::new(Outbox::new()),
             ready: Condvar::new(),
             wire: Mutex::new(()),
@@ -396,6 +406,32 @@ impl Link {
             l.write_loop(stream, h)
         })?);
         Ok(link)
+    }
+
+    /// A link over UCX: `port` (the node's UCX thread) sends its frames and hands it the
+    /// peer's; no threads of its own. `interval`, `peer_interval`, `misses` as for TCP.
+    pub fn start_ucx(
+        id: u64,
+        peer: String,
+        port: super::ucx_port::Port,
+        interval: Duration,
+        peer_interval: Duration,
+        misses: u32,
+    ) -> Arc<Link> {
+        let peer_interval = peer_interval.max(Duration::from_millis(1));
+        Arc::new(Link {
+            id,
+            peer,
+            conn: Conn::Ucx(port),
+            out: Mutex::new(Outbox::new()),
+            ready: Condvar::new(),
+            wire: Mutex::new(()),
+            last_heard: Mutex::new(Instant::now()),
+            down: AtomicBool::new(false),
+            interval,
+            peer_interval,
+            dead_after: peer_interval * misses,
+        })
     }
 
     fn outbox(&self) -> MutexGuard<'_, Outbox> {
@@ -428,6 +464,11 @@ impl Link {
             return false;
         }
         put(&mut o);
+        if let Conn::Ucx(port) = &self.conn {
+            drop(o);
+            port.wake();
+            return true;
+        }
         // try_lock: never wait for the socket here (the caller may hold the node's table).
         match self.wire.try_lock() {
             Ok(wire) if !o.finishing => {
@@ -443,7 +484,10 @@ impl Link {
     /// up to [`DIRECT_BYTES`]: a room's state usually goes out whole from here. What is left
     /// (the socket is full, or the budget spent) goes to the writer thread, woken for it.
     fn write_now(&self, wire: MutexGuard<'_, ()>) {
-        let fd = self.stream.as_raw_fd();
+        let Conn::Tcp(stream) = &self.conn else {
+            return;
+        };
+        let fd = stream.as_raw_fd();
         let mut budget = DIRECT_BYTES;
         let mut o = self.outbox();
         while budget > 0 {
@@ -485,17 +529,26 @@ impl Link {
         o.finishing = true;
         o.bulk.clear();
         self.ready.notify_all();
+        drop(o);
+        if let Conn::Ucx(port) = &self.conn {
+            port.wake();
+        }
     }
 
     /// Closes the connection: both threads end, queued frames are dropped.
     pub fn close(&self) {
         self.outbox().closed = true;
         self.ready.notify_all();
-        let _ = self.stream.shutdown(Shutdown::Both);
+        match &self.conn {
+            Conn::Tcp(stream) => {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+            Conn::Ucx(port) => port.wake(),
+        }
     }
 
     /// Takes the link down once: closes it and tells the handler why.
-    fn go_down(self: &Arc<Self>, handler: &Arc<dyn Handler>, why: String) {
+    pub(super) fn go_down(self: &Arc<Self>, handler: &Arc<dyn Handler>, why: String) {
         if !self.down.swap(true, Ordering::SeqCst) {
             self.close();
             handler.on_down(self, why);
@@ -561,6 +614,120 @@ impl Link {
         }
         // Finished: the reader wakes on the closed socket and takes the link down.
         self.close();
+    }
+
+    /// UCX: the next frame to send, in the order the TCP writer would send it.
+    pub(super) fn next_out(&self) -> Option<Out> {
+        self.outbox().pop()
+    }
+
+    /// UCX: a frame went out now (the next heartbeat is due an interval later).
+    pub(super) fn sent(&self) {
+        self.outbox().last_sent = Instant::now();
+    }
+
+    /// UCX: when a heartbeat is due if nothing else goes out before.
+    pub(super) fn heartbeat_at(&self) -> Instant {
+        self.outbox().last_sent + self.interval
+    }
+
+    /// UCX: the peer was heard from now.
+    pub(super) fn heard(&self) {
+        *self.last_heard.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// UCX: why the peer is dead, once it has been silent for the dead interval.
+    pub(super) fn silence(&self) -> Option<String> {
+        let silent = self
+            .last_heard
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed();
+        (silent >= self.dead_after).then(|| {
+            format!(
+                "the peer sent nothing for {} ms ({} heartbeat intervals missed)",
+                silent.as_millis(),
+                silent.as_millis() / self.peer_interval.as_millis().max(1)
+            )
+        })
+    }
+
+    /// UCX: whether the link was closed, and whether it was finished with nothing left to
+    /// send (its endpoint may close).
+    pub(super) fn ending(&self) -> (bool, bool) {
+        let o = self.outbox();
+        (o.closed, o.finishing && !o.has_work())
+    }
+
+    /// UCX: one frame from the peer, to the handler; a DATA frame's bytes (`offset`, `bytes`)
+    /// go straight where the handler lends them, as the TCP reader reads them.
+    pub(super) fn deliver(
+        self: &Arc<Self>,
+        handler: &Arc<dyn Handler>,
+        kind: Kind,
+        room: u64,
+        offset: Option<u64>,
+        bytes: Vec<u8>,
+    ) {
+        self.heard();
+        let Some(offset) = offset else {
+            if kind != Kind::Heartbeat {
+                let frame = Frame {
+                    kind,
+                    room,
+                    payload: bytes,
+                };
+                handler.on_frame(self, frame);
+            }
+            return;
+        };
+        let n = bytes.len();
+        if let Some(mut lent) = handler.lend(self, room, offset, n) {
+            let start = usize::try_from(offset).unwrap_or(usize::MAX);
+            let end = start.saturating_add(n);
+            let filled = match &mut lent {
+                Lent::Buffer(buf) => match buf.get_mut(start..end) {
+                    Some(dst) => {
+                        dst.copy_from_slice(&bytes);
+                        true
+                    }
+                    None => false,
+                },
+                Lent::Direct(landing) => {
+                    // SAFETY: as in the TCP reader: the node lent bytes `start..end` of this
+                    // room's destination, checked to lie inside it and not to overlap bytes
+                    // already in; the engine keeps the pages until `put_back`, and only this
+                    // link's deliveries write the room's bytes.
+                    let parts = unsafe { landing.slices_mut(start, end) };
+                    let mut at = 0;
+                    for dst in parts {
+                        dst.copy_from_slice(&bytes[at..at + dst.len()]);
+                        at += dst.len();
+                    }
+                    at == n
+                }
+                Lent::Discard => true,
+            };
+            handler.put_back(self, room, offset, n, lent, filled);
+            if !filled {
+                self.go_down(
+                    handler,
+                    format!("a lent destination cannot take bytes {start}..+{n} (a dsv4 bug)"),
+                );
+            }
+            return;
+        }
+        let mut payload = Vec::with_capacity(8 + n);
+        payload.extend_from_slice(&offset.to_le_bytes());
+        payload.extend_from_slice(&bytes);
+        handler.on_frame(
+            self,
+            Frame {
+                kind,
+                room,
+                payload,
+            },
+        );
     }
 
     /// Fills `buf` from the stream, waiting through read timeouts until the peer has been
@@ -898,10 +1065,11 @@ mod tests {
             // before any thread of the test is started.
             unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
             // A peer that neither reads nor writes: the writer blocks mid-bulk (the socket
-            // buffers are full), then the reader declares the peer dead after 3 silent 10 ms
+            // buffers are full), then the reader declares the peer dead after 3 silent 50 ms
             // intervals and shuts the socket down under the blocked write, which fails with
-            // EPIPE: SIGPIPE without MSG_NOSIGNAL.
-            let (link, _theirs, rx, threads) = pair(10);
+            // EPIPE: SIGPIPE without MSG_NOSIGNAL. 50 ms: the bulk must be queued before the
+            // peer is declared dead, on a loaded machine too.
+            let (link, _theirs, rx, threads) = pair(50);
             let data = Arc::new(vec![1u8; 64 * wire::DATA_CHUNK]);
             let state = wire::encode(Kind::State, 1, b"{}");
             let done = wire::encode(Kind::Done, 1, b"{}");

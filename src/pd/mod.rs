@@ -18,6 +18,7 @@ pub mod link;
 pub mod node;
 pub mod room;
 pub mod ucx;
+pub mod ucx_port;
 pub mod wire;
 
 pub use node::{Config, Delivery, Node, Notice, PdStats, Sink};

@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use super::incoming::{Incoming, Lent};
 use super::link::{spawn, Bulk, Handler, Link, Segment};
 use super::room::{FailReason, RoomState};
+use super::ucx_port::{self, Accepted, Acceptor, Port};
 use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
-use crate::config::params::Endpoint;
+use crate::config::params::{Endpoint, PdTransport};
 use crate::engine::{Histogram, BYTE_BUCKETS, LATENCY_BUCKETS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::kv::state::LayoutFingerprint;
@@ -69,7 +70,10 @@ pub trait Sink: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub side: Side,
+    /// Where to listen; its scheme is the transport (`tcp://` or `ucx://`).
     pub listen: Endpoint,
+    /// The libucp to load for `ucx://` (else `libucp.so.0` from the loader's search path).
+    pub ucx_library: Option<std::path::PathBuf>,
     pub advertise: Option<Endpoint>,
     pub bootstrap_timeout: Duration,
     pub transfer_timeout: Duration,
@@ -244,6 +248,8 @@ struct Inner {
     threads: Mutex<Vec<JoinHandle<()>>>,
     closing: AtomicBool,
     tick: Condvar,
+    /// The UCX thread, with `ucx://`.
+    ucx: Option<Port>,
 }
 
 /// The node an engine in a PD role owns. [`Node::shutdown`] stops every thread.
@@ -289,10 +295,49 @@ impl Handler for LinkHandler {
 }
 
 fn endpoint_text(e: &Endpoint) -> String {
-    if e.host.contains(':') {
-        format!("tcp://[{}]:{}", e.host, e.port)
-    } else {
-        format!("tcp://{}:{}", e.host, e.port)
+    e.text()
+}
+
+/// Answers UCX connections for the node (set once the node exists).
+struct UcxAcceptor(std::sync::OnceLock<Weak<Inner>>);
+
+impl Acceptor for UcxAcceptor {
+    fn accept(&self, port: &Port, first: Frame) -> std::result::Result<Accepted, Vec<u8>> {
+        let refuse = |reason: FailReason, message: String| {
+            wire::encode_json(Kind::Refuse, 0, &Refusal { reason, message })
+        };
+        let Some(inner) = self.0.get().and_then(Weak::upgrade) else {
+            return Err(refuse(
+                FailReason::PeerDead,
+                "the engine is starting or shutting down".into(),
+            ));
+        };
+        if first.kind != Kind::Hello {
+            log::warn!(
+                "PD: a UCX connection began with {:?}, not HELLO",
+                first.kind
+            );
+            return Err(refuse(
+                FailReason::Mismatch,
+                format!("the connection began with {:?}, not HELLO", first.kind),
+            ));
+        }
+        let hello: Hello = wire::parse(&first).map_err(|m| refuse(FailReason::Mismatch, m))?;
+        if let Some((reason, message)) = inner.judge(&hello) {
+            log::warn!("PD: refused {}: {message}", hello.endpoint);
+            return Err(refuse(reason, message));
+        }
+        let peer_interval = Duration::from_millis(hello.heartbeat_interval_ms);
+        let (link, handler) = inner
+            .add_link_with(hello.endpoint.clone(), |id, peer, _| {
+                Ok(inner.start_ucx_link(id, peer, port.clone(), peer_interval))
+            })
+            .ok_or_else(|| refuse(FailReason::PeerDead, "the engine is shutting down".into()))?;
+        Ok(Accepted {
+            reply: wire::encode_json(Kind::Hello, 0, &inner.hello()),
+            link,
+            handler,
+        })
     }
 }
 
@@ -309,6 +354,9 @@ impl Node {
                 "pd.listen = {listen_text}: cannot resolve the host: {e}"
             ))
         })?;
+        if cfg.listen.transport == PdTransport::Ucx {
+            return Self::start_ucx(cfg, sink, &addrs);
+        }
         let listener = TcpListener::bind(&addrs[..]).map_err(|e| {
             Error::config(format!(
                 "pd.listen = {listen_text}: cannot bind: {e} (another process holds the port, \
@@ -321,6 +369,7 @@ impl Node {
         let endpoint = match &cfg.advertise {
             Some(a) => endpoint_text(a),
             None => endpoint_text(&Endpoint {
+                transport: PdTransport::Tcp,
                 host: bound.ip().to_string(),
                 port: bound.port(),
             }),
@@ -336,6 +385,7 @@ impl Node {
             threads: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
             tick: Condvar::new(),
+            ucx: None,
         });
         let spawn_err =
             |e: std::io::Error| Error::internal(format!("cannot start a PD thread: {e}"));
@@ -363,6 +413,65 @@ impl Node {
             inner.endpoint
         );
         Ok(Node { inner })
+    }
+
+    /// [`Self::start`] over UCX: libucp loaded (`DSV4_ERR_UNSUPPORTED` naming the package when
+    /// it cannot be), its thread listening on the first of `addrs`.
+    fn start_ucx(cfg: Config, sink: Arc<dyn Sink>, addrs: &[SocketAddr]) -> Result<Node> {
+        let listen_text = endpoint_text(&cfg.listen);
+        let ctx = super::ucx::Context::new(cfg.ucx_library.as_deref(), None)
+            .map_err(|e| Error::unsupported(format!("pd.transport = \"ucx\": {e}")))?;
+        let addr = *addrs.first().ok_or_else(|| {
+            Error::config(format!(
+                "pd.listen = {listen_text}: the host has no address"
+            ))
+        })?;
+        let acceptor = Arc::new(UcxAcceptor(std::sync::OnceLock::new()));
+        let handshake = cfg.bootstrap_timeout;
+        let started =
+            ucx_port::start(ctx, Some(addr), Some(acceptor.clone()), handshake).map_err(|e| {
+                Error::config(format!(
+                    "pd.listen = {listen_text}: {e} (another process holds the port, or the \
+                 address is not on this host): pick another port, or 0 for any free one"
+                ))
+            })?;
+        let bound = started.bound.unwrap_or(addr);
+        let endpoint = match &cfg.advertise {
+            Some(a) => endpoint_text(a),
+            None => endpoint_text(&Endpoint {
+                transport: PdTransport::Ucx,
+                host: bound.ip().to_string(),
+                port: bound.port(),
+            }),
+        };
+        let inner = Arc::new(Inner {
+            cfg,
+            endpoint,
+            sink,
+            table: Mutex::new(Table::default()),
+            threads: Mutex::new(vec![started.thread]),
+            closing: AtomicBool::new(false),
+            tick: Condvar::new(),
+            ucx: Some(started.port),
+        });
+        let _ = acceptor.0.set(Arc::downgrade(&inner));
+        let node = Node {
+            inner: inner.clone(),
+        };
+        let b = inner.clone();
+        match spawn("dsv4-pd-timer".into(), move || b.timer_loop()) {
+            Ok(t) => inner.threads().push(t),
+            Err(e) => {
+                node.shutdown();
+                return Err(Error::internal(format!("cannot start a PD thread: {e}")));
+            }
+        }
+        log::info!(
+            "PD {:?} node listening on ucx://{bound}, advertised as {}",
+            inner.cfg.side,
+            inner.endpoint
+        );
+        Ok(node)
     }
 
     pub fn endpoint(&self) -> &str {
@@ -724,6 +833,9 @@ impl Node {
             for link in t.links.values() {
                 link.finish();
             }
+        }
+        if let Some(port) = &inner.ucx {
+            port.stop();
         }
         inner.tick.notify_all();
         loop {
@@ -1087,18 +1199,7 @@ impl Inner {
                 return;
             }
         };
-        let refusal = match self.cfg.side {
-            Side::Prefill => self.check_hello(&hello, Side::Decode),
-            Side::Decode => Some((
-                FailReason::Mismatch,
-                format!(
-                    "{} is a decode engine: decode engines claim from prefill engines and \
-                     accept no connections (check pd_peer)",
-                    self.endpoint
-                ),
-            )),
-        };
-        if let Some((reason, message)) = refusal {
+        if let Some((reason, message)) = self.judge(&hello) {
             log::warn!("PD: refused {} ({addr}): {message}", hello.endpoint);
             let _ = wire::write_all(
                 &mut stream,
@@ -1118,6 +1219,39 @@ impl Inner {
         self.add_link(stream, hello.endpoint, peer_interval);
     }
 
+    /// Why a connecting peer's HELLO is refused, if it is (only prefills accept, decodes).
+    fn judge(&self, hello: &Hello) -> Option<(FailReason, String)> {
+        match self.cfg.side {
+            Side::Prefill => self.check_hello(hello, Side::Decode),
+            Side::Decode => Some((
+                FailReason::Mismatch,
+                format!(
+                    "{} is a decode engine: decode engines claim from prefill engines and \
+                     accept no connections (check pd_peer)",
+                    self.endpoint
+                ),
+            )),
+        }
+    }
+
+    /// A link over the node's UCX thread.
+    fn start_ucx_link(
+        &self,
+        id: u64,
+        peer: String,
+        port: Port,
+        peer_interval: Duration,
+    ) -> Arc<Link> {
+        Link::start_ucx(
+            id,
+            peer,
+            port,
+            self.cfg.heartbeat_interval,
+            peer_interval,
+            self.cfg.heartbeat_misses,
+        )
+    }
+
     /// Starts a link over a connection whose HELLOs were exchanged.
     fn add_link(
         self: &Arc<Self>,
@@ -1125,6 +1259,31 @@ impl Inner {
         peer: String,
         peer_interval: Duration,
     ) -> Option<Arc<Link>> {
+        let (interval, misses) = (self.cfg.heartbeat_interval, self.cfg.heartbeat_misses);
+        self.add_link_with(peer, |id, peer, handler| {
+            let mut threads = Vec::new();
+            let link = Link::start(
+                id,
+                peer,
+                stream,
+                interval,
+                peer_interval,
+                misses,
+                handler,
+                &mut threads,
+            );
+            self.threads().extend(threads);
+            link
+        })
+        .map(|(link, _)| link)
+    }
+
+    /// Adds the link `start` makes (given its id, the peer and its handler) to the table.
+    fn add_link_with(
+        self: &Arc<Self>,
+        peer: String,
+        start: impl FnOnce(u64, String, Arc<dyn Handler>) -> std::io::Result<Arc<Link>>,
+    ) -> Option<(Arc<Link>, Arc<dyn Handler>)> {
         // The table stays locked until the link is in it: its reader may hand over a claim
         // (and a room then start sending on it) as soon as it starts. `closing` is read under
         // the lock: a shutdown sets it before it finishes the links in the table, so a link
@@ -1136,23 +1295,11 @@ impl Inner {
         t.next_link += 1;
         let id = t.next_link;
         let handler: Arc<dyn Handler> = Arc::new(LinkHandler(Arc::downgrade(self)));
-        let mut threads = Vec::new();
-        let link = Link::start(
-            id,
-            peer.clone(),
-            stream,
-            self.cfg.heartbeat_interval,
-            peer_interval,
-            self.cfg.heartbeat_misses,
-            handler,
-            &mut threads,
-        );
-        self.threads().extend(threads);
-        match link {
+        match start(id, peer.clone(), handler.clone()) {
             Ok(link) => {
                 t.links.insert(id, link.clone());
                 log::info!("PD: connected to {peer} (link {id})");
-                Some(link)
+                Some((link, handler))
             }
             Err(e) => {
                 log::warn!("PD: cannot start the link to {peer}: {e}");
@@ -1190,9 +1337,24 @@ impl Inner {
     fn open(self: &Arc<Self>, peer: &str) -> std::result::Result<Arc<Link>, (FailReason, String)> {
         let dead = |m: String| (FailReason::PeerDead, m);
         let endpoint = Endpoint::parse(peer).map_err(|m| (FailReason::Mismatch, m))?;
+        let ours = self.cfg.listen.transport;
+        if endpoint.transport != ours {
+            return Err((
+                FailReason::Mismatch,
+                format!(
+                    "pd_peer {peer} is a {} endpoint but this engine's pd.transport is \"{}\": \
+                     run both engines on the same transport",
+                    endpoint.transport.scheme(),
+                    ours.scheme()
+                ),
+            ));
+        }
         let addrs = resolve(&endpoint)
             .map_err(|e| dead(format!("cannot resolve the prefill {peer}: {e}")))?;
         let timeout = self.cfg.bootstrap_timeout.min(self.cfg.transfer_timeout);
+        if let Some(port) = &self.ucx {
+            return self.open_ucx(port, peer, &addrs, Instant::now() + timeout);
+        }
         let mut last = None;
         let mut stream = None;
         let deadline = Instant::now() + timeout;
@@ -1237,16 +1399,68 @@ impl Inner {
                 "the prefill {peer} did not answer the handshake: {e:?}"
             ))
         })?;
-        let peer_interval = match frame.kind {
+        let peer_interval = self.answer(peer, &frame)?;
+        self.add_link(stream, peer.to_string(), peer_interval)
+            .ok_or_else(|| dead("the engine is shutting down".into()))
+    }
+
+    /// [`Self::open`] over UCX: the UCX thread connects and exchanges the HELLOs.
+    fn open_ucx(
+        self: &Arc<Self>,
+        port: &Port,
+        peer: &str,
+        addrs: &[SocketAddr],
+        deadline: Instant,
+    ) -> std::result::Result<Arc<Link>, (FailReason, String)> {
+        let dead = |m: String| (FailReason::PeerDead, m);
+        let addr = *addrs
+            .first()
+            .ok_or_else(|| dead(format!("the prefill {peer} has no address")))?;
+        let hello = wire::encode_json(Kind::Hello, 0, &self.hello());
+        let c = port.connect(addr, hello, deadline).map_err(|e| {
+            dead(format!(
+                "cannot connect to the prefill {peer}: {e}: check pd_peer (what \
+                 dsv4_pd_endpoint returned on the prefill engine) and that it is running"
+            ))
+        })?;
+        let peer_interval = match self.answer(peer, &c.answer) {
+            Ok(i) => i,
+            Err(e) => {
+                port.drop_conn(c.conn);
+                return Err(e);
+            }
+        };
+        let added = self.add_link_with(peer.to_string(), |id, p, _| {
+            Ok(self.start_ucx_link(id, p, port.clone(), peer_interval))
+        });
+        match added {
+            Some((link, handler)) => {
+                port.bind(c.conn, link.clone(), handler);
+                Ok(link)
+            }
+            None => {
+                port.drop_conn(c.conn);
+                Err(dead("the engine is shutting down".into()))
+            }
+        }
+    }
+
+    /// The prefill's answer to our HELLO: its heartbeat interval, or why the link cannot be.
+    fn answer(
+        &self,
+        peer: &str,
+        frame: &Frame,
+    ) -> std::result::Result<Duration, (FailReason, String)> {
+        Ok(match frame.kind {
             Kind::Hello => {
-                let theirs: Hello = wire::parse(&frame).map_err(|m| (FailReason::Mismatch, m))?;
+                let theirs: Hello = wire::parse(frame).map_err(|m| (FailReason::Mismatch, m))?;
                 if let Some(why) = self.check_hello(&theirs, Side::Prefill) {
                     return Err(why);
                 }
                 Duration::from_millis(theirs.heartbeat_interval_ms)
             }
             Kind::Refuse => {
-                let r: Refusal = wire::parse(&frame).map_err(|m| (FailReason::Mismatch, m))?;
+                let r: Refusal = wire::parse(frame).map_err(|m| (FailReason::Mismatch, m))?;
                 return Err((
                     r.reason,
                     format!("the prefill {peer} refused the connection: {}", r.message),
@@ -1258,9 +1472,7 @@ impl Inner {
                     format!("the prefill {peer} answered the handshake with {k:?}"),
                 ))
             }
-        };
-        self.add_link(stream, peer.to_string(), peer_interval)
-            .ok_or_else(|| dead("the engine is shutting down".into()))
+        })
     }
 
     /// Reads one handshake frame, waiting until `deadline` unless the node shuts down (the

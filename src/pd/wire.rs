@@ -64,6 +64,15 @@ impl Kind {
     }
 }
 
+/// The largest payload any frame kind may carry.
+pub fn max_payload() -> usize {
+    (1..=9)
+        .filter_map(Kind::from_u8)
+        .map(Kind::max_payload)
+        .max()
+        .unwrap_or(0)
+}
+
 /// Bytes of state per DATA frame: small enough that a heartbeat or a FAIL queued behind bulk
 /// data waits for one frame at most (about 0.1 ms at 25 Gb/s).
 pub const DATA_CHUNK: usize = 256 << 10;

@@ -207,3 +207,31 @@ pub fn assert_short(err: &dsv4::Error) {
         err.message()
     );
 }
+
+/// The `pd` params of an engine in `role` on `transport` ("tcp" or "ucx"), listening on a free
+/// loopback port.
+pub fn pd_doc(role: &str, transport: &str) -> Value {
+    json!({"role": role, "pd": {"transport": transport, "listen": format!("{transport}://127.0.0.1:0")}})
+}
+
+/// The enclosed items (helpers and tests) once per PD transport: in module `tcp` and in module
+/// `ucx`, each with `TRANSPORT` ("tcp" or "ucx") in scope. UCX runs on its tcp, self and
+/// shared-memory transports here (no RDMA on these machines): `UCX_TLS` unset lets UCX pick
+/// among those it finds.
+#[macro_export]
+macro_rules! on_both_transports {
+    ($($item:item)*) => {
+        mod tcp {
+            #[allow(unused_imports)]
+            use super::*;
+            pub const TRANSPORT: &str = "tcp";
+            $($item)*
+        }
+        mod ucx {
+            #[allow(unused_imports)]
+            use super::*;
+            pub const TRANSPORT: &str = "ucx";
+            $($item)*
+        }
+    };
+}

@@ -65,13 +65,14 @@ pub struct Node {
 
 impl Node {
     pub fn start(name: &'static str, role: &str, params: Value, peer: Option<&str>) -> Node {
-        Self::start_in(None, name, role, params, peer)
+        Self::start_in(None, &[], name, role, params, peer)
     }
 
     /// [`Self::start`] inside network namespace `netns` (`ip netns exec`, which execs the
-    /// binary: the child's pid is the engine's, for the kill tests).
+    /// binary: the child's pid is the engine's, for the kill tests), with `env` set.
     pub fn start_in(
         netns: Option<&str>,
+        env: &[(&str, &str)],
         name: &'static str,
         role: &str,
         params: Value,
@@ -85,6 +86,7 @@ impl Node {
             }
             None => Command::new(pd_node_binary()),
         };
+        cmd.envs(env.iter().copied());
         cmd.args(["--role", role, "--model"])
             .arg(super::fixture("flash-like/hf-f32"))
             .args(["--params", &params.to_string()]);

@@ -245,11 +245,13 @@ pub struct MetricsParams {
 /// Prefill/decode disaggregation (read in the `prefill` and `decode` roles).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PdParams {
-    /// `tcp://host:port` to bind (port 0 picks one).
+    /// `tcp://host:port` (or `ucx://`, with the ucx transport) to bind (port 0 picks one).
     pub listen: String,
     /// `tcp://host:port` peers connect to; `None`: the bound listen address.
     pub advertise: Option<String>,
     pub transport: PdTransport,
+    /// The libucp to load for the ucx transport; `None`: `libucp.so.0` from the loader's path.
+    pub ucx_library: Option<String>,
     pub bootstrap_timeout_ms: u32,
     /// One deadline from claim to done: waiting for data and transferring.
     pub transfer_timeout_ms: u32,
@@ -264,23 +266,43 @@ pub struct PdParams {
 #[serde(rename_all = "lowercase")]
 pub enum PdTransport {
     Tcp,
+    /// UCX (libucp, loaded at run time): whatever transports UCX picks (`UCX_TLS`).
+    Ucx,
 }
 
-/// A PD endpoint, `tcp://host:port`: the host (a name, an IPv4 address or a bracketed IPv6
-/// address) and the port. Checked when params are validated; resolved when an engine binds.
+impl PdTransport {
+    /// The endpoint scheme: `tcp` or `ucx`.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            PdTransport::Tcp => "tcp",
+            PdTransport::Ucx => "ucx",
+        }
+    }
+}
+
+/// A PD endpoint, `tcp://host:port` or `ucx://host:port`: the transport, the host (a name,
+/// an IPv4 address or a bracketed IPv6 address) and the port. Checked when params are
+/// validated; resolved when an engine binds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
+    pub transport: PdTransport,
     pub host: String,
     pub port: u16,
 }
 
 impl Endpoint {
-    /// Parses `tcp://host:port`, or says what is wrong and what a valid one looks like.
+    /// Parses `tcp://host:port` or `ucx://host:port`, or says what is wrong and what a valid
+    /// one looks like.
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
-        let example = "use tcp://HOST:PORT, e.g. tcp://10.0.0.5:7000 or tcp://[::1]:7000";
-        let Some(rest) = text.strip_prefix("tcp://") else {
+        let example = "use tcp://HOST:PORT (or ucx://HOST:PORT with pd.transport = \"ucx\"), \
+                       e.g. tcp://10.0.0.5:7000 or tcp://[::1]:7000";
+        let (transport, rest) = if let Some(rest) = text.strip_prefix("tcp://") {
+            (PdTransport::Tcp, rest)
+        } else if let Some(rest) = text.strip_prefix("ucx://") {
+            (PdTransport::Ucx, rest)
+        } else {
             return Err(format!(
-                "{} does not start with tcp:// (the only transport so far): {example}",
+                "{} does not start with tcp:// or ucx://: {example}",
                 shorten(text)
             ));
         };
@@ -310,9 +332,20 @@ impl Endpoint {
             ));
         }
         Ok(Self {
+            transport,
             host: bare.to_string(),
             port,
         })
+    }
+
+    /// `scheme://host:port`, IPv6 hosts in brackets.
+    pub fn text(&self) -> String {
+        let scheme = self.transport.scheme();
+        if self.host.contains(':') {
+            format!("{scheme}://[{}]:{}", self.host, self.port)
+        } else {
+            format!("{scheme}://{}:{}", self.host, self.port)
+        }
     }
 }
 
@@ -382,6 +415,7 @@ impl Params {
         validate::check_document(doc, &mut problems);
         let mut merged = defaults_document();
         merge(&mut merged, doc);
+        default_listen_for_the_transport(doc, &mut merged);
         // Cross-key checks read the merged document and skip values that already failed, so
         // one pass reports both kinds of problems.
         check_cross_keys(&merged, &mut problems);
@@ -426,6 +460,18 @@ fn check_document_size(len: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// `pd.listen` left at its default follows `pd.transport`: `ucx://127.0.0.1:0` with ucx.
+fn default_listen_for_the_transport(doc: &Map<String, Value>, merged: &mut Map<String, Value>) {
+    let pd = doc.get("pd").and_then(Value::as_object);
+    let transport = pd.and_then(|p| p.get("transport")).and_then(Value::as_str);
+    let listen_set = pd.is_some_and(|p| p.get("listen").is_some());
+    if transport == Some("ucx") && !listen_set {
+        if let Some(Value::Object(pd)) = merged.get_mut("pd") {
+            pd.insert("listen".into(), Value::from("ucx://127.0.0.1:0"));
+        }
+    }
 }
 
 /// Checks between keys, on the merged document. A value that failed its own check is skipped.
@@ -507,6 +553,22 @@ fn check_cross_keys(doc: &Map<String, Value>, problems: &mut Problems) {
                  `scheduler.max_batch_tokens` = {batch}: a prefill chunk must fit in one batch; \
                  lower the first or raise the second"
             ));
+        }
+    }
+    // The endpoints' scheme is the transport's.
+    if let Some(transport) = valid("pd.transport").and_then(Value::as_str) {
+        for key in ["pd.listen", "pd.advertise"] {
+            let Some(text) = valid(key).and_then(Value::as_str) else {
+                continue;
+            };
+            let scheme = text.split("://").next().unwrap_or("");
+            if scheme != transport {
+                problems.push(format!(
+                    "`{key}` = {} does not match `pd.transport` = \"{transport}\": use \
+                     {transport}://HOST:PORT, or set `pd.transport` to \"{scheme}\"",
+                    shorten(text)
+                ));
+            }
         }
     }
     if let (Some(interval), Some(misses), Some(transfer)) = (
@@ -719,12 +781,13 @@ mod tests {
         assert_eq!(
             Endpoint::parse("tcp://[::1]:7000").unwrap(),
             Endpoint {
+                transport: PdTransport::Tcp,
                 host: "::1".into(),
                 port: 7000
             }
         );
         for (bad, says) in [
-            ("10.0.0.5:7000", "does not start with tcp://"),
+            ("10.0.0.5:7000", "does not start with tcp:// or ucx://"),
             ("tcp://prefill", "has no port"),
             ("tcp://prefill:70000", "not 0–65535"),
             ("tcp://::1:7000", "IPv6 in brackets"),
@@ -744,7 +807,7 @@ mod tests {
         let m = err(json!({"pd": {"listen": "10.0.0.5:7000", "advertise": "tcp://0.0.0.0:7000"}}))
             .to_string();
         assert!(
-            m.contains("`pd.listen` = 10.0.0.5:7000 does not start with tcp://"),
+            m.contains("`pd.listen` = 10.0.0.5:7000 does not start with tcp:// or ucx://"),
             "{m}"
         );
         assert!(
@@ -758,8 +821,19 @@ mod tests {
             m.contains("= 30000 ms is not below `pd.transfer_timeout_ms` = 30000 ms"),
             "{m}"
         );
-        let m = err(json!({"pd": {"transport": "ucx"}})).to_string();
+        let m = err(json!({"pd": {"transport": "rdma"}})).to_string();
         assert!(m.contains("pd.transport"), "{m}");
+        // With ucx, the default listen address takes its scheme; a set one must match.
+        let p = Params::from_value(&json!({"pd": {"transport": "ucx"}})).unwrap();
+        assert_eq!(p.pd.listen, "ucx://127.0.0.1:0");
+        let m = err(json!({"pd": {"transport": "ucx", "advertise": "tcp://10.0.0.5:7000"}}))
+            .to_string();
+        assert!(
+            m.contains(
+                "`pd.advertise` = tcp://10.0.0.5:7000 does not match `pd.transport` = \"ucx\""
+            ),
+            "{m}"
+        );
         let p = Params::from_value(
             &json!({"role": "decode", "pd": {"advertise": "tcp://10.0.0.5:7000"}}),
         )

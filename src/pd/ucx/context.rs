@@ -71,6 +71,11 @@ impl Context {
         Ok(h)
     }
 
+    /// The loaded library (for `ucp_worker_signal` from other threads).
+    pub fn api_handle(&self) -> Arc<Api> {
+        self.api.clone()
+    }
+
     /// Registers `len` bytes at `addr` for local use and for remote reads and writes by peers
     /// holding its [`Registered::rkey`].
     ///

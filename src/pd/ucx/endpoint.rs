@@ -111,23 +111,29 @@ impl Endpoint {
     }
 
     /// Sends active message `id` (`header`, then `data`); the receiver's `from` names the
-    /// connection it came on.
-    pub fn send(&self, id: u32, header: Vec<u8>, data: Vec<u8>) -> Result<Request, String> {
-        let keep: Box<(Vec<u8>, Vec<u8>)> = Box::new((header, data));
+    /// connection it came on. `data` is kept (not copied) until UCX is done with it.
+    pub fn send<B: AsRef<[u8]> + 'static>(
+        &self,
+        id: u32,
+        header: Vec<u8>,
+        data: B,
+    ) -> Result<Request, String> {
+        let keep: Box<(Vec<u8>, B)> = Box::new((header, data));
+        let (h, d) = (keep.0.as_slice(), keep.1.as_ref());
         let mut rp = sys::RequestParam::empty();
         rp.op_attr_mask = sys::OP_ATTR_FIELD_FLAGS;
         rp.flags = sys::AM_SEND_FLAG_REPLY;
         let core = &self.inner.core;
-        // SAFETY: live endpoint; the header and data are owned by `keep`, which the request
-        // holds until UCX is done with them (their heap blocks do not move with the Box).
+        // SAFETY: live endpoint; the header and data are borrowed from the boxed `keep` (after
+        // boxing, so they do not move), which the request holds until UCX is done with them.
         let ptr = unsafe {
             (core.ctx.api.ucp_am_send_nbx)(
                 self.inner.h,
                 id as c_uint,
-                keep.0.as_ptr().cast(),
-                keep.0.len(),
-                keep.1.as_ptr().cast(),
-                keep.1.len(),
+                h.as_ptr().cast(),
+                h.len(),
+                d.as_ptr().cast(),
+                d.len(),
                 &rp,
             )
         };

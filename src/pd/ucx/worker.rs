@@ -228,6 +228,11 @@ impl Worker {
         })
     }
 
+    /// The worker's handle, for `ucp_worker_signal` from another thread while it lives.
+    pub fn raw(&self) -> Handle {
+        self.core.h
+    }
+
     /// Runs UCX's progress (callbacks included) until idle; how much it did.
     pub fn progress(&self) -> usize {
         self.core.progress()

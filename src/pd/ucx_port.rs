@@ -1,0 +1,738 @@
+//! The UCX thread of a node with `pd.transport = "ucx"`: one UCP worker that owns the listener
+//! and every endpoint, sends each link's frames from its outbox as active messages (in the
+//! order the TCP writer would write them), hands the peer's frames to the same handler the TCP
+//! reader does, sends heartbeats and declares silent peers dead.
+//!
+//! Each frame is one active message: its header is an 8-byte sequence number then the frame's
+//! 16-byte header (and a DATA frame's 8-byte offset), its data the payload (the state's bytes,
+//! sent from the room's buffer without a copy). UCX does not promise that active messages
+//! arrive in the order sent (a rendezvous message's data completes after a later eager one),
+//! so the receiver puts them back in order by sequence number before handing them on: the
+//! protocol needs DONE after the last DATA.
+//!
+//! A connection begins with the HELLO exchange, as over TCP: the decode connects and sends its
+//! HELLO; the prefill's [`Acceptor`] answers with its HELLO (and starts the link) or a REFUSE.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::link::{spawn, Handler, Link, Out};
+use super::ucx::{self, Context, Endpoint, EpKey, Message, Request, Worker};
+use super::wire::{self, Frame, Kind};
+
+/// The one active-message id: every frame.
+const FRAME: u32 = 0;
+/// Sequence number, frame header, a DATA frame's offset.
+const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8;
+/// Bytes in flight per link before its outbox waits for completions (UCX copies nothing of a
+/// DATA frame; this bounds how much of the rooms' buffers UCX holds at once).
+const INFLIGHT_BYTES: usize = 8 << 20;
+/// How often the thread wakes at least (to declare silent peers dead).
+const TICK: Duration = Duration::from_millis(20);
+
+/// The prefill side's answer to a connection's first frame.
+pub trait Acceptor: Send + Sync + 'static {
+    /// `first` is the connection's first frame (a HELLO from a well-behaved peer): the reply
+    /// to send and the link it starts, or the frame to refuse it with.
+    fn accept(&self, port: &Port, first: Frame) -> Result<Accepted, Vec<u8>>;
+}
+
+/// A connection the acceptor took: its HELLO reply and its link.
+pub struct Accepted {
+    pub reply: Vec<u8>,
+    pub link: Arc<Link>,
+    pub handler: Arc<dyn Handler>,
+}
+
+/// A connection made by [`Port::connect`]: the peer's answer to our HELLO; bind it to a link
+/// with [`Port::bind`] or drop it with [`Port::drop_conn`].
+pub struct Connected {
+    pub conn: u64,
+    pub answer: Frame,
+}
+
+enum Cmd {
+    Connect {
+        addr: SocketAddr,
+        hello: Vec<u8>,
+        deadline: Instant,
+        reply: Sender<Result<Connected, String>>,
+    },
+    Bind {
+        conn: u64,
+        link: Arc<Link>,
+        handler: Arc<dyn Handler>,
+    },
+    Drop(u64),
+    Stop,
+}
+
+/// Wakes the worker from other threads: `ucp_worker_signal`, while the worker lives.
+struct Signal {
+    api: Arc<ucx::sys::Api>,
+    worker: usize,
+}
+
+/// The handle other threads hold: queues commands and wakes the thread.
+#[derive(Clone)]
+pub struct Port {
+    cmds: Sender<Cmd>,
+    signal: Arc<Mutex<Option<Signal>>>,
+}
+
+impl Port {
+    /// Wakes the thread: a link has frames to send, or is finishing or closed.
+    pub fn wake(&self) {
+        let s = self.signal.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = &*s {
+            // SAFETY: the worker is live while the signal is set (the thread clears it under
+            // this lock before destroying the worker); ucp_worker_signal is safe from any
+            // thread.
+            unsafe { (s.api.ucp_worker_signal)(s.worker as ucx::sys::Handle) };
+        }
+    }
+
+    fn command(&self, cmd: Cmd) -> bool {
+        let ok = self.cmds.send(cmd).is_ok();
+        self.wake();
+        ok
+    }
+
+    /// Connects to the UCX listener at `addr` and sends `hello`; waits (until `deadline`) for
+    /// the peer's first frame.
+    pub fn connect(
+        &self,
+        addr: SocketAddr,
+        hello: Vec<u8>,
+        deadline: Instant,
+    ) -> Result<Connected, String> {
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        let cmd = Cmd::Connect {
+            addr,
+            hello,
+            deadline,
+            reply,
+        };
+        if !self.command(cmd) {
+            return Err("the UCX thread has stopped (the engine is shutting down)".into());
+        }
+        let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
+        answer
+            .recv_timeout(wait)
+            .unwrap_or_else(|_| Err("the UCX thread did not answer".into()))
+    }
+
+    /// Hands a connected endpoint to its link: frames flow from now on.
+    pub fn bind(&self, conn: u64, link: Arc<Link>, handler: Arc<dyn Handler>) {
+        self.command(Cmd::Bind {
+            conn,
+            link,
+            handler,
+        });
+    }
+
+    /// Closes a connected endpoint no link will use (its peer was refused).
+    pub fn drop_conn(&self, conn: u64) {
+        self.command(Cmd::Drop(conn));
+    }
+
+    /// Stops the thread once its links' last frames are out (at most a second).
+    pub fn stop(&self) {
+        self.command(Cmd::Stop);
+    }
+}
+
+/// A running UCX thread.
+pub struct Started {
+    pub port: Port,
+    /// The listener's address (`listen` with its port filled in).
+    pub bound: Option<SocketAddr>,
+    pub thread: JoinHandle<()>,
+}
+
+/// Starts the UCX thread over `ctx`: listening on `listen` (with `acceptor` answering
+/// connections, which must send their HELLO within `handshake`) when given.
+pub fn start(
+    ctx: Arc<Context>,
+    listen: Option<SocketAddr>,
+    acceptor: Option<Arc<dyn Acceptor>>,
+    handshake: Duration,
+) -> Result<Started, String> {
+    let (cmds, rx) = crossbeam_channel::unbounded();
+    let port = Port {
+        cmds,
+        signal: Arc::new(Mutex::new(None)),
+    };
+    let (ready_tx, ready) = crossbeam_channel::bounded(1);
+    let p = port.clone();
+    let thread = spawn("dsv4-pd-ucx".into(), move || {
+        crate::threads::mark_internal();
+        let worker = match Worker::new(&ctx).and_then(|w| {
+            w.receive(FRAME, MAX_AM_HEADER, wire::max_payload())?;
+            Ok(w)
+        }) {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let listener = match listen.map(|a| worker.listen(a)).transpose() {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        *p.signal.lock().unwrap_or_else(|e| e.into_inner()) = Some(Signal {
+            api: ctx.api_handle(),
+            worker: worker.raw() as usize,
+        });
+        let _ = ready_tx.send(Ok(listener.as_ref().map(|l| l.local_addr())));
+        let mut thread = Thread {
+            port: p.clone(),
+            worker: &worker,
+            acceptor,
+            handshake,
+            conns: HashMap::new(),
+            by_ep: HashMap::new(),
+            next_conn: 0,
+            closing: Vec::new(),
+            stopping: None,
+        };
+        thread.run(&rx);
+        drop(thread);
+        drop(listener);
+        // Cleared under the lock before the worker goes: no signal can reach a dead worker.
+        *p.signal.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    })
+    .map_err(|e| format!("cannot start the UCX thread: {e}"))?;
+    let bound = ready
+        .recv()
+        .unwrap_or_else(|_| Err("the UCX thread ended while starting".into()));
+    match bound {
+        Ok(bound) => Ok(Started {
+            port,
+            bound,
+            thread,
+        }),
+        Err(e) => {
+            let _ = thread.join();
+            Err(e)
+        }
+    }
+}
+
+enum State {
+    /// Accepted: waiting for the peer's HELLO until the deadline.
+    Accepting(Instant),
+    /// Connected by us: waiting for the peer's answer to our HELLO.
+    Connecting {
+        deadline: Instant,
+        reply: Sender<Result<Connected, String>>,
+    },
+    /// Answered: waiting for [`Port::bind`]; frames that arrive meanwhile are held.
+    Answered(Vec<Message>),
+    Bound {
+        link: Arc<Link>,
+        handler: Arc<dyn Handler>,
+    },
+}
+
+struct Conn {
+    ep: Endpoint,
+    state: State,
+    next_out: u64,
+    next_in: u64,
+    /// Frames that arrived ahead of their turn, by sequence number.
+    early: BTreeMap<u64, Parsed>,
+    inflight: VecDeque<(Request, usize)>,
+    inflight_bytes: usize,
+}
+
+impl Conn {
+    fn new(ep: Endpoint, state: State) -> Conn {
+        Conn {
+            ep,
+            state,
+            next_out: 0,
+            next_in: 0,
+            early: BTreeMap::new(),
+            inflight: VecDeque::new(),
+            inflight_bytes: 0,
+        }
+    }
+
+    /// Sends one frame (its parts as [`Out::parts`] gives them) as the next active message.
+    fn send(&mut self, out: Out) -> Result<(), String> {
+        let (head, body) = out.parts();
+        let (head_len, body_len) = (head.len(), body.len());
+        let mut header = Vec::with_capacity(8 + wire::HEADER + 8);
+        header.extend_from_slice(&self.next_out.to_le_bytes());
+        // A whole frame's header goes in the message's header, its payload in the data; a
+        // DATA frame's prefix (header and offset) in the header, its slice in the data.
+        let split = if body_len == 0 {
+            wire::HEADER.min(head_len)
+        } else {
+            head_len
+        };
+        header.extend_from_slice(&head[..split]);
+        let data = Payload { out, skip: split };
+        let req = self.ep.send(FRAME, header, data)?;
+        self.next_out += 1;
+        let bytes = head_len + body_len;
+        self.inflight_bytes += bytes;
+        self.inflight.push_back((req, bytes));
+        Ok(())
+    }
+
+    /// Frees what completed; the first failure.
+    fn reap(&mut self) -> Result<(), String> {
+        while let Some((req, _)) = self.inflight.front_mut() {
+            match req.poll() {
+                None => break,
+                Some(r) => {
+                    let (_, bytes) = self.inflight.pop_front().expect("front exists");
+                    self.inflight_bytes -= bytes;
+                    r?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An active message's data: the frame's bytes after the first `skip` (which went in the
+/// message's header), kept without a copy until UCX is done with them.
+struct Payload {
+    out: Out,
+    skip: usize,
+}
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        let (head, body) = self.out.parts();
+        if body.is_empty() {
+            &head[self.skip..]
+        } else {
+            body
+        }
+    }
+}
+
+/// A frame as carried: kind, room, a DATA frame's offset, the payload (the bytes).
+type Parsed = (Kind, u64, Option<u64>, Vec<u8>);
+
+/// Checks one message against the frame format: sequence number, then a frame's header (and
+/// a DATA frame's offset) whose length matches the data.
+fn parse(m: Message) -> Result<(u64, Parsed), String> {
+    let h = &m.header;
+    if h.len() < 8 + wire::HEADER {
+        return Err(format!("an active message header of {} bytes", h.len()));
+    }
+    let seq = u64::from_le_bytes(h[..8].try_into().unwrap_or_default());
+    let mut at = 8;
+    let (kind, len, room) = wire::read_header(&mut |buf: &mut [u8]| {
+        buf.copy_from_slice(&h[at..at + buf.len()]);
+        at += buf.len();
+        Ok(())
+    })
+    .map_err(|e| match e {
+        wire::ReadError::Protocol(m) => m,
+        wire::ReadError::Io(e) => e.to_string(),
+    })?;
+    let offset = if kind == Kind::Data && h.len() == 8 + wire::HEADER + 8 {
+        Some(u64::from_le_bytes(h[24..32].try_into().unwrap_or_default()))
+    } else if h.len() == 8 + wire::HEADER {
+        None
+    } else {
+        return Err(format!(
+            "a {kind:?} frame with a header of {} bytes",
+            h.len()
+        ));
+    };
+    let want = len - offset.map_or(0, |_| 8);
+    if m.data.len() != want || (kind == Kind::Data && offset.is_none()) {
+        return Err(format!(
+            "a {kind:?} frame announcing {len} bytes carries {}",
+            m.data.len() + offset.map_or(0, |_| 8)
+        ));
+    }
+    Ok((seq, (kind, room, offset, m.data)))
+}
+
+struct Thread<'w> {
+    port: Port,
+    worker: &'w Worker,
+    acceptor: Option<Arc<dyn Acceptor>>,
+    handshake: Duration,
+    conns: HashMap<u64, Conn>,
+    by_ep: HashMap<EpKey, u64>,
+    next_conn: u64,
+    /// Graceful closes in flight.
+    closing: Vec<Request>,
+    /// Stopping: the deadline after which what is left is closed by force.
+    stopping: Option<Instant>,
+}
+
+impl Thread<'_> {
+    fn run(&mut self, rx: &Receiver<Cmd>) {
+        loop {
+            while let Ok(cmd) = rx.try_recv() {
+                self.command(cmd);
+            }
+            let mut busy = self.worker.progress() > 0;
+            busy |= self.accept();
+            busy |= self.errors();
+            busy |= self.receive();
+            busy |= self.send();
+            self.closing.retain_mut(|r| r.poll().is_none());
+            if let Some(deadline) = self.stopping {
+                if self.conns.is_empty() && self.closing.is_empty() {
+                    return;
+                }
+                if Instant::now() >= deadline {
+                    self.conns.clear();
+                    return;
+                }
+            }
+            if !busy {
+                let next = self.next_heartbeat().min(Instant::now() + TICK);
+                self.worker
+                    .wait(next.saturating_duration_since(Instant::now()), None);
+            }
+        }
+    }
+
+    fn add(&mut self, ep: Endpoint, state: State) -> u64 {
+        self.next_conn += 1;
+        let id = self.next_conn;
+        self.by_ep.insert(ep.key(), id);
+        self.conns.insert(id, Conn::new(ep, state));
+        id
+    }
+
+    fn remove(&mut self, id: u64, graceful: bool) {
+        if let Some(c) = self.conns.remove(&id) {
+            self.by_ep.remove(&c.ep.key());
+            if graceful {
+                if let Ok(r) = c.ep.close(false) {
+                    self.closing.push(r);
+                }
+            }
+            // Else dropped: force-closed.
+        }
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Connect {
+                addr,
+                hello,
+                deadline,
+                reply,
+            } => match self.worker.connect(addr) {
+                Ok(ep) => {
+                    let id = self.add(ep, State::Connecting { deadline, reply });
+                    let c = self.conns.get_mut(&id).expect("just added");
+                    if let Err(e) = c.send(Out::Frame(hello)) {
+                        if let State::Connecting { reply, .. } = &c.state {
+                            let _ = reply.send(Err(e));
+                        }
+                        self.remove(id, false);
+                    }
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Cmd::Bind {
+                conn,
+                link,
+                handler,
+            } => {
+                let Some(c) = self.conns.get_mut(&conn) else {
+                    link.go_down(
+                        &handler,
+                        "the UCX connection closed during the handshake".into(),
+                    );
+                    return;
+                };
+                let held = match std::mem::replace(
+                    &mut c.state,
+                    State::Bound {
+                        link: link.clone(),
+                        handler: handler.clone(),
+                    },
+                ) {
+                    State::Answered(held) => held,
+                    _ => Vec::new(),
+                };
+                link.heard();
+                for m in held {
+                    self.deliver(conn, m);
+                }
+            }
+            Cmd::Drop(conn) => self.remove(conn, true),
+            Cmd::Stop => {
+                self.stopping = Some(Instant::now() + Duration::from_secs(1));
+                // Links still open finish: their queued control frames go, then they close.
+                for c in self.conns.values() {
+                    if let State::Bound { link, .. } = &c.state {
+                        link.finish();
+                    }
+                }
+                let unbound: Vec<u64> = self
+                    .conns
+                    .iter()
+                    .filter(|(_, c)| !matches!(c.state, State::Bound { .. }))
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in unbound {
+                    self.remove(id, false);
+                }
+            }
+        }
+    }
+
+    /// New connections from the listener; handshakes that ran out of time.
+    fn accept(&mut self) -> bool {
+        let mut busy = false;
+        while let Some(ep) = self.worker.accept() {
+            busy = true;
+            match ep {
+                Ok(ep) if self.acceptor.is_some() && self.stopping.is_none() => {
+                    let deadline = Instant::now() + self.handshake;
+                    self.add(ep, State::Accepting(deadline));
+                }
+                Ok(_) => {}
+                Err(e) => log::warn!("PD: a UCX connection could not be accepted: {e}"),
+            }
+        }
+        let now = Instant::now();
+        let late: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| match &c.state {
+                State::Accepting(d) => now >= *d,
+                State::Connecting { deadline, .. } => now >= *deadline,
+                _ => false,
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in late {
+            if let Some(State::Connecting { reply, .. }) = self.conns.get(&id).map(|c| &c.state) {
+                let _ = reply.send(Err("no answer to the HELLO in time".into()));
+            }
+            self.remove(id, false);
+        }
+        busy
+    }
+
+    /// Failed endpoints: their links go down, their handshakes fail.
+    fn errors(&mut self) -> bool {
+        let errors = self.worker.take_errors();
+        let busy = !errors.is_empty();
+        for (ep, why) in errors {
+            let Some(&id) = self.by_ep.get(&ep) else {
+                continue;
+            };
+            self.fail(id, format!("connection lost: {why}"));
+        }
+        busy
+    }
+
+    fn fail(&mut self, id: u64, why: String) {
+        if let Some(c) = self.conns.get(&id) {
+            match &c.state {
+                State::Bound { link, handler } => link.go_down(handler, why),
+                State::Connecting { reply, .. } => {
+                    let _ = reply.send(Err(why));
+                }
+                _ => {}
+            }
+        }
+        self.remove(id, false);
+    }
+
+    fn receive(&mut self) -> bool {
+        let mut busy = false;
+        while let Some(m) = self.worker.take_message() {
+            busy = true;
+            let Some(&id) = m.from.as_ref().and_then(|ep| self.by_ep.get(ep)) else {
+                continue;
+            };
+            self.deliver(id, m);
+        }
+        busy
+    }
+
+    /// One message from connection `id`, handed on in sequence order.
+    fn deliver(&mut self, id: u64, m: Message) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if let State::Answered(held) = &mut c.state {
+            held.push(m);
+            return;
+        }
+        let (seq, frame) = match parse(m) {
+            Ok(x) => x,
+            Err(e) => {
+                self.fail(id, format!("the peer broke the protocol: {e}"));
+                return;
+            }
+        };
+        if seq != c.next_in {
+            if seq < c.next_in || c.early.len() >= 4096 {
+                self.fail(
+                    id,
+                    format!("the peer broke the protocol: frame {seq} out of order"),
+                );
+                return;
+            }
+            c.early.insert(seq, frame);
+            return;
+        }
+        self.handle(id, frame);
+        // Frames that were waiting for this one.
+        loop {
+            let Some(c) = self.conns.get_mut(&id) else {
+                return;
+            };
+            let next = c.next_in;
+            let Some(frame) = c.early.remove(&next) else {
+                return;
+            };
+            self.handle(id, frame);
+        }
+    }
+
+    /// A frame in its turn, by the connection's state.
+    fn handle(&mut self, id: u64, (kind, room, offset, data): Parsed) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        c.next_in += 1;
+        match &c.state {
+            State::Bound { link, handler } => {
+                let (link, handler) = (link.clone(), handler.clone());
+                link.deliver(&handler, kind, room, offset, data);
+            }
+            State::Accepting(_) => {
+                let frame = Frame {
+                    kind,
+                    room,
+                    payload: data,
+                };
+                let Some(acceptor) = self.acceptor.clone() else {
+                    return;
+                };
+                match acceptor.accept(&self.port, frame) {
+                    Ok(a) => {
+                        let c = self.conns.get_mut(&id).expect("looked up above");
+                        if let Err(e) = c.send(Out::Frame(a.reply)) {
+                            a.link.go_down(&a.handler, format!("connection lost: {e}"));
+                            self.remove(id, false);
+                            return;
+                        }
+                        a.link.heard();
+                        c.state = State::Bound {
+                            link: a.link,
+                            handler: a.handler,
+                        };
+                    }
+                    Err(refusal) => {
+                        let c = self.conns.get_mut(&id).expect("looked up above");
+                        let _ = c.send(Out::Frame(refusal));
+                        // Closed gracefully: the refusal goes out first.
+                        self.remove(id, true);
+                    }
+                }
+            }
+            State::Connecting { .. } => {
+                let answer = Frame {
+                    kind,
+                    room,
+                    payload: data,
+                };
+                let State::Connecting { reply, .. } =
+                    std::mem::replace(&mut c.state, State::Answered(Vec::new()))
+                else {
+                    unreachable!("matched above")
+                };
+                if reply.send(Ok(Connected { conn: id, answer })).is_err() {
+                    self.remove(id, false);
+                }
+            }
+            State::Answered(_) => unreachable!("held before parsing"),
+        }
+    }
+
+    /// Each bound link's frames, its heartbeat, its silence; links that ended.
+    fn send(&mut self) -> bool {
+        let mut busy = false;
+        let now = Instant::now();
+        let mut ended: Vec<(u64, bool)> = Vec::new();
+        for (&id, c) in self.conns.iter_mut() {
+            let State::Bound { link, handler } = &c.state else {
+                continue;
+            };
+            let (link, handler) = (link.clone(), handler.clone());
+            if let Err(e) = c.reap() {
+                link.go_down(&handler, format!("sending failed: {e}"));
+            }
+            let (closed, finished) = link.ending();
+            if closed {
+                ended.push((id, false));
+                continue;
+            }
+            while c.inflight_bytes < INFLIGHT_BYTES {
+                let Some(out) = link.next_out() else {
+                    break;
+                };
+                busy = true;
+                if let Err(e) = c.send(out) {
+                    link.go_down(&handler, format!("sending failed: {e}"));
+                    break;
+                }
+                link.sent();
+            }
+            if now >= link.heartbeat_at() && c.inflight_bytes < INFLIGHT_BYTES {
+                let beat = Out::Frame(wire::encode(Kind::Heartbeat, 0, &[]));
+                if c.send(beat).is_ok() {
+                    link.sent();
+                }
+            }
+            if let Some(why) = link.silence() {
+                link.go_down(&handler, why);
+                ended.push((id, false));
+                continue;
+            }
+            if finished && c.inflight.is_empty() {
+                link.go_down(&handler, "the link was finished".into());
+                ended.push((id, true));
+            }
+        }
+        for (id, graceful) in ended {
+            self.remove(id, graceful);
+        }
+        busy
+    }
+
+    fn next_heartbeat(&self) -> Instant {
+        self.conns
+            .values()
+            .filter_map(|c| match &c.state {
+                State::Bound { link, .. } => Some(link.heartbeat_at()),
+                _ => None,
+            })
+            .min()
+            .unwrap_or_else(|| Instant::now() + TICK)
+    }
+}
