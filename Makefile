@@ -5,13 +5,14 @@
 #                then the same workload on a prefill + decode pair over TCP loopback (TTFT,
 #                transfer rate, rooms per side against the unified run)
 #   make test    everything: the CUDA kernels through NVRTC, fmt, clippy, Rust tests, header
-#                freshness, install + CMake/ctest, the C tests under valgrind, pkg-config
-#                build, pytest
+#                freshness, PD across two network namespaces (root), install + CMake/ctest,
+#                the C tests under valgrind, pkg-config build, pytest
 # Other targets: demo-pd (a prefill and a decode dsv4-server behind dsv4-router, on loopback),
 # lib, header, install PREFIX=..., kernels-check, stress (a minute of concurrent load, then the
 # books), fuzz (AFL++ on the params, config.json and safetensors-header parsers and the PD frame decoder), clean.
 # Benchmarks: bench-forward, bench-radix, bench-hicache, bench-prefix, bench-overload, bench-pd,
-# bench-transfer (PD room transfer vs raw TCP, PD vs unified TTFT under 10x overload), bench-compare.
+# bench-transfer (PD room transfer vs raw TCP, PD vs unified TTFT under 10x overload), bench-ucx
+# (PD over the ucx transport vs ucx_perftest and vs the tcp transport), bench-compare.
 
 CARGO   ?= cargo
 PREFIX  ?= /usr/local
@@ -23,7 +24,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo demo-pd test kernels-check test-rust test-netns test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-compare fuzz gpu-bundle
+.PHONY: all deps venv lib header install demo demo-pd test kernels-check test-rust test-netns test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-ucx bench-compare fuzz gpu-bundle
 
 all: lib
 
@@ -191,6 +192,11 @@ bench-pd: deps
 # `ratios transfer_vs_tcp=... ttft_p99_pd_vs_unified=...`.
 bench-transfer: deps
 	$(CARGO) run --release --example bench_transfer
+
+# PD room transfer over the ucx transport against ucx_perftest (same UCX_TLS, same bytes in
+# 256 KiB active messages) and against the tcp transport; last line `ratios ucx_vs_perftest=…`.
+bench-ucx: deps
+	$(CARGO) run --release --example bench_ucx
 
 # Speed across commits on this machine: builds each commit in REVS and runs bench_forward,
 # bench_prefix and bench_overload round-robin ROUNDS times (3), printing medians and ratios to the

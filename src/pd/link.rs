@@ -660,7 +660,8 @@ impl Link {
     }
 
     /// UCX: one frame from the peer, to the handler; a DATA frame's bytes (`offset`, `bytes`)
-    /// go straight where the handler lends them, as the TCP reader reads them.
+    /// go straight where the handler lends them, as the TCP reader reads them. The buffer
+    /// comes back when its bytes were copied out (for the next message to land in).
     pub(super) fn deliver(
         self: &Arc<Self>,
         handler: &Arc<dyn Handler>,
@@ -668,18 +669,19 @@ impl Link {
         room: u64,
         offset: Option<u64>,
         bytes: Vec<u8>,
-    ) {
+    ) -> Option<Vec<u8>> {
         self.heard();
         let Some(offset) = offset else {
-            if kind != Kind::Heartbeat {
-                let frame = Frame {
-                    kind,
-                    room,
-                    payload: bytes,
-                };
-                handler.on_frame(self, frame);
+            if kind == Kind::Heartbeat {
+                return Some(bytes);
             }
-            return;
+            let frame = Frame {
+                kind,
+                room,
+                payload: bytes,
+            };
+            handler.on_frame(self, frame);
+            return None;
         };
         let n = bytes.len();
         if let Some(mut lent) = handler.lend(self, room, offset, n) {
@@ -715,7 +717,7 @@ impl Link {
                     format!("a lent destination cannot take bytes {start}..+{n} (a dsv4 bug)"),
                 );
             }
-            return;
+            return Some(bytes);
         }
         let mut payload = Vec::with_capacity(8 + n);
         payload.extend_from_slice(&offset.to_le_bytes());
@@ -728,6 +730,7 @@ impl Link {
                 payload,
             },
         );
+        Some(bytes)
     }
 
     /// Fills `buf` from the stream, waiting through read timeouts until the peer has been

@@ -401,7 +401,14 @@ impl Thread<'_> {
                     return;
                 }
             }
-            if !busy {
+            // While operations are in flight the worker is polled, not slept on: UCX completes
+            // some steps of a transfer (rendezvous, tcp sends) only as it is progressed, with
+            // no event on its file descriptor, and a missed one would cost a whole tick.
+            let in_flight =
+                self.worker.receiving() || self.conns.values().any(|c| !c.inflight.is_empty());
+            if in_flight && !busy {
+                std::thread::yield_now();
+            } else if !busy {
                 let next = self.next_heartbeat().min(Instant::now() + TICK);
                 self.worker
                     .wait(next.saturating_duration_since(Instant::now()), None);
@@ -622,7 +629,9 @@ impl Thread<'_> {
         match &c.state {
             State::Bound { link, handler } => {
                 let (link, handler) = (link.clone(), handler.clone());
-                link.deliver(&handler, kind, room, offset, data);
+                if let Some(buf) = link.deliver(&handler, kind, room, offset, data) {
+                    self.worker.recycle(buf);
+                }
             }
             State::Accepting(_) => {
                 let frame = Frame {

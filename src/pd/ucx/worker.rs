@@ -38,6 +38,22 @@ pub(super) struct Events {
     receiving: Vec<(*mut c_void, Message)>,
 }
 
+/// Receive buffers kept for reuse at most.
+const SPARE_BUFFERS: usize = 64;
+
+/// A buffer of `len` bytes for rendezvous data: a spare one when one is large enough.
+fn buffer(core: &Core, len: usize) -> Vec<u8> {
+    let mut spare = core.spare.borrow_mut();
+    match spare.iter().position(|b| b.len() >= len) {
+        Some(i) => {
+            let mut b = spare.swap_remove(i);
+            b.truncate(len);
+            b
+        }
+        None => vec![0u8; len],
+    }
+}
+
 /// What an active-message handler is registered with.
 struct AmArg {
     core: *const Core,
@@ -54,6 +70,9 @@ pub(super) struct Core {
     pub(super) h: Handle,
     efd: RawFd,
     pub(super) events: RefCell<Events>,
+    /// Receive buffers handed back ([`Worker::recycle`]), each initialised to its capacity:
+    /// rendezvous data lands in one instead of a fresh zeroed allocation per message.
+    spare: RefCell<Vec<Vec<u8>>>,
     /// Callback arguments of the active-message handlers. Boxed: UCX holds their addresses,
     /// which must not move when the Vec grows.
     #[allow(clippy::vec_box)]
@@ -223,6 +242,7 @@ impl Worker {
                 h,
                 efd,
                 events: RefCell::new(Events::default()),
+                spare: RefCell::new(Vec::new()),
                 am_args: RefCell::new(Vec::new()),
             }),
         })
@@ -270,6 +290,23 @@ impl Worker {
         api.check(status, &format!("active message handler {id}"))?;
         self.core.am_args.borrow_mut().push(arg);
         Ok(())
+    }
+
+    /// Whether rendezvous data is still arriving (progress must keep running: UCX may complete
+    /// it without an event on the worker's file descriptor).
+    pub fn receiving(&self) -> bool {
+        let ev = self.core.events.borrow();
+        !ev.receiving.is_empty() || !ev.announced.is_empty()
+    }
+
+    /// Hands a message's data buffer back for later messages to land in.
+    pub fn recycle(&self, mut buf: Vec<u8>) {
+        let mut spare = self.core.spare.borrow_mut();
+        if spare.len() < SPARE_BUFFERS && buf.capacity() > 0 {
+            // Initialised to its capacity (zeroing only what lies past its length).
+            buf.resize(buf.capacity(), 0);
+            spare.push(buf);
+        }
     }
 
     pub fn take_message(&self) -> Option<Message> {
@@ -429,7 +466,7 @@ unsafe extern "C" fn on_message(
     }
     // Rendezvous: `data` is a descriptor; the bytes are received by the next progress (UCX
     // asks that it not be done inside this callback).
-    message.data = vec![0u8; length];
+    message.data = buffer(core, length);
     core.events.borrow_mut().announced.push((data, message));
     sys::UCS_INPROGRESS
 }
