@@ -14,12 +14,12 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::pd_node::{assert_lost_peer, claim_early, with, Node, ONE_AT_A_TIME};
-use common::requests::{collect, engine_with, exact, tokens_of};
+use common::pd_node::{
+    assert_lost_peer, claim_early, rooms_match, unified_tokens, with, Node, ONE_AT_A_TIME,
+};
 use serde_json::{json, Value};
 
 const PREFILL_ADDR: &str = "10.231.0.1";
@@ -163,35 +163,13 @@ fn a_pair_on_two_hosts_is_bit_equal_to_a_unified_engine_and_counts_its_transfers
     let ids = common::ids("flash-like");
     let lens = [3usize, 64, 129, 256, 300];
     let max_new = 10;
-    let want: HashMap<usize, Vec<u32>> = {
-        let unified = engine_with(common::pd_node::base());
-        lens.iter()
-            .map(|&n| {
-                let id = unified.submit(exact(&ids[..n], max_new)).unwrap();
-                (n, tokens_of(&collect(&unified, &[id])[&id]))
-            })
-            .collect()
-    };
+    let want = unified_tokens(common::pd_node::base(), &ids, &lens, max_new);
     let hosts = Hosts::new(&format!("eq{}", &TRANSPORT[..1]));
     let (mut p, mut d) = hosts.pair(TRANSPORT, common::pd_node::base(), common::pd_node::base());
-    let rooms: Vec<u64> = (1..=lens.len() as u64).collect();
-    for (&room, &n) in rooms.iter().zip(&lens) {
-        p.submit(room, max_new, &ids[..n]);
-        d.submit(room, max_new, &ids[..n]);
-    }
-    d.wait_ends(&rooms, Duration::from_secs(60));
-    p.wait_ends(&rooms, Duration::from_secs(10));
-    for (&room, &n) in rooms.iter().zip(&lens) {
-        assert_eq!(
-            p.end_of(room).unwrap(),
-            &format!("finished {room} Transferred")
-        );
-        assert_eq!(d.end_of(room).unwrap(), &format!("finished {room} Length"));
-        assert_eq!(d.tokens(room), want[&n], "prompt of {n} tokens");
-    }
+    rooms_match(&mut p, &mut d, &ids, &lens, max_new, &want);
+    let n = lens.len() as u64;
     // Both sides count each room once as a transfer, none as a failure, over one connection.
     let (pm, dm) = (p.metrics(), d.metrics());
-    let n = rooms.len() as u64;
     assert_eq!(
         (pm["transfers"], pm["failures"], pm["peers"]),
         (n, 0, 1),
@@ -202,8 +180,6 @@ fn a_pair_on_two_hosts_is_bit_equal_to_a_unified_engine_and_counts_its_transfers
         (n, 0, 1),
         "decode: {dm:?}"
     );
-    assert_eq!(p.usage(), (0, 0));
-    assert_eq!(d.usage(), (0, 0));
     d.quit();
     p.quit();
     eprintln!(

@@ -11,11 +11,13 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::pd_node::{assert_lost_peer, claim_early, claim_early_with, Node, ONE_AT_A_TIME};
-use common::requests::{collect, engine_with, exact, merge, tokens_of};
+use common::pd_node::{
+    assert_lost_peer, claim_early, claim_early_with, rooms_match, unified_tokens, Node,
+    ONE_AT_A_TIME,
+};
+use common::requests::merge;
 use serde_json::{json, Value};
 
 on_both_transports! {
@@ -43,41 +45,12 @@ fn a_prefill_and_a_decode_process_are_bit_equal_to_a_unified_engine() {
     let ids = common::ids("flash-like");
     let lens = [3usize, 64, 129, 300];
     let max_new = 10;
-    let want: HashMap<usize, Vec<u32>> = {
-        let unified = engine_with(base());
-        lens.iter()
-            .map(|&n| {
-                let id = unified.submit(exact(&ids[..n], max_new)).unwrap();
-                (n, tokens_of(&collect(&unified, &[id])[&id]))
-            })
-            .collect()
-    };
+    let want = unified_tokens(base(), &ids, &lens, max_new);
     let mut p = Node::start("prefill", "prefill", base(), None);
     let peer = p.endpoint.clone();
     assert!(peer.starts_with(&format!("{TRANSPORT}://")), "{peer}");
     let mut d = Node::start("decode", "decode", base(), Some(&peer));
-    let rooms: Vec<u64> = (1..=lens.len() as u64).collect();
-    for (&room, &n) in rooms.iter().zip(&lens) {
-        p.submit(room, max_new, &ids[..n]);
-        d.submit(room, max_new, &ids[..n]);
-    }
-    d.wait_ends(&rooms, Duration::from_secs(30));
-    p.wait_ends(&rooms, Duration::from_secs(5));
-    for (&room, &n) in rooms.iter().zip(&lens) {
-        assert_eq!(
-            p.end_of(room).unwrap(),
-            &format!("finished {room} Transferred")
-        );
-        assert_eq!(
-            p.tokens(room),
-            Vec::<u32>::new(),
-            "the prefill emits no token"
-        );
-        assert_eq!(d.end_of(room).unwrap(), &format!("finished {room} Length"));
-        assert_eq!(d.tokens(room), want[&n], "prompt of {n} tokens");
-    }
-    assert_eq!(p.usage(), (0, 0));
-    assert_eq!(d.usage(), (0, 0));
+    rooms_match(&mut p, &mut d, &ids, &lens, max_new, &want);
     d.quit();
     p.quit();
     eprintln!("bit-equal pair: {:.2} s", started.elapsed().as_secs_f64());

@@ -383,19 +383,14 @@ impl Link {
         // on a peer that stopped reading means the peer is gone.
         stream.set_read_timeout(Some(peer_interval))?;
         stream.set_write_timeout(Some(dead_after))?;
-        let link = Arc::new(Link {
+        let link = Arc::new(Link::new(
             id,
             peer,
-            conn: Conn::Tcp(stream.try_clone()?),
-            out: Mutex::new(Outbox::new()),
-            ready: Condvar::new(),
-            wire: Mutex::new(()),
-            last_heard: Mutex::new(Instant::now()),
-            down: AtomicBool::new(false),
+            Conn::Tcp(stream.try_clone()?),
             interval,
             peer_interval,
             dead_after,
-        });
+        ));
         let reader_stream = stream.try_clone()?;
         let (l, h) = (link.clone(), handler.clone());
         threads.push(spawn(format!("dsv4-pd-read-{id}"), move || {
@@ -419,10 +414,28 @@ impl Link {
         misses: u32,
     ) -> Arc<Link> {
         let peer_interval = peer_interval.max(Duration::from_millis(1));
-        Arc::new(Link {
+        Arc::new(Link::new(
             id,
             peer,
-            conn: Conn::Ucx(port),
+            Conn::Ucx(port),
+            interval,
+            peer_interval,
+            peer_interval * misses,
+        ))
+    }
+
+    fn new(
+        id: u64,
+        peer: String,
+        conn: Conn,
+        interval: Duration,
+        peer_interval: Duration,
+        dead_after: Duration,
+    ) -> Link {
+        Link {
+            id,
+            peer,
+            conn,
             out: Mutex::new(Outbox::new()),
             ready: Condvar::new(),
             wire: Mutex::new(()),
@@ -430,8 +443,8 @@ impl Link {
             down: AtomicBool::new(false),
             interval,
             peer_interval,
-            dead_after: peer_interval * misses,
-        })
+            dead_after,
+        }
     }
 
     fn outbox(&self) -> MutexGuard<'_, Outbox> {

@@ -389,3 +389,56 @@ pub fn assert_lost_peer(node: &Node, rooms: &[u64]) {
         );
     }
 }
+
+/// What a unified engine with `params` generates (`max_new` greedy tokens) for the first `n`
+/// tokens of `ids`, for each `n` in `lens`: the reference a pair must equal.
+pub fn unified_tokens(
+    params: Value,
+    ids: &[u32],
+    lens: &[usize],
+    max_new: u32,
+) -> HashMap<usize, Vec<u32>> {
+    use super::requests::{collect, engine_with, exact, tokens_of};
+    let unified = engine_with(params);
+    lens.iter()
+        .map(|&n| {
+            let id = unified.submit(exact(&ids[..n], max_new)).unwrap();
+            (n, tokens_of(&collect(&unified, &[id])[&id]))
+        })
+        .collect()
+}
+
+/// Rooms 1, 2, … of the first `lens[i]` tokens of `ids` through the pair: each ends
+/// TRANSFERRED on the prefill (no token there) and `Length` on the decode with `want`'s
+/// tokens; then both pools are empty.
+pub fn rooms_match(
+    p: &mut Node,
+    d: &mut Node,
+    ids: &[u32],
+    lens: &[usize],
+    max_new: u32,
+    want: &HashMap<usize, Vec<u32>>,
+) {
+    let rooms: Vec<u64> = (1..=lens.len() as u64).collect();
+    for (&room, &n) in rooms.iter().zip(lens) {
+        p.submit(room, max_new, &ids[..n]);
+        d.submit(room, max_new, &ids[..n]);
+    }
+    d.wait_ends(&rooms, Duration::from_secs(60));
+    p.wait_ends(&rooms, Duration::from_secs(10));
+    for (&room, &n) in rooms.iter().zip(lens) {
+        assert_eq!(
+            p.end_of(room).unwrap(),
+            &format!("finished {room} Transferred")
+        );
+        assert_eq!(
+            p.tokens(room),
+            Vec::<u32>::new(),
+            "the prefill emits no token"
+        );
+        assert_eq!(d.end_of(room).unwrap(), &format!("finished {room} Length"));
+        assert_eq!(d.tokens(room), want[&n], "prompt of {n} tokens");
+    }
+    assert_eq!(p.usage(), (0, 0));
+    assert_eq!(d.usage(), (0, 0));
+}
