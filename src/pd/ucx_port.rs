@@ -34,6 +34,10 @@ const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8;
 const INFLIGHT_BYTES: usize = 8 << 20;
 /// How often the thread wakes at least (to declare silent peers dead).
 const TICK: Duration = Duration::from_millis(20);
+/// How long the thread polls in-flight operations without progress before it sleeps between
+/// polls, and how long those sleeps are.
+const POLL_FOR: Duration = Duration::from_millis(5);
+const STUCK_TICK: Duration = Duration::from_millis(1);
 
 /// The prefill side's answer to a connection's first frame.
 pub trait Acceptor: Send + Sync + 'static {
@@ -382,6 +386,7 @@ struct Thread<'w> {
 
 impl Thread<'_> {
     fn run(&mut self, rx: &Receiver<Cmd>) {
+        let mut last_busy = Instant::now();
         loop {
             while let Ok(cmd) = rx.try_recv() {
                 self.command(cmd);
@@ -403,15 +408,22 @@ impl Thread<'_> {
             }
             // While operations are in flight the worker is polled, not slept on: UCX completes
             // some steps of a transfer (rendezvous, tcp sends) only as it is progressed, with
-            // no event on its file descriptor, and a missed one would cost a whole tick.
+            // no event on its file descriptor, and a missed one would cost a whole tick. An
+            // operation that makes no progress for POLL_FOR (a frozen peer) is waited on in
+            // short sleeps instead, so a stuck send does not hold a core.
+            let now = Instant::now();
+            if busy {
+                last_busy = now;
+                continue;
+            }
             let in_flight =
                 self.worker.receiving() || self.conns.values().any(|c| !c.inflight.is_empty());
-            if in_flight && !busy {
+            if in_flight && now.duration_since(last_busy) < POLL_FOR {
                 std::thread::yield_now();
-            } else if !busy {
-                let next = self.next_heartbeat().min(Instant::now() + TICK);
-                self.worker
-                    .wait(next.saturating_duration_since(Instant::now()), None);
+            } else {
+                let tick = if in_flight { STUCK_TICK } else { TICK };
+                let next = self.next_heartbeat().min(now + tick);
+                self.worker.wait(next.saturating_duration_since(now), None);
             }
         }
     }
