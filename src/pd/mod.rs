@@ -12,6 +12,7 @@
 //! `wire`: frames; `room`: room states and failure reasons; `link`: one connection's reader
 //! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines.
 
+pub mod in_order;
 pub mod incoming;
 pub mod limits;
 pub mod link;

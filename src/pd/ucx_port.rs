@@ -13,7 +13,7 @@
 //! A connection begins with the HELLO exchange, as over TCP: the decode connects and sends its
 //! HELLO; the prefill's [`Acceptor`] answers with its HELLO (and starts the link) or a REFUSE.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::in_order::InOrder;
 use super::link::{spawn, Handler, Link, Out};
 use super::ucx::{self, Context, Endpoint, EpKey, Message, Request, Worker};
 use super::wire::{self, Frame, Kind};
@@ -32,6 +33,9 @@ const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8;
 /// Bytes in flight per link before its outbox waits for completions (UCX copies nothing of a
 /// DATA frame; this bounds how much of the rooms' buffers UCX holds at once).
 const INFLIGHT_BYTES: usize = 8 << 20;
+/// Frames held ahead of a missing one at most, per connection (UCX reorders little: a few
+/// rendezvous messages in flight).
+const MAX_EARLY: usize = 4096;
 /// How often the thread wakes at least (to declare silent peers dead).
 const TICK: Duration = Duration::from_millis(20);
 /// How long the thread polls in-flight operations without progress before it sleeps between
@@ -252,9 +256,8 @@ struct Conn {
     ep: Endpoint,
     state: State,
     next_out: u64,
-    next_in: u64,
-    /// Frames that arrived ahead of their turn, by sequence number.
-    early: BTreeMap<u64, Parsed>,
+    /// The peer's frames, put back in the order sent.
+    incoming: InOrder<Parsed>,
     inflight: VecDeque<(Request, usize)>,
     inflight_bytes: usize,
 }
@@ -265,8 +268,7 @@ impl Conn {
             ep,
             state,
             next_out: 0,
-            next_in: 0,
-            early: BTreeMap::new(),
+            incoming: InOrder::new(MAX_EARLY),
             inflight: VecDeque::new(),
             inflight_bytes: 0,
         }
@@ -393,8 +395,10 @@ impl Thread<'_> {
             }
             let mut busy = self.worker.progress() > 0;
             busy |= self.accept();
-            busy |= self.errors();
+            // Messages before errors: a peer's last frames (a REFUSE, a FAIL) arrive before
+            // its endpoint's end and must be read first.
             busy |= self.receive();
+            busy |= self.errors();
             busy |= self.send();
             self.closing.retain_mut(|r| r.poll().is_none());
             if let Some(deadline) = self.stopping {
@@ -440,11 +444,14 @@ impl Thread<'_> {
         if let Some(c) = self.conns.remove(&id) {
             self.by_ep.remove(&c.ep.key());
             if graceful {
+                // The sends still in flight (a REFUSE, the last FAILs) complete before the
+                // close: dropping their requests would cancel them.
+                self.closing.extend(c.inflight.into_iter().map(|(r, _)| r));
                 if let Ok(r) = c.ep.close(false) {
                     self.closing.push(r);
                 }
             }
-            // Else dropped: force-closed.
+            // Else dropped: force-closed, what is in flight cancelled.
         }
     }
 
@@ -607,27 +614,18 @@ impl Thread<'_> {
                 return;
             }
         };
-        if seq != c.next_in {
-            if seq < c.next_in || c.early.len() >= 4096 {
-                self.fail(
-                    id,
-                    format!("the peer broke the protocol: frame {seq} out of order"),
-                );
+        let frames = match c.incoming.accept(seq, frame) {
+            Ok(f) => f,
+            Err(e) => {
+                self.fail(id, format!("the peer broke the protocol: {e}"));
                 return;
             }
-            c.early.insert(seq, frame);
-            return;
-        }
-        self.handle(id, frame);
-        // Frames that were waiting for this one.
-        loop {
-            let Some(c) = self.conns.get_mut(&id) else {
+        };
+        for frame in frames {
+            // A frame may end the connection: the rest go with it.
+            if !self.conns.contains_key(&id) {
                 return;
-            };
-            let next = c.next_in;
-            let Some(frame) = c.early.remove(&next) else {
-                return;
-            };
+            }
             self.handle(id, frame);
         }
     }
@@ -637,7 +635,6 @@ impl Thread<'_> {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        c.next_in += 1;
         match &c.state {
             State::Bound { link, handler } => {
                 let (link, handler) = (link.clone(), handler.clone());
@@ -755,5 +752,80 @@ impl Thread<'_> {
             })
             .min()
             .unwrap_or_else(|| Instant::now() + TICK)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(header: Vec<u8>, data: Vec<u8>) -> Message {
+        Message {
+            id: FRAME,
+            header,
+            data,
+            from: None,
+        }
+    }
+
+    /// What `Conn::send` puts in an active message's header: the sequence number, then the
+    /// frame's header (and a DATA frame's offset).
+    fn header(seq: u64, frame_head: &[u8]) -> Vec<u8> {
+        let mut h = seq.to_le_bytes().to_vec();
+        h.extend_from_slice(frame_head);
+        h
+    }
+
+    #[test]
+    fn messages_parse_back_into_the_frames_sent() {
+        let f = wire::encode(Kind::Fail, 7, b"{}");
+        let (seq, (kind, room, offset, data)) = parse(message(
+            header(3, &f[..wire::HEADER]),
+            f[wire::HEADER..].to_vec(),
+        ))
+        .unwrap();
+        assert_eq!(
+            (seq, kind, room, offset, data),
+            (3, Kind::Fail, 7, None, b"{}".to_vec())
+        );
+        let bytes = vec![9u8; 1000];
+        let prefix = wire::data_prefix(5, 4096, bytes.len());
+        let (seq, (kind, room, offset, data)) =
+            parse(message(header(4, &prefix), bytes.clone())).unwrap();
+        assert_eq!((seq, kind, room, offset), (4, Kind::Data, 5, Some(4096)));
+        assert_eq!(data, bytes);
+    }
+
+    #[test]
+    fn malformed_messages_are_refused_naming_the_fault() {
+        let f = wire::encode(Kind::Fail, 7, b"{}");
+        let cases = [
+            // Shorter than a sequence number and a frame header.
+            (header(0, &f[..8]), vec![], "header of 16 bytes"),
+            // The payload's length differs from the header's.
+            (
+                header(0, &f[..wire::HEADER]),
+                b"{}!".to_vec(),
+                "announcing 2 bytes carries 3",
+            ),
+            // A DATA frame without its offset.
+            (
+                header(0, &wire::data_prefix(1, 0, 4)[..wire::HEADER]),
+                vec![0; 12],
+                "carries",
+            ),
+            // An unknown kind.
+            (header(0, &[77u8; 16]), vec![], "unknown frame kind 77"),
+            // Over the kind's payload limit.
+            (
+                header(0, &wire::data_prefix(1, 0, 64 << 20)),
+                vec![],
+                "exceeds its limit",
+            ),
+        ];
+        for (h, d, says) in cases {
+            let e = parse(message(h, d)).unwrap_err();
+            assert!(e.contains(says), "{says}: {e}");
+        }
     }
 }
