@@ -796,6 +796,40 @@ mod tests {
         assert_eq!(data, bytes);
     }
 
+    proptest::proptest! {
+        /// Any bytes a peer sends as a header and data: parsed or refused, never a panic; what
+        /// parses has the data the header announces. Headers are built as the sender builds
+        /// them with each field drawn at random (so that many parse), or are random bytes.
+        #[test]
+        fn any_message_parses_or_is_refused(
+            raw in proptest::collection::vec(proptest::num::u8::ANY, 0..48),
+            use_raw in proptest::bool::ANY,
+            kind in 0u8..12,
+            reserved in proptest::sample::select(vec![0u8, 0, 0, 1]),
+            declared_extra in 0u32..10,
+            len in 0usize..600,
+            with_offset in proptest::bool::ANY,
+        ) {
+            let h = if use_raw {
+                raw
+            } else {
+                let mut h = 5u64.to_le_bytes().to_vec();
+                h.extend_from_slice(&[kind, reserved, 0, 0]);
+                h.extend_from_slice(&(len as u32 + declared_extra % 9).to_le_bytes());
+                h.extend_from_slice(&3u64.to_le_bytes());
+                if with_offset {
+                    h.extend_from_slice(&4096u64.to_le_bytes());
+                }
+                h
+            };
+            let data = vec![0u8; len];
+            if let Ok((_, (kind, _, offset, bytes))) = parse(message(h, data)) {
+                proptest::prop_assert_eq!(bytes.len(), len);
+                proptest::prop_assert_eq!(offset.is_some(), kind == Kind::Data);
+            }
+        }
+    }
+
     #[test]
     fn malformed_messages_are_refused_naming_the_fault() {
         let f = wire::encode(Kind::Fail, 7, b"{}");
