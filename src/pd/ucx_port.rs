@@ -86,6 +86,15 @@ struct Signal {
     worker: usize,
 }
 
+/// Clears the wake-up signal when dropped (before the worker it names is destroyed).
+struct ClearSignal(Arc<Mutex<Option<Signal>>>);
+
+impl Drop for ClearSignal {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
 /// The handle other threads hold: queues commands and wakes the thread.
 #[derive(Clone)]
 pub struct Port {
@@ -201,6 +210,9 @@ pub fn start(
             api: ctx.api_handle(),
             worker: worker.raw() as usize,
         });
+        // Declared after the worker, so dropped before it, on every path (a panic included):
+        // no signal can reach a destroyed worker.
+        let _clear = ClearSignal(p.signal.clone());
         let _ = ready_tx.send(Ok(listener.as_ref().map(|l| l.local_addr())));
         let mut thread = Thread {
             port: p.clone(),
@@ -213,11 +225,19 @@ pub fn start(
             closing: Vec::new(),
             stopping: None,
         };
-        thread.run(&rx);
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| thread.run(&rx)));
+        if let Err(e) = run {
+            let why = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            log::error!("PD: the UCX thread failed (a dsv4 bug): {why}");
+            // Its links cannot move another frame: down, so their rooms fail now.
+            thread.abandon(&format!("the UCX thread failed: {why}"));
+        }
         drop(thread);
         drop(listener);
-        // Cleared under the lock before the worker goes: no signal can reach a dead worker.
-        *p.signal.lock().unwrap_or_else(|e| e.into_inner()) = None;
     })
     .map_err(|e| format!("cannot start the UCX thread: {e}"))?;
     let bound = ready
@@ -244,8 +264,9 @@ enum State {
         deadline: Instant,
         reply: Sender<Result<Connected, String>>,
     },
-    /// Answered: waiting for [`Port::bind`]; frames that arrive meanwhile are held.
-    Answered(Vec<Message>),
+    /// Answered: waiting for [`Port::bind`] until the deadline; frames that arrive meanwhile
+    /// are held.
+    Answered(Vec<Message>, Instant),
     Bound {
         link: Arc<Link>,
         handler: Arc<dyn Handler>,
@@ -362,7 +383,11 @@ fn parse(m: Message) -> Result<(u64, Parsed), String> {
             h.len()
         ));
     };
-    let want = len - offset.map_or(0, |_| 8);
+    let Some(want) = len.checked_sub(offset.map_or(0, |_| 8)) else {
+        return Err(format!(
+            "a {kind:?} frame announcing {len} bytes, less than its offset"
+        ));
+    };
     if m.data.len() != want || (kind == Kind::Data && offset.is_none()) {
         return Err(format!(
             "a {kind:?} frame announcing {len} bytes carries {}",
@@ -406,7 +431,7 @@ impl Thread<'_> {
                     return;
                 }
                 if Instant::now() >= deadline {
-                    self.conns.clear();
+                    self.abandon("the engine shut down");
                     return;
                 }
             }
@@ -429,6 +454,27 @@ impl Thread<'_> {
                 let next = self.next_heartbeat().min(now + tick);
                 self.worker.wait(next.saturating_duration_since(now), None);
             }
+        }
+    }
+
+    /// Ends every connection at once, waiting for nothing: bound links go down with `why`;
+    /// operations still in flight are abandoned (their buffers leak rather than be freed
+    /// under UCX), endpoints force-closed without waiting.
+    fn abandon(&mut self, why: &str) {
+        for (_, c) in self.conns.drain() {
+            if let State::Bound { link, handler } = &c.state {
+                link.go_down(handler, why.to_string());
+            }
+            for (r, _) in c.inflight {
+                r.abandon();
+            }
+            if let Ok(r) = c.ep.close(true) {
+                r.abandon();
+            }
+        }
+        self.by_ep.clear();
+        for r in self.closing.drain(..) {
+            r.abandon();
         }
     }
 
@@ -496,7 +542,7 @@ impl Thread<'_> {
                         handler: handler.clone(),
                     },
                 ) {
-                    State::Answered(held) => held,
+                    State::Answered(held, _) => held,
                     _ => Vec::new(),
                 };
                 link.heard();
@@ -545,7 +591,7 @@ impl Thread<'_> {
             .conns
             .iter()
             .filter(|(_, c)| match &c.state {
-                State::Accepting(d) => now >= *d,
+                State::Accepting(d) | State::Answered(_, d) => now >= *d,
                 State::Connecting { deadline, .. } => now >= *deadline,
                 _ => false,
             })
@@ -603,7 +649,7 @@ impl Thread<'_> {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        if let State::Answered(held) = &mut c.state {
+        if let State::Answered(held, _) = &mut c.state {
             held.push(m);
             return;
         }
@@ -632,6 +678,8 @@ impl Thread<'_> {
 
     /// A frame in its turn, by the connection's state.
     fn handle(&mut self, id: u64, (kind, room, offset, data): Parsed) {
+        // An answered connection waits this long for its link.
+        let deadline = Instant::now() + self.handshake;
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
@@ -680,7 +728,7 @@ impl Thread<'_> {
                     payload: data,
                 };
                 let State::Connecting { reply, .. } =
-                    std::mem::replace(&mut c.state, State::Answered(Vec::new()))
+                    std::mem::replace(&mut c.state, State::Answered(Vec::new(), deadline))
                 else {
                     unreachable!("matched above")
                 };
@@ -688,7 +736,7 @@ impl Thread<'_> {
                     self.remove(id, false);
                 }
             }
-            State::Answered(_) => unreachable!("held before parsing"),
+            State::Answered(..) => unreachable!("held before parsing"),
         }
     }
 
@@ -847,6 +895,16 @@ mod tests {
                 header(0, &wire::data_prefix(1, 0, 4)[..wire::HEADER]),
                 vec![0; 12],
                 "carries",
+            ),
+            // A DATA frame with its offset announcing fewer bytes than the offset itself.
+            (
+                header(0, &{
+                    let mut p = wire::data_prefix(1, 0, 0);
+                    p[4..8].copy_from_slice(&4u32.to_le_bytes());
+                    p
+                }),
+                vec![],
+                "less than its offset",
             ),
             // An unknown kind.
             (header(0, &[77u8; 16]), vec![], "unknown frame kind 77"),

@@ -158,8 +158,9 @@ impl Endpoint {
     /// [`Self::put`] from memory the caller owns (a pool's pages).
     ///
     /// # Safety
-    /// `len` bytes at `ptr` stay readable and unchanged until the request completes (or is
-    /// dropped, which waits for UCX to let go of them).
+    /// `len` bytes at `ptr` stay readable and unchanged until the request completes; if it is
+    /// dropped or abandoned before that, until the worker is destroyed (a drop waits at most
+    /// 5 s for UCX to let go, then gives up).
     pub unsafe fn put_raw(
         &self,
         ptr: *const u8,

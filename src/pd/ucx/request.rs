@@ -15,8 +15,10 @@ enum State {
 }
 
 /// An operation in flight. Owns whatever buffers the operation reads or writes (`keep`), so
-/// they live until UCX is done with them; dropping a pending request cancels it and waits for
-/// UCX to let go of those buffers.
+/// they live until UCX is done with them. Dropping a pending request asks UCX to cancel it
+/// (which UCX 1.13 does only for tag receives: a send, put, flush or close goes on) and
+/// progresses the worker until it completes, at most 5 s; after that its buffers leak rather
+/// than be freed under UCX. [`Self::abandon`] leaks them at once.
 pub struct Request {
     core: Rc<Core>,
     state: State,
@@ -82,13 +84,24 @@ impl Request {
     }
 }
 
+impl Request {
+    /// Gives the operation up without waiting: its buffers and the request leak (the worker's
+    /// teardown ends the operation). For shutdowns that must not wait on a dead peer.
+    pub fn abandon(mut self) {
+        if let State::Pending(_) = self.state {
+            std::mem::forget(self.keep.take());
+            self.state = State::Ended(Err("abandoned".into()));
+        }
+    }
+}
+
 impl Drop for Request {
     fn drop(&mut self) {
         let State::Pending(p) = self.state else {
             return;
         };
-        // SAFETY: `p` is a live request of this worker; cancelling completes it (with
-        // UCS_ERR_CANCELED) at a later progress.
+        // SAFETY: `p` is a live request of this worker. Cancelling completes a receive at a
+        // later progress; other operations complete on their own as the worker progresses.
         unsafe { (self.core.ctx.api.ucp_request_cancel)(self.core.h, p) };
         let deadline = Instant::now() + Duration::from_secs(5);
         while self.poll().is_none() {

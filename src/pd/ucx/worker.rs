@@ -185,13 +185,17 @@ impl Drop for Core {
             // SAFETY: an announced descriptor never received: released once.
             unsafe { (api.ucp_am_data_release)(self.h, desc) };
         }
-        for (p, _) in ev.receiving.drain(..) {
-            // SAFETY: live requests of this worker: cancelled, then freed (UCX completes them
-            // as the worker goes).
+        // Receives still in flight: their buffers are kept until the worker is gone (UCX may
+        // write into them until then).
+        let mut receiving_into = Vec::new();
+        for (p, message) in ev.receiving.drain(..) {
+            // SAFETY: live requests of this worker: cancelled, then released to UCX, which
+            // frees them when they end (at the latest with the worker below).
             unsafe {
                 (api.ucp_request_cancel)(self.h, p);
                 (api.ucp_request_free)(p);
             }
+            receiving_into.push(message);
         }
         for c in ev.conn_requests.drain(..) {
             // Never accepted: connection requests belong to a listener already gone; UCX
@@ -201,6 +205,7 @@ impl Drop for Core {
         // SAFETY: every endpoint, listener and request holds an Rc to this core, so none is
         // left; the worker is destroyed once.
         unsafe { (api.ucp_worker_destroy)(self.h) };
+        drop(receiving_into);
     }
 }
 
