@@ -181,3 +181,33 @@ fn a_message_over_the_receivers_limits_is_dropped_and_its_endpoint_reported() {
         "a refused message was delivered"
     );
 }
+
+#[test]
+fn what_is_queued_for_a_forgotten_endpoint_is_dropped() {
+    let (sctx, cctx) = (context(), context());
+    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
+    server.receive(DONE, 64, 64).unwrap();
+    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let to_server = client.connect(listener.local_addr()).unwrap();
+    let to_client = drive(&server, &client, "the connection", || server.accept()).unwrap();
+    let mut sends: Vec<_> = (0..3u8)
+        .map(|i| to_server.send(DONE, vec![i], Vec::new()).unwrap())
+        .collect();
+    for s in &mut sends {
+        drive(&server, &client, "a send", || s.poll()).unwrap();
+    }
+    drive(&server, &client, "the three queued", || {
+        (server.queued() == 3).then_some(())
+    });
+    server.forget(to_client.key());
+    assert_eq!(server.queued(), 0);
+    assert!(
+        server.take_message().is_none(),
+        "a forgotten endpoint's message was delivered"
+    );
+    // Later messages from the endpoint are queued again.
+    let mut again = to_server.send(DONE, vec![9], Vec::new()).unwrap();
+    let m = drive(&server, &client, "a later message", || take(&server, DONE));
+    assert_eq!(m.header, vec![9]);
+    assert!(again.poll().is_some());
+}

@@ -462,6 +462,7 @@ impl Thread<'_> {
     /// under UCX), endpoints force-closed without waiting.
     fn abandon(&mut self, why: &str) {
         for (_, c) in self.conns.drain() {
+            self.worker.forget(c.ep.key());
             if let State::Bound { link, handler } = &c.state {
                 link.go_down(handler, why.to_string());
             }
@@ -489,6 +490,7 @@ impl Thread<'_> {
     fn remove(&mut self, id: u64, graceful: bool) {
         if let Some(c) = self.conns.remove(&id) {
             self.by_ep.remove(&c.ep.key());
+            self.worker.forget(c.ep.key());
             if graceful {
                 // The sends still in flight (a REFUSE, the last FAILs) complete before the
                 // close: dropping their requests would cancel them.

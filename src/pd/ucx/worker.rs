@@ -318,6 +318,19 @@ impl Worker {
         self.core.events.borrow_mut().messages.pop_front()
     }
 
+    /// Messages queued for [`Self::take_message`].
+    pub fn queued(&self) -> usize {
+        self.core.events.borrow().messages.len()
+    }
+
+    /// Drops what is queued for endpoint `ep` (messages, errors): called when it is closed, so
+    /// that a later endpoint UCX allocates at the same address is not handed them.
+    pub fn forget(&self, ep: EpKey) {
+        let mut ev = self.core.events.borrow_mut();
+        ev.messages.retain(|m| m.from != Some(ep));
+        ev.errors.retain(|(e, _)| *e != ep);
+    }
+
     /// Endpoints that failed (peer gone, connection reset, timeout) since the last call.
     pub fn take_errors(&self) -> Vec<(EpKey, String)> {
         std::mem::take(&mut self.core.events.borrow_mut().errors)
