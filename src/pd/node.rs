@@ -294,10 +294,6 @@ impl Handler for LinkHandler {
     }
 }
 
-fn endpoint_text(e: &Endpoint) -> String {
-    e.text()
-}
-
 /// Answers UCX connections for the node (set once the node exists).
 struct UcxAcceptor(std::sync::OnceLock<Weak<Inner>>);
 
@@ -348,7 +344,7 @@ fn resolve(e: &Endpoint) -> std::io::Result<Vec<SocketAddr>> {
 impl Node {
     /// Binds `cfg.listen` and starts the listener and the timer.
     pub fn start(cfg: Config, sink: Arc<dyn Sink>) -> Result<Node> {
-        let listen_text = endpoint_text(&cfg.listen);
+        let listen_text = cfg.listen.text();
         let addrs = resolve(&cfg.listen).map_err(|e| {
             Error::config(format!(
                 "pd.listen = {listen_text}: cannot resolve the host: {e}"
@@ -367,12 +363,13 @@ impl Node {
             .local_addr()
             .map_err(|e| Error::internal(format!("the PD listener has no address: {e}")))?;
         let endpoint = match &cfg.advertise {
-            Some(a) => endpoint_text(a),
-            None => endpoint_text(&Endpoint {
+            Some(a) => a.text(),
+            None => Endpoint {
                 transport: PdTransport::Tcp,
                 host: bound.ip().to_string(),
                 port: bound.port(),
-            }),
+            }
+            .text(),
         };
         listener
             .set_nonblocking(true)
@@ -418,7 +415,7 @@ impl Node {
     /// [`Self::start`] over UCX: libucp loaded (`DSV4_ERR_UNSUPPORTED` naming the package when
     /// it cannot be), its thread listening on the first of `addrs`.
     fn start_ucx(cfg: Config, sink: Arc<dyn Sink>, addrs: &[SocketAddr]) -> Result<Node> {
-        let listen_text = endpoint_text(&cfg.listen);
+        let listen_text = cfg.listen.text();
         let ctx = super::ucx::Context::new(cfg.ucx_library.as_deref(), None)
             .map_err(|e| Error::unsupported(format!("pd.transport = \"ucx\": {e}")))?;
         let addr = *addrs.first().ok_or_else(|| {
@@ -437,12 +434,13 @@ impl Node {
             })?;
         let bound = started.bound.unwrap_or(addr);
         let endpoint = match &cfg.advertise {
-            Some(a) => endpoint_text(a),
-            None => endpoint_text(&Endpoint {
+            Some(a) => a.text(),
+            None => Endpoint {
                 transport: PdTransport::Ucx,
                 host: bound.ip().to_string(),
                 port: bound.port(),
-            }),
+            }
+            .text(),
         };
         let inner = Arc::new(Inner {
             cfg,

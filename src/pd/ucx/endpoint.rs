@@ -147,39 +147,6 @@ impl Endpoint {
         remote_addr: u64,
         rkey: &RemoteKey,
     ) -> Result<Request, String> {
-        let keep = Box::new(data);
-        let bytes = (*keep).as_ref();
-        let (ptr, len) = (bytes.as_ptr(), bytes.len());
-        // SAFETY: the bytes are the boxed value's, taken after boxing, and the request keeps
-        // the box until UCX is done with them.
-        unsafe { self.put_from(ptr, len, remote_addr, rkey, Some(keep as Box<dyn Any>)) }
-    }
-
-    /// [`Self::put`] from memory the caller owns (a pool's pages).
-    ///
-    /// # Safety
-    /// `len` bytes at `ptr` stay readable and unchanged until the request completes; if it is
-    /// dropped or abandoned before that, until the worker is destroyed (a drop waits at most
-    /// 5 s for UCX to let go, then gives up).
-    pub unsafe fn put_raw(
-        &self,
-        ptr: *const u8,
-        len: usize,
-        remote_addr: u64,
-        rkey: &RemoteKey,
-    ) -> Result<Request, String> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.put_from(ptr, len, remote_addr, rkey, None) }
-    }
-
-    unsafe fn put_from(
-        &self,
-        ptr: *const u8,
-        len: usize,
-        remote_addr: u64,
-        rkey: &RemoteKey,
-        keep: Option<Box<dyn Any>>,
-    ) -> Result<Request, String> {
         if !Rc::ptr_eq(&rkey.ep, &self.inner) {
             return Err(
                 "a remote key is used on an endpoint other than the one it was \
@@ -187,20 +154,23 @@ impl Endpoint {
                     .into(),
             );
         }
+        let keep = Box::new(data);
+        let bytes = (*keep).as_ref();
         let rp = sys::RequestParam::empty();
         let core = &self.inner.core;
-        // SAFETY: live endpoint and remote key; the caller vouches for the source bytes.
+        // SAFETY: live endpoint and remote key; the bytes are the boxed value's, taken after
+        // boxing (they do not move), and the request keeps the box until UCX is done with them.
         let p = unsafe {
             (core.ctx.api.ucp_put_nbx)(
                 self.inner.h,
-                ptr.cast::<c_void>(),
-                len,
+                bytes.as_ptr().cast::<c_void>(),
+                bytes.len(),
                 remote_addr,
                 rkey.h,
                 &rp,
             )
         };
-        Request::start(core, p, "ucp_put_nbx", keep)
+        Request::start(core, p, "ucp_put_nbx", Some(keep as Box<dyn Any>))
     }
 
     /// Completes when every operation issued on this endpoint before it is complete at the
