@@ -194,7 +194,7 @@ bench-transfer: deps
 	$(CARGO) run --release --example bench_transfer
 
 # PD room transfer over the ucx transport against ucx_perftest (same UCX_TLS, same bytes in
-# 256 KiB active messages) and against the tcp transport; last line `ratios ucx_vs_perftest=…`.
+# 256 KiB RMA puts, ucp_put_bw) and against the tcp transport; last line `ratios ucx_vs_perftest=…`.
 bench-ucx: deps
 	$(CARGO) run --release --example bench_ucx
 

@@ -4,9 +4,11 @@
 //! A prefill engine computes R rooms of one long prompt and holds them; the decode claims them
 //! all at once (1 new token: landing the state ends the request) and the wall time from the
 //! first decode submit to the last room landed is one round. Each round is run on a ucx pair
-//! and on a tcp pair, and `ucx_perftest -t ucp_am_bw` moves the same bytes as active messages
-//! of the same size (wire::DATA_CHUNK, 256 KiB: one DATA frame each) between two processes over
-//! the same UCX transports. Each ratio is the median round's.
+//! and on a tcp pair, and `ucx_perftest -t ucp_put_bw` moves the same bytes as RMA puts of the
+//! same size (wire::DATA_CHUNK, 256 KiB: one DATA frame's worth each) between two processes over
+//! the same UCX transports — over UCX the engines write each room's state by RMA straight into
+//! the decode's pools (checked: every byte counts as RMA bytes). Each ratio is the median
+//! round's.
 //!
 //! UCX_TLS is the same for the engines and ucx_perftest: `--tls` (default `tcp`). Both engines
 //! live in this one process, where UCX would otherwise pick shared memory between its two
@@ -34,7 +36,7 @@ use dsv4::pd::wire::DATA_CHUNK;
 use pd::Pair;
 use rooms::*;
 
-/// Seconds `ucx_perftest -t ucp_am_bw` takes to move `messages` active messages of `size`
+/// Seconds `ucx_perftest -t ucp_put_bw` takes to move `messages` puts of `size`
 /// bytes between a server and a client process on loopback (its own measured loop, from its
 /// "Final:" line's overall bandwidth; process start-up is not counted).
 fn perftest(messages: usize, size: usize) -> f64 {
@@ -47,7 +49,7 @@ fn perftest(messages: usize, size: usize) -> f64 {
         v.extend(
             [
                 "-t",
-                "ucp_am_bw",
+                "ucp_put_bw",
                 "-s",
                 &size.to_string(),
                 "-n",
@@ -160,6 +162,10 @@ fn main() {
         vs_tcp.push(t / u);
         (t_ucx, t_tcp, t_perf) = (t_ucx + u, t_tcp + t, t_perf + p);
     }
+    assert_eq!(
+        d_ucx.rma_bytes, d_ucx.bytes,
+        "over ucx every byte is written by RMA"
+    );
     let listed = |r: &[f64]| {
         r.iter()
             .map(|r| format!("{r:.2}"))
@@ -190,7 +196,7 @@ fn main() {
         pd::gbps(d_tcp.bytes, t_tcp)
     );
     println!(
-        "  ucx_perftest ucp_am_bw {:7.2} ms a round  {:7.3} GB/s   ({messages} messages of {} KiB \
+        "  ucx_perftest ucp_put_bw {:6.2} ms a round  {:7.3} GB/s   ({messages} puts of {} KiB \
          a round, two processes)",
         per_round(t_perf),
         pd::gbps(bytes, t_perf),

@@ -14,7 +14,8 @@
 //!   usage   flushes the device cache -> usage pages=<n> slots=<n> snapshots=<n>
 //!   metrics   the PD gauges -> metrics prefill_bootstrap=<n> prefill_inflight=<n>
 //!       decode_prealloc=<n> decode_transfer=<n> pages_held=<n> early_claims=<n> peers=<n>
-//!       transfers=<n> failures=<n>   (the last two: kv_transfer requests and failures totals)
+//!       transfers=<n> failures=<n> bytes=<n> rma_bytes=<n>   (kv_transfer requests, failures,
+//!       bytes, and bytes written by RMA: totals)
 //!   quit    (or end of input) aborts what is in flight and exits -> bye
 //! Events, as they come: `token <room> <id>`, `finished <room> <reason>`,
 //! `error <room> <ErrorKind> <message>`.
@@ -257,7 +258,7 @@ fn run() -> Result<(), String> {
                 out.line(&format!(
                     "metrics prefill_bootstrap={} prefill_inflight={} decode_prealloc={} \
                      decode_transfer={} pages_held={} early_claims={} peers={} transfers={} \
-                     failures={}",
+                     failures={} bytes={} rma_bytes={}",
                     g.prefill_bootstrap,
                     g.prefill_inflight,
                     g.decode_prealloc,
@@ -266,7 +267,9 @@ fn run() -> Result<(), String> {
                     g.early_claims,
                     g.peers,
                     m.kv_transfer.requests,
-                    m.kv_transfer.failures
+                    m.kv_transfer.failures,
+                    m.kv_transfer.bytes,
+                    m.kv_transfer.rma_bytes
                 ));
             }
             ["usage"] => match engine.flush_cache(Tier::Device) {

@@ -395,6 +395,11 @@ typedef struct {
      * complete pages overlapping the transfer with compute.
      */
     uint64_t kv_transfer_early_bytes_total;
+    /**
+     * Of the bytes transferred, those written by RMA straight into the decode's pool memory
+     * (`pd.transport = "ucx"` with host-memory pools); 0 over TCP.
+     */
+    uint64_t kv_transfer_rma_bytes_total;
 } dsv4_metrics;
 
 /**

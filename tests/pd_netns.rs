@@ -180,6 +180,10 @@ fn a_pair_on_two_hosts_is_bit_equal_to_a_unified_engine_and_counts_its_transfers
         (n, 0, 1),
         "decode: {dm:?}"
     );
+    // Over UCX the prefill wrote every state byte into the decode host's pools by RMA.
+    assert!(pm["bytes"] > 0);
+    let rma = if TRANSPORT == "ucx" { pm["bytes"] } else { 0 };
+    assert_eq!((pm["rma_bytes"], dm["rma_bytes"]), (rma, rma), "{pm:?} {dm:?}");
     d.quit();
     p.quit();
     eprintln!(

@@ -130,6 +130,7 @@ pub fn delta(after: KvTransfer, before: KvTransfer) -> KvTransfer {
         seconds: after.seconds - before.seconds,
         failures: after.failures - before.failures,
         early_bytes: after.early_bytes - before.early_bytes,
+        rma_bytes: after.rma_bytes - before.rma_bytes,
     }
 }
 
@@ -138,6 +139,8 @@ pub fn add(sum: &mut KvTransfer, x: KvTransfer) {
     sum.bytes += x.bytes;
     sum.seconds += x.seconds;
     sum.failures += x.failures;
+    sum.early_bytes += x.early_bytes;
+    sum.rma_bytes += x.rma_bytes;
 }
 
 /// Claims the computed rooms `ids` all at once: the wall seconds from the first decode submit

@@ -190,6 +190,8 @@ pub struct KvTransfer {
     pub failures: u64,
     /// Of `bytes`, those sent (prefill) or received (decode) while the prompt was computing.
     pub early_bytes: u64,
+    /// Of `bytes`, those written by RMA straight into the decode's pool memory (UCX).
+    pub rma_bytes: u64,
 }
 
 /// Prefill/decode rooms and their transfers (zero in the unified role). The queue names are

@@ -195,6 +195,14 @@ fn start<B: Backend>(
                 heartbeat_misses: p.heartbeat_misses,
                 max_rooms: p.max_rooms as usize,
                 layout: cache.pools().layout().fingerprint().clone(),
+                // Host-memory pools may be written by a prefill's RMA (UCX); the engine thread
+                // shuts the node down before it frees them.
+                rma_regions: match role {
+                    Role::Decode if cache.pools().backend().buffers_in_host_memory() => {
+                        cache.pools().regions()
+                    }
+                    _ => Vec::new(),
+                },
             };
             let sink: Arc<dyn pd::Sink> = shared.clone();
             Some(Arc::new(Node::start(cfg, sink)?))
@@ -699,6 +707,7 @@ impl Engine {
                 seconds: s.seconds,
                 failures: s.failures.iter().sum(),
                 early_bytes: s.early_bytes,
+                rma_bytes: s.rma_bytes,
             };
             m.transfer_latency = s.transfer_latency;
             m.transfer_bytes = s.transfer_bytes;

@@ -93,7 +93,7 @@ pub fn render(
         }
     }
 
-    let counters: [(&str, &str, f64); 21] = [
+    let counters: [(&str, &str, f64); 22] = [
         ("num_requests_total", "Requests accepted by submit.", m.requests as f64),
         (
             "num_aborted_requests_total",
@@ -146,6 +146,11 @@ pub fn render(
             "kv_transfer_early_bytes_total",
             "KV bytes sent (prefill) or received (decode) while the prompt was still computing.",
             t.early_bytes as f64,
+        ),
+        (
+            "kv_transfer_rma_bytes_total",
+            "KV bytes written by RMA straight into the decode engine's pool memory (UCX).",
+            t.rma_bytes as f64,
         ),
     ];
     for (name, help, value) in counters {

@@ -162,6 +162,8 @@ impl<B: Backend> Worker<B> {
             prompt_tokens: r.spec.prompt.len(),
             slot: r.req.kv().slot(),
             pages: r.req.kv().pages().iter().map(|p| p.0).collect(),
+            // The node adds the destination's memory where the prefill may write it by RMA.
+            rma_spans: Vec::new(),
         };
         let max_bytes = self.cache.import_bytes(r.spec.prompt.len());
         // Host-memory pools take the bytes straight from the link's reader; the request keeps

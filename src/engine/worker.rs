@@ -104,6 +104,11 @@ impl<B: Backend> Worker<B> {
             }
             *shared.admission() = Admission::default();
         }
+        // The node's threads may write into the pools (a DATA frame read into a destination,
+        // a prefill's RMA writes): they stop before the pools are freed with this worker.
+        if let Some(node) = &self.pd {
+            node.shutdown();
+        }
         *shared.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
         shared.stopped_cv.notify_all();
         shared.sink.close();

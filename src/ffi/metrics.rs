@@ -127,6 +127,9 @@ pub struct dsv4_metrics {
     /// State bytes sent (prefill) or received (decode) while the prompt was still computing:
     /// complete pages overlapping the transfer with compute.
     pub kv_transfer_early_bytes_total: u64,
+    /// Of the bytes transferred, those written by RMA straight into the decode's pool memory
+    /// (`pd.transport = "ucx"` with host-memory pools); 0 over TCP.
+    pub kv_transfer_rma_bytes_total: u64,
 }
 
 // SAFETY: repr(C); integers and floats only.
@@ -203,8 +206,9 @@ assert_offsets!(dsv4_metrics {
     kv_transfer_claim_wait_seconds_sum: 616,
     kv_transfer_claim_wait_count: 624,
     kv_transfer_early_bytes_total: 632,
+    kv_transfer_rma_bytes_total: 640,
 });
-const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == 640);
+const _: () = assert!(std::mem::size_of::<dsv4_metrics>() == 648);
 const METRICS_SIZE: usize = std::mem::size_of::<dsv4_metrics>();
 /// `struct_size` is at most 4096 bytes: room for hundreds more fields, and an uninitialised
 /// field is caught.
@@ -291,6 +295,7 @@ fn to_c(m: &MetricsSnapshot) -> dsv4_metrics {
         kv_transfer_claim_wait_seconds_sum: m.claim_wait.sum,
         kv_transfer_claim_wait_count: m.claim_wait.count,
         kv_transfer_early_bytes_total: m.kv_transfer.early_bytes,
+        kv_transfer_rma_bytes_total: m.kv_transfer.rma_bytes,
     }
 }
 

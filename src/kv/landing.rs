@@ -11,72 +11,61 @@
 use crate::backend::Backend;
 
 use super::pools::{KvPools, SeqKv};
+use super::spans::Spans;
 use super::state;
 
 /// The destination of one state: `len` bytes spread over host memory regions.
 #[derive(Debug)]
 pub struct Landing {
-    /// `(address, length)` of each region, in state byte order.
-    spans: Vec<(usize, usize)>,
-    /// The state offset each span starts at.
-    starts: Vec<usize>,
-    len: usize,
+    spans: Spans,
 }
 
 impl Landing {
     /// `seq`'s destination in `pools`, or `None` when the pools are not host memory.
     pub fn of<B: Backend>(pools: &KvPools<B>, seq: &SeqKv) -> Option<Self> {
         let spans = state::landing_spans(pools, seq)?;
-        let mut starts = Vec::with_capacity(spans.len());
-        let mut len = 0usize;
-        let mut out = Vec::with_capacity(spans.len());
-        for (addr, n) in spans {
-            let addr = usize::try_from(addr).ok()?;
-            len += n;
-            // Regions that follow each other in memory (consecutive pages of one pool) make
-            // one span: fewer, longer pieces per read.
-            if let Some(last) = out
-                .last_mut()
-                .filter(|l: &&mut (usize, usize)| l.0 + l.1 == addr)
-            {
-                last.1 += n;
-                continue;
-            }
-            starts.push(len - n);
-            out.push((addr, n));
+        // Addresses are used as pointers below: every one must be one on this machine.
+        if spans
+            .iter()
+            .any(|&(a, n)| usize::try_from(a + n as u64).is_err())
+        {
+            return None;
         }
         Some(Self {
-            spans: out,
-            starts,
-            len,
+            spans: Spans::new(spans.into_iter().map(|(a, n)| (a, n as u64)))?,
         })
+    }
+
+    /// A destination over `spans` of host memory the caller owns (tests of the transports).
+    #[cfg(test)]
+    pub(crate) fn over(spans: &[(u64, u64)]) -> Self {
+        Self {
+            spans: Spans::new(spans.iter().copied()).expect("spans within the address space"),
+        }
     }
 
     /// Bytes the destination takes.
     pub fn len(&self) -> usize {
-        self.len
+        self.spans.len() as usize
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.spans.is_empty()
+    }
+
+    /// The destination's memory: `(address, length)` spans in state byte order (what a
+    /// transport writing it from another machine needs).
+    pub fn spans(&self) -> &[(u64, u64)] {
+        self.spans.spans()
     }
 
     /// `(address, length)` pieces of state bytes `start..end` (`end <= len`), in order.
     fn pieces(&self, start: usize, end: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
-        debug_assert!(start <= end && end <= self.len);
-        // The span holding `start`: the last one starting at or before it.
-        let first = self
-            .starts
-            .partition_point(|&s| s <= start)
-            .saturating_sub(1);
-        self.spans[first..]
-            .iter()
-            .zip(&self.starts[first..])
-            .take_while(move |(_, &s)| s < end)
-            .filter_map(move |(&(addr, n), &s)| {
-                let (from, to) = (start.max(s), end.min(s + n));
-                (to > from).then(|| (addr + (from - s), to - from))
-            })
+        debug_assert!(start <= end && end <= self.len());
+        // Addresses and lengths fit a usize: checked in `of`.
+        self.spans
+            .pieces(start as u64, end as u64)
+            .map(|(a, n)| (a as usize, n as usize))
     }
 
     /// The memory of state bytes `start..end` as slices to fill, in order.
@@ -88,7 +77,7 @@ impl Landing {
     /// before this is called).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slices_mut(&self, start: usize, end: usize) -> Vec<&mut [u8]> {
-        self.pieces(start.min(self.len), end.min(self.len))
+        self.pieces(start.min(self.len()), end.min(self.len()))
             // SAFETY: each piece lies inside one region of a pool allocation the pools exposed
             // (`buffer_region`), reserved for this state and accessed by nobody else meanwhile
             // (the caller's contract); pieces of distinct regions do not overlap.
@@ -117,7 +106,7 @@ impl Landing {
     /// The pages must still be reserved for this state and nobody may write bytes
     /// `start..end` meanwhile (they are in: only new ranges are written).
     pub unsafe fn crc_append(&self, mut crc: u32, start: usize, end: usize) -> u32 {
-        for (addr, n) in self.pieces(start.min(self.len), end.min(self.len)) {
+        for (addr, n) in self.pieces(start.min(self.len()), end.min(self.len())) {
             // SAFETY: inside a reserved region (the caller's contract), initialised (pools
             // are zeroed at allocation), and not written while read.
             let bytes =
@@ -134,15 +123,12 @@ mod tests {
 
     /// A landing over three separate buffers (standing in for regions of different pools).
     fn landing(bufs: &mut [Vec<u8>]) -> Landing {
-        let mut starts = Vec::new();
-        let mut spans = Vec::new();
-        let mut len = 0;
-        for b in bufs.iter_mut() {
-            starts.push(len);
-            len += b.len();
-            spans.push((b.as_mut_ptr().expose_provenance(), b.len()));
+        let spans = bufs
+            .iter_mut()
+            .map(|b| (b.as_mut_ptr().expose_provenance() as u64, b.len() as u64));
+        Landing {
+            spans: Spans::new(spans).unwrap(),
         }
-        Landing { spans, starts, len }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`radix`]: the prefix tree over token pages, with snapshots at page boundaries.
 //! - [`cache`]: pools + tree: starting, growing, snapshotting and ending requests.
 //! - [`regions`]: each pool's memory as one `(addr, len)` region a transport can register.
+//! - [`spans`]: a sequence's bytes spread over memory spans (a destination, local or remote).
 //! - [`state`]: one sequence's state as byte regions: export, read, import into other pools.
 //!
 //! `kv` stores bytes in a geometry `plan` defines; it never imports `model`.
@@ -19,6 +20,7 @@ pub mod layout;
 pub mod pools;
 pub mod radix;
 pub mod regions;
+pub mod spans;
 pub mod state;
 pub mod units;
 

@@ -161,6 +161,14 @@ impl Incoming {
         }
     }
 
+    /// Every byte of the state is in the destination (written there by RMA): counted as
+    /// received, and the CRC runs over them.
+    pub(super) fn landed_whole(&mut self) {
+        if self.received == 0 && self.len > 0 && !self.is_released() {
+            self.record(0, self.len);
+        }
+    }
+
     /// Counts bytes `start..end` (checked, non-empty) as received.
     fn record(&mut self, start: usize, end: usize) {
         self.ranges.insert(start, end);

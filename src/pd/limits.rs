@@ -13,6 +13,8 @@ pub const MAX_TEXT: usize = 4096;
 pub const MAX_POOLS: usize = 64;
 /// Most pages one sequence may span (a 2²⁰-page table is 64 M tokens at 64 tokens a page).
 pub const MAX_PAGES: usize = 1 << 20;
+/// Longest packed UCX remote key (hex): a few hundred bytes with every transport UCX has.
+pub const MAX_RKEY_HEX: usize = 16 << 10;
 /// Largest state a room may carry (also bounded by the destination the decode reserved).
 pub const MAX_STATE_BYTES: u64 = 1 << 40;
 
@@ -55,6 +57,15 @@ impl Bounded for Hello {
     fn check(&self) -> Result<(), String> {
         text("protocol", &self.protocol)?;
         text("endpoint", &self.endpoint)?;
+        count("rma_keys", self.rma_keys.len(), MAX_POOLS)?;
+        for k in &self.rma_keys {
+            if k.rkey.len() > MAX_RKEY_HEX {
+                return Err(format!(
+                    "an rma_keys rkey is {} bytes long; the limit is {MAX_RKEY_HEX}",
+                    k.rkey.len()
+                ));
+            }
+        }
         layout(&self.layout)
     }
 }
@@ -73,7 +84,8 @@ impl Bounded for Failure {
 
 impl Bounded for Claim {
     fn check(&self) -> Result<(), String> {
-        count("pages", self.pages.len(), MAX_PAGES)
+        count("pages", self.pages.len(), MAX_PAGES)?;
+        count("rma_spans", self.rma_spans.len(), MAX_PAGES)
     }
 }
 
@@ -115,11 +127,11 @@ impl Bounded for Done {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::wire::{self, encode_json, Kind, Side};
+pub(crate) mod tests {
+    use super::super::wire::{self, encode_json, Kind, RmaKey, Side};
     use super::*;
 
-    fn fingerprint() -> LayoutFingerprint {
+    pub(crate) fn fingerprint() -> LayoutFingerprint {
         LayoutFingerprint {
             model: "tiny".into(),
             layers: "SCH".into(),
@@ -155,8 +167,17 @@ mod tests {
             endpoint: "tcp://10.0.0.1:7000".into(),
             layout: fingerprint(),
             heartbeat_interval_ms: 1000,
+            rma_keys: vec![RmaKey {
+                addr: 1 << 20,
+                len: 4096,
+                rkey: "00ff".into(),
+            }],
         };
         assert_eq!(through_the_wire(Kind::Hello, &hello).unwrap(), hello);
+        let mut long_key = hello.clone();
+        long_key.rma_keys[0].rkey = "0".repeat(MAX_RKEY_HEX + 1);
+        let e = through_the_wire(Kind::Hello, &long_key).unwrap_err();
+        assert!(e.contains("rkey is 16385 bytes long"), "{e}");
         let long = Hello {
             endpoint: "x".repeat(MAX_TEXT + 1),
             ..hello.clone()
@@ -176,9 +197,17 @@ mod tests {
             prompt_tokens: 10,
             slot: 0,
             pages: vec![3; MAX_PAGES + 1],
+            rma_spans: Vec::new(),
         };
         let e = through_the_wire(Kind::Claim, &claim).unwrap_err();
         assert!(e.contains("pages lists 1048577 entries"), "{e}");
+        let spans = Claim {
+            pages: vec![3],
+            rma_spans: vec![(1 << 20, 64); MAX_PAGES + 1],
+            ..claim
+        };
+        let e = through_the_wire(Kind::Claim, &spans).unwrap_err();
+        assert!(e.contains("rma_spans lists 1048577 entries"), "{e}");
 
         let failure = Failure {
             reason: crate::pd::FailReason::Aborted,
@@ -223,7 +252,7 @@ mod seeds {
                     Kind::Data => wire::split_data(&f.payload)
                         .map(drop)
                         .ok_or_else(|| "no offset".to_string()),
-                    Kind::Ack | Kind::Heartbeat => Ok(()),
+                    Kind::Ack | Kind::Heartbeat | Kind::Flushed => Ok(()),
                 };
                 parsed.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
                 frames += 1;

@@ -29,6 +29,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::incoming::Lent;
+use super::rma::Target;
 use super::wire::{self, Frame, Kind, ReadError};
 
 /// At most this many bytes are written by a caller directly (without blocking) before the rest
@@ -65,6 +66,9 @@ pub trait Handler: Send + Sync + 'static {
     }
     /// The link is down (`why`); called once.
     fn on_down(&self, link: &Arc<Link>, why: String);
+    /// UCX: the link's endpoint is closed (after [`Self::on_down`]): nothing the peer wrote by
+    /// RMA can land any more.
+    fn on_closed(&self, _link: &Arc<Link>) {}
 }
 
 /// A piece of a room's outgoing bytes: a ready frame (STATE, DONE), or state bytes that go out
@@ -90,6 +94,9 @@ pub struct Bulk {
     since: Instant,
     /// Set when the room ends: the rest is not sent.
     pub cancel: Arc<AtomicBool>,
+    /// Over UCX, where the decode's claim named its memory: the state's bytes are written
+    /// there by RMA instead of going as DATA frames.
+    target: Option<Arc<Target>>,
 }
 
 impl Bulk {
@@ -126,7 +133,14 @@ impl Bulk {
             left,
             since: Instant::now(),
             cancel,
+            target: None,
         }
+    }
+
+    /// The state's bytes go to `target` by RMA (over UCX).
+    pub fn with_target(mut self, target: Option<Arc<Target>>) -> Self {
+        self.target = target;
+        self
     }
 
     /// The next frame to write and whether it was the last one queued.
@@ -150,6 +164,7 @@ impl Bulk {
                         prefix: wire::data_prefix(self.room, *at, end - range.start),
                         bytes: bytes.clone(),
                         range: range.start..end,
+                        target: self.target.clone(),
                     };
                     *at += (end - range.start) as u64;
                     self.left -= end - range.start;
@@ -182,6 +197,9 @@ pub(super) enum Out {
         prefix: [u8; wire::HEADER + 8],
         bytes: Arc<Vec<u8>>,
         range: std::ops::Range<usize>,
+        /// Over UCX: the decode's memory the bytes are written into by RMA (the frame itself
+        /// does not go out).
+        target: Option<Arc<Target>>,
     },
 }
 
@@ -194,6 +212,7 @@ impl Out {
                 prefix,
                 bytes,
                 range,
+                ..
             } => (prefix, &bytes[range.clone()]),
         }
     }
@@ -529,6 +548,11 @@ impl Link {
         if o.has_work() {
             self.ready.notify_one();
         }
+    }
+
+    /// Whether the link runs over UCX (where the state may be written by RMA).
+    pub fn is_ucx(&self) -> bool {
+        matches!(self.conn, Conn::Ucx(_))
     }
 
     pub fn is_down(&self) -> bool {

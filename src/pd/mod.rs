@@ -10,13 +10,17 @@
 //! move forward ([`room::RoomState`]); every failure ends the room on both sides with a reason.
 //!
 //! `wire`: frames; `room`: room states and failure reasons; `link`: one connection's reader
-//! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines.
+//! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines;
+//! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory.
 
 pub mod in_order;
 pub mod incoming;
 pub mod limits;
 pub mod link;
 pub mod node;
+pub mod rma;
+#[cfg(test)]
+mod rma_tests;
 pub mod room;
 pub mod ucx;
 pub mod ucx_port;

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::incoming::{Incoming, Lent};
 use super::link::{spawn, Bulk, Handler, Link, Segment};
+use super::rma::{self, Target};
 use super::room::{FailReason, RoomState};
 use super::ucx_port::{self, Accepted, Acceptor, Port};
 use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
@@ -81,6 +82,10 @@ pub struct Config {
     pub heartbeat_misses: u32,
     pub max_rooms: usize,
     pub layout: LayoutFingerprint,
+    /// A decode's pool memory where it is host memory: over UCX it is registered at start
+    /// and prefills write states straight into it by RMA. It must stay allocated until
+    /// [`Node::shutdown`] returns.
+    pub rma_regions: Vec<crate::kv::PoolRegion>,
 }
 
 /// Counters, histograms and gauges for the metrics.
@@ -94,6 +99,8 @@ pub struct PdStats {
     /// State bytes sent ahead of the rest (prefill) or received before the STATE frame
     /// (decode): complete pages overlapping the prompt's compute.
     pub early_bytes: u64,
+    /// Of `bytes`, those written by RMA straight into the decode's memory (UCX).
+    pub rma_bytes: u64,
     /// Failed rooms by reason (`FailReason::ALL` order).
     pub failures: [u64; 7],
     /// Live rooms waiting for their claim (a decode room: for its destination).
@@ -120,6 +127,7 @@ impl Default for PdStats {
             bytes: 0,
             seconds: 0.0,
             early_bytes: 0,
+            rma_bytes: 0,
             failures: [0; 7],
             bootstrapping: 0,
             transferring: 0,
@@ -174,6 +182,12 @@ struct Room {
     max_bytes: usize,
     /// Decode: the destination's memory, when the reader may write it directly.
     landing: Option<Arc<Landing>>,
+    /// Decode: the claim named the destination's memory: the prefill writes it by RMA (no
+    /// DATA frames).
+    by_rma: bool,
+    /// Prefill: the decode's memory the state's bytes are written into by RMA (its claim's
+    /// `rma_spans`).
+    target: Option<Arc<Target>>,
     incoming: Option<Incoming>,
     /// Prefill: its request left the admission queue (it is counted here while unclaimed).
     left_queue: bool,
@@ -189,6 +203,14 @@ struct EarlyClaim {
     link: u64,
     peer: String,
     deadline: Instant,
+}
+
+/// A destination a prefill may be writing by RMA.
+struct Written {
+    link: u64,
+    /// When the engine asked for the destination back ([`Node::release_landing`]): it gets
+    /// [`Notice::Released`] once nothing more can land.
+    asked: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -212,6 +234,9 @@ struct Table {
     /// reads), and whether the engine asked for it back meanwhile
     /// ([`Node::release_landing`]: it then waits for [`Notice::Released`]).
     lent: HashMap<u64, bool>,
+    /// Decode: rooms whose destination a prefill may be writing by RMA (claimed with
+    /// `rma_spans`), until its DONE, FAIL or FLUSHED, or until the link's endpoint closed.
+    written: HashMap<u64, Written>,
     next_link: u64,
     stats: PdStats,
 }
@@ -250,6 +275,10 @@ struct Inner {
     tick: Condvar,
     /// The UCX thread, with `ucx://`.
     ucx: Option<Port>,
+    /// A UCX decode's pool memory registered for RMA (unregistered at shutdown), and its keys
+    /// as its HELLO names them.
+    registered: Mutex<Vec<super::ucx::Registered>>,
+    rma_keys: Vec<wire::RmaKey>,
 }
 
 /// The node an engine in a PD role owns. [`Node::shutdown`] stops every thread.
@@ -290,6 +319,12 @@ impl Handler for LinkHandler {
     fn on_down(&self, link: &Arc<Link>, why: String) {
         if let Some(inner) = self.0.upgrade() {
             inner.on_down(link, why);
+        }
+    }
+
+    fn on_closed(&self, link: &Arc<Link>) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.on_closed(link);
         }
     }
 }
@@ -333,6 +368,7 @@ impl Acceptor for UcxAcceptor {
             reply: wire::encode_json(Kind::Hello, 0, &inner.hello()),
             link,
             handler,
+            rma_keys: hello.rma_keys,
         })
     }
 }
@@ -383,6 +419,8 @@ impl Node {
             closing: AtomicBool::new(false),
             tick: Condvar::new(),
             ucx: None,
+            registered: Mutex::new(Vec::new()),
+            rma_keys: Vec::new(),
         });
         let spawn_err =
             |e: std::io::Error| Error::internal(format!("cannot start a PD thread: {e}"));
@@ -423,6 +461,20 @@ impl Node {
                 "pd.listen = {listen_text}: the host has no address"
             ))
         })?;
+        // A decode's pools are registered once: every claim then names its destination in them.
+        let registered = match cfg.side {
+            Side::Decode => ucx_port::register(&ctx, &cfg.rma_regions)
+                .map_err(|e| Error::unsupported(format!("pd.transport = \"ucx\": {e}")))?,
+            Side::Prefill => Vec::new(),
+        };
+        let rma_keys = registered
+            .iter()
+            .map(|r| wire::RmaKey {
+                addr: r.addr,
+                len: r.len as u64,
+                rkey: rma::to_hex(&r.rkey),
+            })
+            .collect();
         let acceptor = Arc::new(UcxAcceptor(std::sync::OnceLock::new()));
         let handshake = cfg.bootstrap_timeout;
         let started =
@@ -451,6 +503,8 @@ impl Node {
             closing: AtomicBool::new(false),
             tick: Condvar::new(),
             ucx: Some(started.port),
+            registered: Mutex::new(registered),
+            rma_keys,
         });
         let _ = acceptor.0.set(Arc::downgrade(&inner));
         let node = Node {
@@ -526,6 +580,8 @@ impl Node {
                 early: Vec::new(),
                 max_bytes: 0,
                 landing: None,
+                by_rma: false,
+                target: None,
                 incoming: None,
                 left_queue: false,
                 active: false,
@@ -659,7 +715,8 @@ impl Node {
         if segments.is_empty() {
             return true;
         }
-        if !link.send_bulk(Bulk::of(room, segments, r.cancel.clone())) {
+        let bulk = Bulk::of(room, segments, r.cancel.clone()).with_target(r.target.clone());
+        if !link.send_bulk(bulk) {
             return false;
         }
         let sent: usize = ranges.iter().map(|e| e.len()).sum();
@@ -695,6 +752,12 @@ impl Node {
             let r = t.rooms.get_mut(&room).expect("looked up above");
             r.deadline = now + inner.cfg.transfer_timeout;
             r.max_bytes = max_bytes;
+            let mut claim = claim;
+            // Registered memory (a UCX decode's host pools): the prefill writes it by RMA.
+            if let Some(l) = landing.as_ref().filter(|_| !inner.rma_keys.is_empty()) {
+                claim.rma_spans = l.spans().to_vec();
+                r.by_rma = true;
+            }
             r.landing = landing.map(Arc::new);
             r.claim = Some(claim);
             match t.by_peer.get(&peer).and_then(|id| t.links.get(id)).cloned() {
@@ -744,6 +807,9 @@ impl Node {
                 t.landed.insert(room, (r.request_id, l));
             }
             let bytes = r.incoming.as_ref().map_or(0, |i| i.received);
+            if r.by_rma {
+                t.stats.rma_bytes += bytes as u64;
+            }
             t.transferred(room, bytes, r.claimed_at);
         }
     }
@@ -759,6 +825,12 @@ impl Node {
             r.incoming.as_mut()
         }) {
             inc.release();
+        }
+        // A prefill may still be writing it by RMA: kept until it says it stopped (its FAIL
+        // or FLUSHED answers the FAIL the engine's close sent) or its endpoint is closed.
+        if let Some(w) = t.written.get_mut(&room) {
+            w.asked.get_or_insert_with(Instant::now);
+            return false;
         }
         match t.lent.get_mut(&room) {
             Some(asked) => {
@@ -845,6 +917,12 @@ impl Node {
                 let _ = h.join();
             }
         }
+        // Every endpoint is closed: no peer writes into the pools any more.
+        inner
+            .registered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 }
 
@@ -983,6 +1061,28 @@ impl Inner {
             self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
             return;
         }
+        if !claim.rma_spans.is_empty() {
+            let link_is_ucx = r
+                .link
+                .and_then(|l| t.links.get(&l))
+                .is_some_and(|l| l.is_ucx());
+            let target = if link_is_ucx {
+                Target::from_claim(&claim.rma_spans)
+            } else {
+                Err("the claim names memory for RMA writes, but it came over TCP".into())
+            };
+            match target {
+                Ok(target) => {
+                    let r = t.rooms.get_mut(&room).expect("looked up above");
+                    r.target = Some(Arc::new(target));
+                }
+                Err(m) => {
+                    self.fail(t, room, FailReason::Mismatch, &m, false, notices);
+                    return;
+                }
+            }
+        }
+        let r = t.rooms.get_mut(&room).expect("looked up above");
         r.state = RoomState::Claimed;
         r.claimed_at = Some(now);
         r.deadline = now + self.cfg.transfer_timeout;
@@ -1011,6 +1111,16 @@ impl Inner {
                 header.state.pages
             );
             self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
+            return;
+        }
+        if let Some(target) = r.target.as_ref().filter(|t| t.len() < bytes.len() as u64) {
+            let msg = format!(
+                "the destination the decode's claim named for RMA writes holds {} bytes, the \
+                 state {}",
+                target.len(),
+                bytes.len()
+            );
+            self.fail(t, room, FailReason::Capacity, &msg, false, notices);
             return;
         }
         if r.early.iter().any(|e| e.end > bytes.len()) {
@@ -1050,7 +1160,7 @@ impl Inner {
         }
         gap(at, bytes.len());
         segments.push(Segment::Frame(done));
-        let bulk = Bulk::of(room, segments, r.cancel.clone());
+        let bulk = Bulk::of(room, segments, r.cancel.clone()).with_target(r.target.clone());
         r.state = RoomState::Transferring;
         let link = r.link.and_then(|l| t.links.get(&l)).cloned();
         if !link.is_some_and(|l| l.send_bulk(bulk)) {
@@ -1074,7 +1184,18 @@ impl Inner {
         let Some(claim) = &r.claim else {
             return;
         };
-        if !link.send(wire::encode_json(Kind::Claim, room, claim)) {
+        let by_rma = r.by_rma;
+        if link.send(wire::encode_json(Kind::Claim, room, claim)) {
+            if by_rma {
+                // From now on the prefill may write into the destination (the table's lock
+                // is held: nothing of the peer's is handled before this).
+                let w = Written {
+                    link: link.id,
+                    asked: None,
+                };
+                t.written.insert(room, w);
+            }
+        } else {
             self.fail(
                 t,
                 room,
@@ -1094,6 +1215,7 @@ impl Inner {
             endpoint: self.endpoint.clone(),
             layout: self.cfg.layout.clone(),
             heartbeat_interval_ms: self.cfg.heartbeat_interval.as_millis() as u64,
+            rma_keys: self.rma_keys.clone(),
         }
     }
 
@@ -1537,9 +1659,19 @@ impl Inner {
 
     fn on_frame(&self, link: &Arc<Link>, frame: Frame) {
         let mut notices = Vec::new();
+        let (room, kind) = (frame.room, frame.kind);
         {
             let mut t = self.table();
-            let room = frame.room;
+            if self.cfg.side == Side::Decode
+                && matches!(kind, Kind::Done | Kind::Fail | Kind::Flushed)
+                && t.written.get(&room).is_some_and(|w| w.link == link.id)
+            {
+                // The prefill flushed its RMA writes before this: nothing more lands.
+                let w = t.written.remove(&room).expect("checked");
+                if w.asked.is_some() {
+                    notices.push(Notice::Released { room });
+                }
+            }
             // A frame for a room that ended (or never was) here is dropped, except a claim,
             // which is answered.
             let ours = t
@@ -1552,6 +1684,9 @@ impl Inner {
                     if let Some(mut r) = t.rooms.remove(&room) {
                         r.state = RoomState::Done;
                         let bytes = r.outgoing.as_ref().map_or(0, |o| o.bytes.len());
+                        if r.target.is_some() {
+                            t.stats.rma_bytes += bytes as u64;
+                        }
                         t.transferred(room, bytes, r.claimed_at);
                         notices.push(Notice::Transferred {
                             room,
@@ -1609,6 +1744,32 @@ impl Inner {
                 }
                 (_, k) => {
                     log::debug!("PD: dropped a {k:?} frame for room {room} (not open here)");
+                }
+            }
+            if self.cfg.side == Side::Prefill && kind == Kind::Fail && link.is_ucx() {
+                // The decode frees the room's destination once nothing more can land in it:
+                // the UCX thread flushes the room's RMA writes before this goes out.
+                link.send(wire::encode(Kind::Flushed, room, &[]));
+            }
+        }
+        self.emit(notices);
+    }
+
+    /// UCX: the link's endpoint is closed: destinations its prefill was writing by RMA may
+    /// be freed.
+    fn on_closed(&self, link: &Arc<Link>) {
+        let mut notices = Vec::new();
+        {
+            let mut t = self.table();
+            let rooms: Vec<u64> = t
+                .written
+                .iter()
+                .filter(|(_, w)| w.link == link.id)
+                .map(|(&room, _)| room)
+                .collect();
+            for room in rooms {
+                if t.written.remove(&room).is_some_and(|w| w.asked.is_some()) {
+                    notices.push(Notice::Released { room });
                 }
             }
         }
@@ -1684,7 +1845,8 @@ impl Inner {
         if r.link.is_some_and(|l| l != link.id) {
             return None;
         }
-        if r.incoming.is_none() && r.state != RoomState::Claimed {
+        if (r.incoming.is_none() && r.state != RoomState::Claimed) || r.by_rma {
+            // Refused by `on_bytes`, whole.
             return None;
         }
         let lent = r.incoming().lend(offset, len)?;
@@ -1777,6 +1939,13 @@ impl Inner {
                 r.state = RoomState::Transferring;
             }
             Kind::Data => {
+                if r.by_rma {
+                    return Err(mismatch(
+                        "a DATA frame arrived for a room whose claim named the destination's \
+                         memory for RMA writes"
+                            .into(),
+                    ));
+                }
                 // Before the STATE frame only while claimed: complete pages sent early.
                 if r.incoming.is_none() && r.state != RoomState::Claimed {
                     return Err(mismatch(format!(
@@ -1797,6 +1966,10 @@ impl Inner {
                     return Err(mismatch("DONE arrived before the STATE frame".into()));
                 };
                 let done: Done = wire::parse(frame).map_err(mismatch)?;
+                if r.by_rma {
+                    // Written by RMA and flushed before DONE: every byte is in the pages.
+                    inc.landed_whole();
+                }
                 if done.bytes != inc.received as u64 || inc.received != inc.len() {
                     return Err(mismatch(format!(
                         "DONE says {} bytes were sent; {} arrived of the {} the state holds",
@@ -1907,6 +2080,30 @@ impl Inner {
                     room,
                     (now, "its claim waited for a request that never came".into()),
                 );
+            }
+            // A prefill that answers neither the FAIL nor its heartbeats in time is cut off:
+            // its endpoint closes, and with it the destinations it was writing.
+            let grace = (self.cfg.heartbeat_interval * self.cfg.heartbeat_misses)
+                .max(Duration::from_secs(1));
+            let silent: Vec<u64> = t
+                .written
+                .values()
+                .filter(|w| w.asked.is_some_and(|a| now.duration_since(a) >= grace))
+                .map(|w| w.link)
+                .collect();
+            for id in silent {
+                if let Some(link) = t.links.get(&id).cloned() {
+                    log::warn!(
+                        "PD: the prefill {} did not confirm within {} ms that it stopped \
+                         writing into an ended room's destination: its connection is closed",
+                        link.peer,
+                        grace.as_millis()
+                    );
+                    let handler: Arc<dyn Handler> = Arc::new(LinkHandler(Arc::downgrade(&self)));
+                    drop(t);
+                    link.go_down(&handler, "it did not confirm its RMA writes stopped".into());
+                    t = self.table();
+                }
             }
             t.ended.retain(|_, (at, _)| now.duration_since(*at) < keep);
             t.failed_early

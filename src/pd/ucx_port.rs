@@ -13,7 +13,7 @@
 //! A connection begins with the HELLO exchange, as over TCP: the decode connects and sends its
 //! HELLO; the prefill's [`Acceptor`] answers with its HELLO (and starts the link) or a REFUSE.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -23,7 +23,8 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::in_order::InOrder;
 use super::link::{spawn, Handler, Link, Out};
-use super::ucx::{self, Context, Endpoint, EpKey, Message, Request, Worker};
+use super::rma;
+use super::ucx::{self, Context, Endpoint, EpKey, Message, RemoteKey, Request, Worker};
 use super::wire::{self, Frame, Kind};
 
 /// The one active-message id: every frame.
@@ -55,6 +56,9 @@ pub struct Accepted {
     pub reply: Vec<u8>,
     pub link: Arc<Link>,
     pub handler: Arc<dyn Handler>,
+    /// The decode's registered memory (its HELLO's `rma_keys`): rooms whose claim names
+    /// spans in it are written by RMA.
+    pub rma_keys: Vec<wire::RmaKey>,
 }
 
 /// A connection made by [`Port::connect`]: the peer's answer to our HELLO; bind it to a link
@@ -256,6 +260,38 @@ pub fn start(
     }
 }
 
+/// Registers a decode's pool memory with `ctx` for the prefills' RMA writes.
+///
+/// The regions (from the engine's `KvPools::regions`) must stay allocated until the
+/// registrations are dropped, and the node drops them only once its UCX thread has stopped
+/// (`pd::Node::shutdown`), which the engine thread does before it frees the pools.
+pub fn register(
+    ctx: &Arc<Context>,
+    regions: &[crate::kv::PoolRegion],
+) -> Result<Vec<ucx::Registered>, String> {
+    regions
+        .iter()
+        .map(|r| {
+            let addr = usize::try_from(r.addr)
+                .map_err(|_| format!("pool memory at {:#x} is beyond this machine's", r.addr))?;
+            // SAFETY: the pools' memory, allocated (and not moved) until the node's shutdown
+            // drops these registrations after its UCX thread stopped, before the pools are
+            // freed (the contract above): no peer writes into it after that.
+            unsafe { ctx.register(std::ptr::with_exposed_provenance_mut(addr), r.len) }.map_err(
+                |e| {
+                    format!(
+                        "registering the KV pools ({} bytes) for RMA writes: {e}",
+                        r.len
+                    )
+                },
+            )
+        })
+        .collect()
+}
+
+/// A link and its handler.
+type Bound = (Arc<Link>, Arc<dyn Handler>);
+
 enum State {
     /// Accepted: waiting for the peer's HELLO until the deadline.
     Accepting(Instant),
@@ -274,6 +310,9 @@ enum State {
 }
 
 struct Conn {
+    /// The peer's registered regions (`(address, length)`) and their keys unpacked on `ep`;
+    /// declared before `ep`: keys go first.
+    keys: Vec<((u64, u64), RemoteKey)>,
     ep: Endpoint,
     state: State,
     next_out: u64,
@@ -281,18 +320,142 @@ struct Conn {
     incoming: InOrder<Parsed>,
     inflight: VecDeque<(Request, usize)>,
     inflight_bytes: usize,
+    /// Rooms with RMA writes issued since the last flush.
+    dirty: HashSet<u64>,
+    /// A flush in flight and the frame waiting for it (a room's DONE, FAIL or FLUSHED):
+    /// nothing else of the link goes out meanwhile, so nothing overtakes it.
+    flushing: Option<(Request, Out)>,
+}
+
+/// A slice of a room's bytes, kept (not copied) until the put that writes it completes.
+struct Slice {
+    bytes: Arc<Vec<u8>>,
+    range: std::ops::Range<usize>,
+}
+
+impl AsRef<[u8]> for Slice {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[self.range.clone()]
+    }
+}
+
+/// The kind and room of a whole frame.
+fn kind_and_room(frame: &[u8]) -> Option<(Kind, u64)> {
+    let kind = Kind::from_u8(*frame.first()?)?;
+    let room = u64::from_le_bytes(frame.get(8..16)?.try_into().ok()?);
+    Some((kind, room))
 }
 
 impl Conn {
     fn new(ep: Endpoint, state: State) -> Conn {
         Conn {
+            keys: Vec::new(),
             ep,
             state,
             next_out: 0,
             incoming: InOrder::new(MAX_EARLY),
             inflight: VecDeque::new(),
             inflight_bytes: 0,
+            dirty: HashSet::new(),
+            flushing: None,
         }
+    }
+
+    /// Unpacks the peer's remote keys (its HELLO's `rma_keys`) on this endpoint.
+    fn unpack(&mut self, keys: &[wire::RmaKey]) -> Result<(), String> {
+        for k in keys {
+            let packed = rma::from_hex(&k.rkey)?;
+            let key = self.ep.unpack_rkey(&packed)?;
+            self.keys.push(((k.addr, k.len), key));
+        }
+        Ok(())
+    }
+
+    /// Takes the next frame of `link` to go out: a DATA frame with a target becomes RMA
+    /// writes; a room's DONE, FAIL or FLUSHED after such writes waits for a flush. False when
+    /// the link has nothing to send now.
+    fn take(&mut self, link: &Link) -> Result<bool, String> {
+        let Some(out) = link.next_out() else {
+            return Ok(false);
+        };
+        match &out {
+            Out::Data {
+                target: Some(_), ..
+            } => self.put(out)?,
+            Out::Frame(f)
+                if kind_and_room(f).is_some_and(|(kind, room)| {
+                    matches!(kind, Kind::Done | Kind::Fail | Kind::Flushed)
+                        && self.dirty.contains(&room)
+                }) =>
+            {
+                // The flush covers every write issued so far, for every room.
+                self.dirty.clear();
+                let flush = self.ep.flush()?;
+                self.flushing = Some((flush, out));
+            }
+            _ => self.send(out)?,
+        }
+        Ok(true)
+    }
+
+    /// The waiting frame goes once its flush completed.
+    fn flushed(&mut self) -> Result<bool, String> {
+        let Some((flush, _)) = &mut self.flushing else {
+            return Ok(false);
+        };
+        match flush.poll() {
+            None => Ok(false),
+            Some(r) => {
+                let (_, out) = self.flushing.take().expect("matched above");
+                r?;
+                self.send(out)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Writes a DATA frame's bytes into the decode's memory by RMA, at the addresses its
+    /// claim named for their offsets.
+    fn put(&mut self, out: Out) -> Result<(), String> {
+        let Out::Data {
+            prefix,
+            bytes,
+            range,
+            target: Some(target),
+        } = out
+        else {
+            return Err("a frame without a target was to be written by RMA (a dsv4 bug)".into());
+        };
+        let room = u64::from_le_bytes(prefix[8..16].try_into().unwrap_or_default());
+        let at = u64::from_le_bytes(prefix[16..24].try_into().unwrap_or_default());
+        let n = range.len() as u64;
+        let pieces = target.pieces(at, at + n).ok_or_else(|| {
+            format!(
+                "room {room}: state bytes {at}..{} lie past the {} bytes of the destination                  the decode's claim named",
+                at + n,
+                target.len()
+            )
+        })?;
+        let regions: Vec<(u64, u64)> = self.keys.iter().map(|(r, _)| *r).collect();
+        let mut local = range.start;
+        for (addr, len) in pieces {
+            let i = rma::region_of(&regions, addr, len).ok_or_else(|| {
+                format!(
+                    "room {room}: the decode's claim names {len} bytes at {addr:#x}, outside                      the memory its HELLO registered"
+                )
+            })?;
+            let len = len as usize;
+            let slice = Slice {
+                bytes: bytes.clone(),
+                range: local..local + len,
+            };
+            let req = self.ep.put(slice, addr, &self.keys[i].1)?;
+            self.inflight_bytes += len;
+            self.inflight.push_back((req, len));
+            local += len;
+        }
+        self.dirty.insert(room);
+        Ok(())
     }
 
     /// Sends one frame (its parts as [`Out::parts`] gives them) as the next active message.
@@ -405,8 +568,8 @@ struct Thread<'w> {
     conns: HashMap<u64, Conn>,
     by_ep: HashMap<EpKey, u64>,
     next_conn: u64,
-    /// Graceful closes in flight.
-    closing: Vec<Request>,
+    /// Graceful closes in flight, with the link to tell once each is done.
+    closing: Vec<(Request, Option<Bound>)>,
     /// Stopping: the deadline after which what is left is closed by force.
     stopping: Option<Instant>,
 }
@@ -425,7 +588,15 @@ impl Thread<'_> {
             busy |= self.receive();
             busy |= self.errors();
             busy |= self.send();
-            self.closing.retain_mut(|r| r.poll().is_none());
+            self.closing.retain_mut(|(r, bound)| {
+                if r.poll().is_none() {
+                    return true;
+                }
+                if let Some((link, handler)) = bound.take() {
+                    handler.on_closed(&link);
+                }
+                false
+            });
             if let Some(deadline) = self.stopping {
                 if self.conns.is_empty() && self.closing.is_empty() {
                     return;
@@ -445,8 +616,11 @@ impl Thread<'_> {
                 last_busy = now;
                 continue;
             }
-            let in_flight =
-                self.worker.receiving() || self.conns.values().any(|c| !c.inflight.is_empty());
+            let in_flight = self.worker.receiving()
+                || self
+                    .conns
+                    .values()
+                    .any(|c| !c.inflight.is_empty() || c.flushing.is_some());
             if in_flight && now.duration_since(last_busy) < POLL_FOR {
                 std::thread::yield_now();
             } else {
@@ -461,7 +635,7 @@ impl Thread<'_> {
     /// operations still in flight are abandoned (their buffers leak rather than be freed
     /// under UCX), endpoints force-closed without waiting.
     fn abandon(&mut self, why: &str) {
-        for (_, c) in self.conns.drain() {
+        for (_, mut c) in self.conns.drain() {
             self.worker.forget(c.ep.key());
             if let State::Bound { link, handler } = &c.state {
                 link.go_down(handler, why.to_string());
@@ -469,13 +643,24 @@ impl Thread<'_> {
             for (r, _) in c.inflight {
                 r.abandon();
             }
+            if let Some((r, _)) = c.flushing.take() {
+                r.abandon();
+            }
+            c.keys.clear();
             if let Ok(r) = c.ep.close(true) {
                 r.abandon();
             }
+            // The worker stops with this thread: nothing more lands through it.
+            if let State::Bound { link, handler } = &c.state {
+                handler.on_closed(link);
+            }
         }
         self.by_ep.clear();
-        for r in self.closing.drain(..) {
+        for (r, bound) in self.closing.drain(..) {
             r.abandon();
+            if let Some((link, handler)) = bound {
+                handler.on_closed(&link);
+            }
         }
     }
 
@@ -488,18 +673,39 @@ impl Thread<'_> {
     }
 
     fn remove(&mut self, id: u64, graceful: bool) {
-        if let Some(c) = self.conns.remove(&id) {
-            self.by_ep.remove(&c.ep.key());
-            self.worker.forget(c.ep.key());
-            if graceful {
-                // The sends still in flight (a REFUSE, the last FAILs) complete before the
-                // close: dropping their requests would cancel them.
-                self.closing.extend(c.inflight.into_iter().map(|(r, _)| r));
-                if let Ok(r) = c.ep.close(false) {
-                    self.closing.push(r);
+        let Some(mut c) = self.conns.remove(&id) else {
+            return;
+        };
+        self.by_ep.remove(&c.ep.key());
+        self.worker.forget(c.ep.key());
+        let bound = match &c.state {
+            State::Bound { link, handler } => Some((link.clone(), handler.clone())),
+            _ => None,
+        };
+        // Remote keys go before their endpoint closes.
+        c.keys.clear();
+        if graceful {
+            // The sends still in flight (a REFUSE, the last FAILs) complete before the
+            // close: dropping their requests would cancel them.
+            self.closing
+                .extend(c.inflight.drain(..).map(|(r, _)| (r, None)));
+            self.closing
+                .extend(c.flushing.take().map(|(r, _)| (r, None)));
+            match c.ep.close(false) {
+                Ok(r) => self.closing.push((r, bound)),
+                Err(e) => {
+                    log::warn!("PD: closing a UCX endpoint: {e}");
+                    if let Some((link, handler)) = bound {
+                        handler.on_closed(&link);
+                    }
                 }
             }
-            // Else dropped: force-closed, what is in flight cancelled.
+            return;
+        }
+        // Dropped: force-closed (waited for), what is in flight cancelled.
+        drop(c);
+        if let Some((link, handler)) = bound {
+            handler.on_closed(&link);
         }
     }
 
@@ -704,6 +910,14 @@ impl Thread<'_> {
                 match acceptor.accept(&self.port, frame) {
                     Ok(a) => {
                         let c = self.conns.get_mut(&id).expect("looked up above");
+                        if let Err(e) = c.unpack(&a.rma_keys) {
+                            c.state = State::Bound {
+                                link: a.link,
+                                handler: a.handler,
+                            };
+                            self.fail(id, format!("the decode's remote keys: {e}"));
+                            return;
+                        }
                         if let Err(e) = c.send(Out::Frame(a.reply)) {
                             a.link.go_down(&a.handler, format!("connection lost: {e}"));
                             self.remove(id, false);
@@ -760,16 +974,22 @@ impl Thread<'_> {
                 ended.push((id, false));
                 continue;
             }
-            while c.inflight_bytes < INFLIGHT_BYTES {
-                let Some(out) = link.next_out() else {
-                    break;
-                };
-                busy = true;
-                if let Err(e) = c.send(out) {
-                    link.go_down(&handler, format!("sending failed: {e}"));
-                    break;
+            match c.flushed() {
+                Ok(done) => busy |= done,
+                Err(e) => link.go_down(&handler, format!("flushing RMA writes failed: {e}")),
+            }
+            while c.inflight_bytes < INFLIGHT_BYTES && c.flushing.is_none() {
+                match c.take(&link) {
+                    Ok(false) => break,
+                    Ok(true) => {
+                        busy = true;
+                        link.sent();
+                    }
+                    Err(e) => {
+                        link.go_down(&handler, format!("sending failed: {e}"));
+                        break;
+                    }
                 }
-                link.sent();
             }
             if now >= link.heartbeat_at() && c.inflight_bytes < INFLIGHT_BYTES {
                 let beat = Out::Frame(wire::encode(Kind::Heartbeat, 0, &[]));
@@ -782,7 +1002,7 @@ impl Thread<'_> {
                 ended.push((id, false));
                 continue;
             }
-            if finished && c.inflight.is_empty() {
+            if finished && c.inflight.is_empty() && c.flushing.is_none() {
                 link.go_down(&handler, "the link was finished".into());
                 ended.push((id, true));
             }

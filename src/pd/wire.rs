@@ -31,6 +31,10 @@ pub enum Kind {
     Fail = 8,
     /// Either way, room 0: the sender is alive.
     Heartbeat = 9,
+    /// Prefill → decode, over UCX, answering the decode's FAIL: nothing more will be written
+    /// into the room's destination (every RMA write issued for it is complete), so the decode
+    /// may free its pages.
+    Flushed = 10,
 }
 
 impl Kind {
@@ -46,6 +50,7 @@ impl Kind {
             7 => Ack,
             8 => Fail,
             9 => Heartbeat,
+            10 => Flushed,
             _ => return None,
         })
     }
@@ -58,7 +63,7 @@ impl Kind {
             Kind::State => 64 << 10,
             // A claim lists a long sequence's destination pages.
             Kind::Claim => 16 << 20,
-            Kind::Heartbeat | Kind::Ack => 0,
+            Kind::Heartbeat | Kind::Ack | Kind::Flushed => 0,
             _ => 1 << 20,
         }
     }
@@ -66,7 +71,7 @@ impl Kind {
 
 /// The largest payload any frame kind may carry.
 pub fn max_payload() -> usize {
-    (1..=9)
+    (1..=10)
         .filter_map(Kind::from_u8)
         .map(Kind::max_payload)
         .max()
@@ -82,7 +87,9 @@ pub const HEADER: usize = 16;
 /// `dsv4-pd` protocol version; a peer speaking another is refused at HELLO.
 /// 2: the STATE frame carries [`StateInfo`] (scalars), no longer the prefill's region list.
 /// 3: the claim's request digest is XXH3-64 (was FNV-1a).
-pub const VERSION: u32 = 3;
+/// 4: over UCX the state's bytes may be written by RMA (HELLO's `rma_keys`, the claim's
+/// `rma_spans`, FLUSHED).
+pub const VERSION: u32 = 4;
 
 /// One frame as read.
 #[derive(Debug, Clone, PartialEq)]
@@ -231,6 +238,19 @@ pub struct Hello {
     /// How often the sender sends a heartbeat when idle: the receiver declares it dead after
     /// its own `heartbeat_misses` of these.
     pub heartbeat_interval_ms: u64,
+    /// A UCX decode's pool memory, registered for the prefill's RMA writes: one key per
+    /// region. Empty over TCP, on a prefill, and where the pools are not host memory.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rma_keys: Vec<RmaKey>,
+}
+
+/// One region of a decode's memory that a prefill may write by RMA: `len` bytes from `addr`,
+/// and the packed remote key (hex) that unlocks them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RmaKey {
+    pub addr: u64,
+    pub len: u64,
+    pub rkey: String,
 }
 
 pub const PROTOCOL: &str = "dsv4-pd";
@@ -251,6 +271,12 @@ pub struct Claim {
     /// The destination: the slot and the pages reserved for the prompt's KV.
     pub slot: u32,
     pub pages: Vec<u32>,
+    /// Over UCX, where the destination is in memory the decode registered (its HELLO's
+    /// `rma_keys`): the destination's `(address, length)` spans in state byte order. The
+    /// prefill then writes the state's bytes there by RMA instead of sending DATA frames, and
+    /// flushes before its DONE or FAIL. Empty: DATA frames.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rma_spans: Vec<(u64, u64)>,
 }
 
 /// A sequence state's scalars, as a room sends them: the bytes' layout follows from the

@@ -267,7 +267,8 @@ def _metric_fields() -> List[Tuple[str, Any]]:
     fields += [("kv_transfer_failures_%s_total" % r, u64) for r in (
         "timeout", "peer_dead", "aborted", "layout", "mismatch", "checksum", "capacity")]
     fields += [("kv_transfer_claim_wait_seconds_sum", f64), ("kv_transfer_claim_wait_count", u64),
-               ("kv_transfer_early_bytes_total", u64)]
+               ("kv_transfer_early_bytes_total", u64),
+               ("kv_transfer_rma_bytes_total", u64)]
     return fields
 
 

@@ -1,0 +1,327 @@
+//! A room's state written by RMA (UCX, against the real libucp) into a decode's registered
+//! memory, and the rule that keeps late writes out of reused pages: once the decode ends a
+//! room mid-transfer (an abort, a timeout, the prefill's own failure or its shutdown), the
+//! destination is handed back only when nothing more can land in it, and from then on not a
+//! byte of it changes. The bytes are checked against the prefill's source, as memcmp would.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::limits::tests::fingerprint;
+use super::node::{Config, Node, Notice, Sink};
+use super::wire::{Claim, StateHeader, StateInfo};
+use super::{FailReason, Side};
+use crate::config::params::{Endpoint, PdTransport};
+use crate::kv::{Landing, PoolId, PoolRegion, RegionTier};
+
+/// A state big enough to be mid-transfer for tens of milliseconds.
+const STATE: usize = 96 << 20;
+
+#[derive(Default)]
+struct Inbox(Mutex<Vec<Notice>>, Condvar);
+
+impl Sink for Inbox {
+    fn notice(&self, n: Notice) {
+        self.0.lock().unwrap().push(n);
+        self.1.notify_all();
+    }
+}
+
+impl Inbox {
+    /// The first notice `pick` takes, within `within`.
+    fn wait<T>(&self, within: Duration, mut pick: impl FnMut(&Notice) -> Option<T>) -> Option<T> {
+        let deadline = Instant::now() + within;
+        let mut q = self.0.lock().unwrap();
+        loop {
+            if let Some(v) = q.iter().find_map(&mut pick) {
+                return Some(v);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            q = self.1.wait_timeout(q, deadline - now).unwrap().0;
+        }
+    }
+}
+
+fn config(side: Side, transfer_timeout: Duration, rma_regions: Vec<PoolRegion>) -> Config {
+    Config {
+        side,
+        listen: Endpoint {
+            transport: PdTransport::Ucx,
+            host: "127.0.0.1".into(),
+            port: 0,
+        },
+        ucx_library: None,
+        advertise: None,
+        bootstrap_timeout: Duration::from_secs(5),
+        transfer_timeout,
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_misses: 20,
+        max_rooms: 16,
+        layout: fingerprint(),
+        rma_regions,
+    }
+}
+
+/// An independent byte pattern with no zero byte (a zero in the destination is "not written").
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) >> 13) as u8) | 1)
+        .collect()
+}
+
+/// A prefill and a decode over UCX, the decode's "pools" being `pool` (registered for RMA).
+struct Pair {
+    prefill: Node,
+    decode: Node,
+    from_p: Arc<Inbox>,
+    from_d: Arc<Inbox>,
+}
+
+fn pair(pool: &mut [u8], decode_timeout: Duration) -> Pair {
+    let region = PoolRegion {
+        pool: PoolId::ALL[0],
+        tier: RegionTier::Device,
+        addr: pool.as_mut_ptr().expose_provenance() as u64,
+        len: pool.len(),
+    };
+    let (from_p, from_d) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
+    let prefill = Node::start(
+        config(Side::Prefill, Duration::from_secs(30), Vec::new()),
+        from_p.clone(),
+    )
+    .unwrap_or_else(|e| panic!("a UCX prefill (libucp from scripts/deps.sh): {e}"));
+    let decode = Node::start(
+        config(Side::Decode, decode_timeout, vec![region]),
+        from_d.clone(),
+    )
+    .unwrap();
+    Pair {
+        prefill,
+        decode,
+        from_p,
+        from_d,
+    }
+}
+
+impl Pair {
+    /// Opens room 1 on both, claims it into `pool` (by RMA), and has the prefill send `state`.
+    fn start(&self, pool: &mut [u8], state: &[u8]) {
+        let endpoint = self.prefill.endpoint().to_string();
+        self.prefill.register(1, 10, 77, None).unwrap();
+        self.prefill.activate(1);
+        self.decode.register(1, 20, 77, Some(endpoint)).unwrap();
+        self.decode.activate(1);
+        let addr = pool.as_mut_ptr().expose_provenance() as u64;
+        // The destination in two spans, the second first in memory: offsets map to addresses.
+        let half = (state.len() / 2) as u64;
+        let landing = Landing::over(&[(addr + half, half), (addr, state.len() as u64 - half)]);
+        let claim = Claim {
+            request_hash: 77,
+            prompt_tokens: 5,
+            slot: 0,
+            pages: vec![0],
+            rma_spans: Vec::new(),
+        };
+        self.decode
+            .claim(1, claim, state.len(), Some(landing))
+            .unwrap();
+        let header = StateHeader {
+            state: StateInfo {
+                position: 5,
+                last_token: Some(3),
+                rng: None,
+                pages: 1,
+                bytes: state.len() as u64,
+            },
+            first_logprob: 0.0,
+            cached_tokens_device: 0,
+            cached_tokens_host: 0,
+        };
+        self.prefill.send(1, header, state.to_vec()).unwrap();
+    }
+}
+
+/// `pool` read through a volatile copy (another thread's UCX progress writes into it).
+fn snapshot(pool: &[u8]) -> Vec<u8> {
+    pool.iter()
+        // SAFETY: reading initialised bytes of a live slice; volatile because RMA writes
+        // (made by the UCX thread) may change them without the compiler knowing.
+        .map(|b| unsafe { std::ptr::read_volatile(b) })
+        .collect()
+}
+
+/// Waits until the prefill's first writes show in `pool` (the transfer is under way).
+fn writing_started(pool: &[u8]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // The state's first byte lands at the second half of the pool (the first span).
+    let first = &pool[pool.len() / 2];
+    // SAFETY: as in `snapshot`.
+    while unsafe { std::ptr::read_volatile(first) } == 0 {
+        assert!(Instant::now() < deadline, "no RMA write landed within 10 s");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn a_state_written_by_rma_lands_whole_and_is_delivered_without_a_copy() {
+    let state = pattern(3 << 20);
+    let mut pool = vec![0u8; state.len()];
+    let p = pair(&mut pool, Duration::from_secs(30));
+    p.start(&mut pool, &state);
+    let delivered = p
+        .from_d
+        .wait(Duration::from_secs(20), |n| match n {
+            Notice::Received { delivery, .. } => Some(delivery.bytes.is_none()),
+            Notice::Failed { error, .. } => panic!("{error}"),
+            _ => None,
+        })
+        .expect("the state arrived");
+    assert!(delivered, "the bytes were in the destination already");
+    let got = snapshot(&pool);
+    let half = state.len() / 2;
+    assert!(
+        got[half..] == state[..half],
+        "the first span holds the first half"
+    );
+    assert!(got[..half] == state[half..], "the second span the rest");
+    p.decode.landed(1);
+    assert!(p
+        .from_p
+        .wait(Duration::from_secs(10), |n| matches!(
+            n,
+            Notice::Transferred { .. }
+        )
+        .then_some(()))
+        .is_some());
+    let (sp, sd) = (p.prefill.stats(), p.decode.stats());
+    assert_eq!(
+        (sp.rma_bytes, sd.rma_bytes),
+        (state.len() as u64, state.len() as u64)
+    );
+    p.decode.shutdown();
+    p.prefill.shutdown();
+}
+
+/// How the decode's side of a room ends while the prefill is writing it.
+#[derive(Debug, Clone, Copy)]
+enum Ending {
+    /// The decode's engine aborts the request.
+    DecodeAborts,
+    /// The decode's transfer deadline passes.
+    DecodeTimesOut,
+    /// The prefill fails the room (its own abort).
+    PrefillAborts,
+    /// The prefill engine shuts down.
+    PrefillShutsDown,
+}
+
+/// One room ended by `ending` once the prefill's writes began; whether they were still
+/// under way then (the state's last byte not yet in).
+fn end_mid_transfer(ending: Ending) -> bool {
+    let state = pattern(STATE);
+    let mut pool = vec![0u8; STATE];
+    let timeout = match ending {
+        Ending::DecodeTimesOut => Duration::from_millis(150),
+        _ => Duration::from_secs(30),
+    };
+    let p = pair(&mut pool, timeout);
+    p.start(&mut pool, &state);
+    writing_started(&pool);
+    // The state's last byte lands at the end of the second span (the pool's first half).
+    let half = STATE / 2;
+    let last = &pool[STATE - half - 1];
+    // SAFETY: as in `snapshot`.
+    let in_flight = unsafe { std::ptr::read_volatile(last) } == 0;
+    match ending {
+        Ending::DecodeAborts => p
+            .decode
+            .close(1, Some((FailReason::Aborted, "aborted by the test".into()))),
+        Ending::DecodeTimesOut => {}
+        Ending::PrefillAborts => p
+            .prefill
+            .close(1, Some((FailReason::Aborted, "aborted by the test".into()))),
+        Ending::PrefillShutsDown => p.prefill.shutdown(),
+    }
+    let failed = |n: &Notice| match n {
+        Notice::Failed { .. } => Some(true),
+        Notice::Received { .. } => Some(false),
+        _ => None,
+    };
+    let received = match ending {
+        // The engine ended the request itself: no notice.
+        Ending::DecodeAborts => false,
+        // The engine hears how the room ended, then hands the destination back.
+        _ => !p
+            .from_d
+            .wait(Duration::from_secs(20), failed)
+            .unwrap_or_else(|| panic!("{ending:?}: the decode's room never ended")),
+    };
+    let released_at_once = p.decode.release_landing(1);
+    if !released_at_once {
+        p.from_d
+            .wait(Duration::from_secs(10), |n| {
+                matches!(n, Notice::Released { room: 1 }).then_some(())
+            })
+            .unwrap_or_else(|| panic!("{ending:?}: the destination was never handed back"));
+    }
+    // From here the engine may give the pages to another request: nothing may change them.
+    let handed_back = snapshot(&pool);
+    std::thread::sleep(Duration::from_millis(300));
+    let later = snapshot(&pool);
+    let changed = handed_back
+        .iter()
+        .zip(&later)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert_eq!(
+        changed, 0,
+        "{ending:?}: {changed} bytes changed after the destination was handed back"
+    );
+    // What landed is the prefill's bytes, where their offsets map.
+    let landed = later[half..].iter().take_while(|&&b| b != 0).count();
+    assert!(landed > 0 && later[half..half + landed] == state[..landed]);
+    let decode_ended = matches!(ending, Ending::DecodeAborts | Ending::DecodeTimesOut);
+    if decode_ended && in_flight && !received {
+        // The decode ended the room while the prefill was writing: it waited for the flush.
+        assert!(
+            !released_at_once,
+            "{ending:?}: handed back with RMA in flight"
+        );
+    }
+    p.decode.shutdown();
+    p.prefill.shutdown();
+    in_flight && !received
+}
+
+/// [`end_mid_transfer`], tried until the room really ended with writes under way (a machine
+/// too busy may see the whole state land before the test acts): every try must hold.
+fn no_late_write_lands_after_the_destination_is_handed_back(ending: Ending) {
+    let cut_short = (0..4).any(|_| end_mid_transfer(ending));
+    assert!(
+        cut_short,
+        "{ending:?}: no try ended the room with writes in flight"
+    );
+}
+
+#[test]
+fn no_late_write_lands_after_a_decode_abort() {
+    no_late_write_lands_after_the_destination_is_handed_back(Ending::DecodeAborts);
+}
+
+#[test]
+fn no_late_write_lands_after_a_decode_timeout() {
+    no_late_write_lands_after_the_destination_is_handed_back(Ending::DecodeTimesOut);
+}
+
+#[test]
+fn no_late_write_lands_after_a_prefill_abort() {
+    no_late_write_lands_after_the_destination_is_handed_back(Ending::PrefillAborts);
+}
+
+#[test]
+fn no_late_write_lands_after_a_prefill_shutdown() {
+    no_late_write_lands_after_the_destination_is_handed_back(Ending::PrefillShutsDown);
+}
