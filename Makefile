@@ -194,7 +194,8 @@ bench-transfer: deps
 	$(CARGO) run --release --example bench_transfer
 
 # PD room transfer over the ucx transport against ucx_perftest (same UCX_TLS, same bytes in
-# 256 KiB RMA puts, ucp_put_bw) and against the tcp transport; last line `ratios ucx_vs_perftest=…`.
+# 256 KiB puts and active messages: ucp_put_bw, ucp_am_bw) and against the tcp transport;
+# last line `ratios ucx_rma_vs_put_perftest=… ucx_am_vs_am_perftest=… ucx_vs_tcp_transport=…`.
 bench-ucx: deps
 	$(CARGO) run --release --example bench_ucx
 

@@ -3,18 +3,20 @@
 //!
 //! A prefill engine computes R rooms of one long prompt and holds them; the decode claims them
 //! all at once (1 new token: landing the state ends the request) and the wall time from the
-//! first decode submit to the last room landed is one round. Each round is run on a ucx pair
-//! and on a tcp pair, and `ucx_perftest -t ucp_put_bw` moves the same bytes as RMA puts of the
-//! same size (wire::DATA_CHUNK, 256 KiB: one DATA frame's worth each) between two processes over
-//! the same UCX transports — over UCX the engines write each room's state by RMA straight into
-//! the decode's pools (checked: every byte counts as RMA bytes). Each ratio is the median
-//! round's.
+//! first decode submit to the last room landed is one round. Each round is run on three pairs:
+//! ucx with state bytes written by RMA into the decode's pools (the default; checked: every
+//! byte counts as RMA bytes), ucx with them sent as active messages (`pd.ucx_rma = false`), and
+//! tcp. `ucx_perftest` moves the same bytes in the same 256 KiB pieces (wire::DATA_CHUNK)
+//! between two processes over the same UCX transports, as puts (`ucp_put_bw`, the baseline of
+//! the RMA pair) and as active messages (`ucp_am_bw`, that of the AM pair). Each ratio is the
+//! median round's.
 //!
 //! UCX_TLS is the same for the engines and ucx_perftest: `--tls` (default `tcp`). Both engines
 //! live in this one process, where UCX would otherwise pick shared memory between its two
 //! workers; `tcp` measures the network path a prefill and a decode on two hosts take.
 //!
-//! Last line: `ratios ucx_vs_perftest=… ucx_vs_tcp_transport=…` (goal: ucx_vs_perftest ≥ 0.8).
+//! Last line: `ratios ucx_rma_vs_put_perftest=… ucx_am_vs_am_perftest=… ucx_vs_tcp_transport=…`
+//! (goal: ≥ 0.8 against perftest).
 //!
 //!   cargo run --release --example bench_ucx [-- --rooms 32 --prompt 8000 --rounds 9 --tls tcp]
 
@@ -36,10 +38,10 @@ use dsv4::pd::wire::DATA_CHUNK;
 use pd::Pair;
 use rooms::*;
 
-/// Seconds `ucx_perftest -t ucp_put_bw` takes to move `messages` puts of `size`
-/// bytes between a server and a client process on loopback (its own measured loop, from its
+/// Seconds `ucx_perftest -t <test>` (`ucp_put_bw`, `ucp_am_bw`) takes to move `messages` puts or
+/// active messages of `size` bytes between a server and a client process on loopback (its own measured loop, from its
 /// "Final:" line's overall bandwidth; process start-up is not counted).
-fn perftest(messages: usize, size: usize) -> f64 {
+fn perftest(test: &str, messages: usize, size: usize) -> f64 {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
@@ -49,7 +51,7 @@ fn perftest(messages: usize, size: usize) -> f64 {
         v.extend(
             [
                 "-t",
-                "ucp_put_bw",
+                test,
                 "-s",
                 &size.to_string(),
                 "-n",
@@ -133,76 +135,85 @@ fn main() {
         )
         .expect("pair")
     };
-    let (ucx, tcp) = (pair_on("ucx"), pair_on("tcp"));
-    let vocab = ucx.prefill.vocab_size() as u32;
+    let (rma, am, tcp) = (pair_on("ucx"), pair_on("ucx-am"), pair_on("tcp"));
+    let vocab = rma.prefill.vocab_size() as u32;
     let mut rng = fastrand::Rng::with_seed(3);
     let prompt = random_prompt(&mut rng, vocab, long);
     let mut next = 1u64;
-    // Warm-up on both: the prompt into each prefill's cache, the links open, the decodes'
+    // Warm-up on each: the prompt into each prefill's cache, the links open, the decodes'
     // destination pages touched once.
     // One room first: the rooms of a round then hit the prefix cache instead of all computing
     // the prompt at once.
     let mut warm = KvTransfer::default();
-    for pair in [&ucx, &tcp] {
+    for pair in [&rma, &am, &tcp] {
         round(pair, &prompt, 1, &mut next, &mut KvTransfer::default());
         round(pair, &prompt, rooms, &mut next, &mut warm);
     }
     let room_bytes = (warm.bytes / warm.requests) as usize;
     let messages = (rooms * room_bytes).div_ceil(DATA_CHUNK);
-    perftest(messages, DATA_CHUNK);
+    perftest("ucp_put_bw", messages, DATA_CHUNK);
+    perftest("ucp_am_bw", messages, DATA_CHUNK);
 
-    let (mut vs_perf, mut vs_tcp) = (Vec::new(), Vec::new());
-    let (mut t_ucx, mut t_tcp, mut t_perf) = (0.0, 0.0, 0.0);
-    let (mut d_ucx, mut d_tcp) = (KvTransfer::default(), KvTransfer::default());
+    // Per round: seconds of the rma, am and tcp pairs, then of ucp_put_bw and ucp_am_bw.
+    let mut t: Vec<[f64; 5]> = Vec::new();
+    let mut d = [KvTransfer::default(); 3];
     for _ in 0..rounds {
-        let u = round(&ucx, &prompt, rooms, &mut next, &mut d_ucx);
-        let t = round(&tcp, &prompt, rooms, &mut next, &mut d_tcp);
-        let p = perftest(messages, DATA_CHUNK);
-        vs_perf.push(p / u);
-        vs_tcp.push(t / u);
-        (t_ucx, t_tcp, t_perf) = (t_ucx + u, t_tcp + t, t_perf + p);
+        let r = round(&rma, &prompt, rooms, &mut next, &mut d[0]);
+        let a = round(&am, &prompt, rooms, &mut next, &mut d[1]);
+        let c = round(&tcp, &prompt, rooms, &mut next, &mut d[2]);
+        let put = perftest("ucp_put_bw", messages, DATA_CHUNK);
+        let amp = perftest("ucp_am_bw", messages, DATA_CHUNK);
+        t.push([r, a, c, put, amp]);
     }
     assert_eq!(
-        d_ucx.rma_bytes, d_ucx.bytes,
-        "over ucx every byte is written by RMA"
+        d[0].rma_bytes, d[0].bytes,
+        "the rma pair writes every byte by RMA"
     );
-    let listed = |r: &[f64]| {
-        r.iter()
+    assert_eq!(d[1].rma_bytes, 0, "the am pair writes nothing by RMA");
+    // The median round's ratio of column `base` to column `of` (> 1: `of` is faster).
+    let ratio = |of: usize, base: usize| {
+        let mut r: Vec<f64> = t.iter().map(|x| x[base] / x[of]).collect();
+        let listed = r
+            .iter()
             .map(|r| format!("{r:.2}"))
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", ");
+        (agentic::quantile(&mut r, 0.5), listed)
     };
-    let (perf_list, tcp_list) = (listed(&vs_perf), listed(&vs_tcp));
-    let ucx_vs_perftest = agentic::quantile(&mut vs_perf, 0.5);
-    let ucx_vs_tcp = agentic::quantile(&mut vs_tcp, 0.5);
-    let per_round = |t: f64| 1e3 * t / rounds as f64;
-    let bytes = (messages * DATA_CHUNK) as u64 * rounds as u64;
+    let median_ms = |col: usize| {
+        let mut v: Vec<f64> = t.iter().map(|x| x[col] * 1e3).collect();
+        agentic::quantile(&mut v, 0.5)
+    };
+    let mb = (rooms * room_bytes) as f64;
     println!(
         "bench_ucx: tiny model, 2 threads per engine, UCX_TLS={tls}, {} cores; {rounds} rounds of \
          {rooms} rooms of a {long}-token prompt claimed at once ({:.0} KiB per room, {:.1} MiB a \
-         round)",
+         round); median round",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         room_bytes as f64 / 1024.0,
-        (rooms * room_bytes) as f64 / 1048576.0
+        mb / 1048576.0
     );
+    let line = |name: &str, col: usize| {
+        let ms = median_ms(col);
+        println!("  {name:<28} {ms:7.2} ms  {:7.3} GB/s", mb / ms / 1e6);
+    };
+    line("PD over ucx, RMA", 0);
+    line("PD over ucx, active messages", 1);
+    line("PD over tcp", 2);
+    line("ucx_perftest ucp_put_bw", 3);
+    line("ucx_perftest ucp_am_bw", 4);
     println!(
-        "  PD over ucx            {:7.2} ms a round  {:7.3} GB/s",
-        per_round(t_ucx),
-        pd::gbps(d_ucx.bytes, t_ucx)
-    );
-    println!(
-        "  PD over tcp            {:7.2} ms a round  {:7.3} GB/s",
-        per_round(t_tcp),
-        pd::gbps(d_tcp.bytes, t_tcp)
-    );
-    println!(
-        "  ucx_perftest ucp_put_bw {:6.2} ms a round  {:7.3} GB/s   ({messages} puts of {} KiB \
-         a round, two processes)",
-        per_round(t_perf),
-        pd::gbps(bytes, t_perf),
+        "  ({messages} puts / messages of {} KiB a round, two processes)",
         DATA_CHUNK / 1024
     );
-    println!("  ucx vs ucx_perftest: {ucx_vs_perftest:.2}× (rounds: {perf_list}; goal ≥ 0.8)");
-    println!("  ucx vs tcp transport: {ucx_vs_tcp:.2}× (rounds: {tcp_list})");
-    println!("ratios ucx_vs_perftest={ucx_vs_perftest:.2} ucx_vs_tcp_transport={ucx_vs_tcp:.2}");
+    let (rma_vs_put, l1) = ratio(0, 3);
+    let (am_vs_am, l2) = ratio(1, 4);
+    let (vs_tcp, l3) = ratio(0, 2);
+    println!("  ucx RMA vs ucp_put_bw: {rma_vs_put:.2}× (rounds: {l1}; goal ≥ 0.8)");
+    println!("  ucx AM vs ucp_am_bw:   {am_vs_am:.2}× (rounds: {l2}; goal ≥ 0.8)");
+    println!("  ucx RMA vs tcp transport: {vs_tcp:.2}× (rounds: {l3})");
+    println!(
+        "ratios ucx_rma_vs_put_perftest={rma_vs_put:.2} ucx_am_vs_am_perftest={am_vs_am:.2} \
+         ucx_vs_tcp_transport={vs_tcp:.2}"
+    );
 }

@@ -567,6 +567,33 @@ fn complete_pages_go_out_while_the_prompt_computes() {
 
 }
 
+/// `pd.ucx_rma = false` on a UCX decode: the state goes as active messages (nothing is
+/// written by RMA) and the output is still bit-equal to a unified engine's.
+#[test]
+fn a_ucx_decode_without_rma_receives_data_frames_bit_equal() {
+    let ids = common::ids("flash-like");
+    let unified = engine_with(json!({}));
+    let p = engine_with(common::pd_doc("prefill", "ucx"));
+    let mut doc = common::pd_doc("decode", "ucx");
+    merge(&mut doc, json!({"pd": {"ucx_rma": false}}));
+    let d = engine_with(doc);
+    let endpoint = p.pd_endpoint().unwrap();
+    for (room, len) in [(1u64, 40usize), (2, 300)] {
+        let s = spec(&ids[..len], true, 8);
+        let uid = unified.submit(s.clone()).unwrap();
+        let want = collect(&unified, &[uid]).remove(&uid).unwrap();
+        let pid = p.submit(pd(&s, room, None)).unwrap();
+        let did = d.submit(pd(&s, room, Some(&endpoint))).unwrap();
+        let from_d = collect(&d, &[did]).remove(&did).unwrap();
+        collect(&p, &[pid]);
+        assert_eq!(stream(&from_d), stream(&want), "prompt {len}");
+    }
+    let (mp, md) = (p.metrics(), d.metrics());
+    assert_eq!((mp.kv_transfer.requests, md.kv_transfer.requests), (2, 2));
+    assert!(md.kv_transfer.bytes > 0);
+    assert_eq!((mp.kv_transfer.rma_bytes, md.kv_transfer.rma_bytes), (0, 0));
+}
+
 /// An engine on the ucx transport where libucp cannot be loaded is refused at creation with
 /// `Unsupported`, naming the package; the params checks name a scheme that does not match the
 /// transport; a decode on one transport refuses a peer on the other at its claim.

@@ -26,7 +26,12 @@ pub fn engine(
         "admission": {"max_queued_requests": max_queued, "queue_timeout_ms": 0},
     });
     if role != "unified" {
-        doc["pd"] = json!({"transport": transport,
+        // `ucx-am`: UCX with state bytes as active messages (`pd.ucx_rma = false`).
+        let (transport, rma) = match transport {
+            "ucx-am" => ("ucx", false),
+            t => (t, true),
+        };
+        doc["pd"] = json!({"transport": transport, "ucx_rma": rma,
                            "listen": format!("{transport}://127.0.0.1:0")});
     }
     Engine::create(Params::from_value(&doc).expect("valid params")).expect("engine")

@@ -198,7 +198,9 @@ fn start<B: Backend>(
                 // Host-memory pools may be written by a prefill's RMA (UCX); the engine thread
                 // shuts the node down before it frees them.
                 rma_regions: match role {
-                    Role::Decode if cache.pools().backend().buffers_in_host_memory() => {
+                    Role::Decode
+                        if p.ucx_rma && cache.pools().backend().buffers_in_host_memory() =>
+                    {
                         cache.pools().regions()
                     }
                     _ => Vec::new(),

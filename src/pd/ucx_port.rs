@@ -322,10 +322,16 @@ struct Conn {
     inflight_bytes: usize,
     /// Rooms with RMA writes issued since the last flush.
     dirty: HashSet<u64>,
-    /// A flush in flight and the frame waiting for it (a room's DONE, FAIL or FLUSHED):
-    /// nothing else of the link goes out meanwhile, so nothing overtakes it.
-    flushing: Option<(Request, Out)>,
+    /// A flush in flight: it completes once every write issued before it is in at the peer.
+    flushing: Option<Request>,
+    /// Frames waiting for it, in order: the room's DONE, FAIL or FLUSHED that asked for it,
+    /// then every later frame but RMA writes (which go on meanwhile: other rooms' bytes keep
+    /// moving), so no frame overtakes one that waits.
+    held: VecDeque<Out>,
 }
+
+/// Frames held behind a flush at most; then the link takes no more until it completes.
+const MAX_HELD: usize = 4096;
 
 /// A slice of a room's bytes, kept (not copied) until the put that writes it completes.
 struct Slice {
@@ -358,6 +364,7 @@ impl Conn {
             inflight_bytes: 0,
             dirty: HashSet::new(),
             flushing: None,
+            held: VecDeque::new(),
         }
     }
 
@@ -372,9 +379,12 @@ impl Conn {
     }
 
     /// Takes the next frame of `link` to go out: a DATA frame with a target becomes RMA
-    /// writes; a room's DONE, FAIL or FLUSHED after such writes waits for a flush. False when
-    /// the link has nothing to send now.
+    /// writes; a room's DONE, FAIL or FLUSHED after such writes waits for a flush, and later
+    /// frames wait behind it. False when the link has nothing to send now.
     fn take(&mut self, link: &Link) -> Result<bool, String> {
+        if self.held.len() >= MAX_HELD {
+            return Ok(false);
+        }
         let Some(out) = link.next_out() else {
             return Ok(false);
         };
@@ -382,36 +392,53 @@ impl Conn {
             Out::Data {
                 target: Some(_), ..
             } => self.put(out)?,
-            Out::Frame(f)
-                if kind_and_room(f).is_some_and(|(kind, room)| {
-                    matches!(kind, Kind::Done | Kind::Fail | Kind::Flushed)
-                        && self.dirty.contains(&room)
-                }) =>
-            {
-                // The flush covers every write issued so far, for every room.
-                self.dirty.clear();
-                let flush = self.ep.flush()?;
-                self.flushing = Some((flush, out));
+            _ if self.flushing.is_some() => self.held.push_back(out),
+            _ if self.needs_flush(&out) => {
+                self.held.push_back(out);
+                self.flush()?;
             }
             _ => self.send(out)?,
         }
         Ok(true)
     }
 
-    /// The waiting frame goes once its flush completed.
+    /// Whether `out` ends what a room's RMA writes since the last flush began.
+    fn needs_flush(&self, out: &Out) -> bool {
+        let Out::Frame(f) = out else {
+            return false;
+        };
+        kind_and_room(f).is_some_and(|(kind, room)| {
+            matches!(kind, Kind::Done | Kind::Fail | Kind::Flushed) && self.dirty.contains(&room)
+        })
+    }
+
+    /// Starts a flush of every write issued so far, for every room.
+    fn flush(&mut self) -> Result<(), String> {
+        self.dirty.clear();
+        self.flushing = Some(self.ep.flush()?);
+        Ok(())
+    }
+
+    /// Once the flush completed, the held frames go in order, up to the next one that needs
+    /// a flush of its own (writes issued meanwhile).
     fn flushed(&mut self) -> Result<bool, String> {
-        let Some((flush, _)) = &mut self.flushing else {
+        let Some(flush) = &mut self.flushing else {
             return Ok(false);
         };
-        match flush.poll() {
-            None => Ok(false),
-            Some(r) => {
-                let (_, out) = self.flushing.take().expect("matched above");
-                r?;
-                self.send(out)?;
-                Ok(true)
+        let Some(r) = flush.poll() else {
+            return Ok(false);
+        };
+        self.flushing = None;
+        r?;
+        while let Some(out) = self.held.pop_front() {
+            if self.needs_flush(&out) {
+                self.held.push_front(out);
+                self.flush()?;
+                break;
             }
+            self.send(out)?;
         }
+        Ok(true)
     }
 
     /// Writes a DATA frame's bytes into the decode's memory by RMA, at the addresses its
@@ -643,7 +670,7 @@ impl Thread<'_> {
             for (r, _) in c.inflight {
                 r.abandon();
             }
-            if let Some((r, _)) = c.flushing.take() {
+            if let Some(r) = c.flushing.take() {
                 r.abandon();
             }
             c.keys.clear();
@@ -689,8 +716,7 @@ impl Thread<'_> {
             // close: dropping their requests would cancel them.
             self.closing
                 .extend(c.inflight.drain(..).map(|(r, _)| (r, None)));
-            self.closing
-                .extend(c.flushing.take().map(|(r, _)| (r, None)));
+            self.closing.extend(c.flushing.take().map(|r| (r, None)));
             match c.ep.close(false) {
                 Ok(r) => self.closing.push((r, bound)),
                 Err(e) => {
@@ -978,7 +1004,7 @@ impl Thread<'_> {
                 Ok(done) => busy |= done,
                 Err(e) => link.go_down(&handler, format!("flushing RMA writes failed: {e}")),
             }
-            while c.inflight_bytes < INFLIGHT_BYTES && c.flushing.is_none() {
+            while c.inflight_bytes < INFLIGHT_BYTES {
                 match c.take(&link) {
                     Ok(false) => break,
                     Ok(true) => {

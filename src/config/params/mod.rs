@@ -252,6 +252,9 @@ pub struct PdParams {
     pub transport: PdTransport,
     /// The libucp to load for the ucx transport; `None`: `libucp.so.0` from the loader's path.
     pub ucx_library: Option<String>,
+    /// With the ucx transport: a decode with host-memory pools registers them and prefills
+    /// write states into them by RMA; false: state bytes go as active messages.
+    pub ucx_rma: bool,
     pub bootstrap_timeout_ms: u32,
     /// One deadline from claim to done: waiting for data and transferring.
     pub transfer_timeout_ms: u32,
