@@ -9,7 +9,8 @@
 #                the C tests under valgrind, pkg-config build, pytest
 # Other targets: demo-pd (a prefill and a decode dsv4-server behind dsv4-router, on loopback),
 # lib, header, install PREFIX=..., kernels-check, stress (a minute of concurrent load, then the
-# books), fuzz (AFL++ on the params, config.json and safetensors-header parsers and the PD frame decoder), clean.
+# books), fuzz (AFL++ on the params, config.json and safetensors-header parsers, the PD frame
+# decoder and the UCX message parser), clean.
 # Benchmarks: bench-forward, bench-radix, bench-hicache, bench-prefix, bench-overload, bench-pd,
 # bench-transfer (PD room transfer vs raw TCP, PD vs unified TTFT under 10x overload), bench-ucx
 # (PD over the ucx transport vs ucx_perftest and vs the tcp transport), bench-compare.
@@ -206,9 +207,9 @@ REVS ?= HEAD
 bench-compare: deps
 	scripts/bench_compare.sh $(REVS)
 
-# Fuzzes the params JSON, config.json and safetensors header parsers with AFL++ (cargo-afl, on
-# stable Rust; installed on first use) for FUZZ_SECONDS each, from fuzz/corpus/. Not part of
-# `make test`. Fails when a target crashes; findings stay in fuzz/out/.
+# Fuzzes the params JSON, config.json and safetensors header parsers, the PD frame decoder and
+# the UCX message parser with AFL++ (cargo-afl, on stable Rust; installed on first use) for
+# FUZZ_SECONDS each, from fuzz/corpus/. Not part of `make test`. Fails when a target crashes; findings stay in fuzz/out/.
 FUZZ_SECONDS ?= 300
 fuzz: deps
 	FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz/run.sh

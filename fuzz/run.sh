@@ -4,7 +4,8 @@
 # target found a crash (a panic, an abort, or one of the targets' own checks).
 #
 #   FUZZ_SECONDS  seconds per target (default 300)
-#   FUZZ_TARGETS  targets to run (default: params_json config_json safetensors_header pd_frames)
+#   FUZZ_TARGETS  targets to run (default: params_json config_json safetensors_header pd_frames
+#                 ucx_messages)
 #
 # Findings stay in fuzz/out/<target>/default/{crashes,hangs}/ (git-ignored); replay one with
 #   fuzz/target/release/<target> < fuzz/out/<target>/default/crashes/<file>
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 SECONDS_EACH=${FUZZ_SECONDS:-300}
-TARGETS=${FUZZ_TARGETS:-"params_json config_json safetensors_header pd_frames"}
+TARGETS=${FUZZ_TARGETS:-"params_json config_json safetensors_header pd_frames ucx_messages"}
 # Pinned with the `afl` crate in fuzz/Cargo.toml: the macro and the runtime pair up.
 CARGO_AFL_VERSION=0.18.2
 

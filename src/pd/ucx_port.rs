@@ -30,13 +30,13 @@ use super::wire::{self, Frame, Kind};
 /// The one active-message id: every frame.
 const FRAME: u32 = 0;
 /// Sequence number, frame header, a DATA frame's offset.
-const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8;
+pub const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8;
 /// Bytes in flight per link before its outbox waits for completions (UCX copies nothing of a
 /// DATA frame; this bounds how much of the rooms' buffers UCX holds at once).
 const INFLIGHT_BYTES: usize = 8 << 20;
 /// Frames held ahead of a missing one at most, per connection (UCX reorders little: a few
 /// rendezvous messages in flight).
-const MAX_EARLY: usize = 4096;
+pub const MAX_EARLY: usize = 4096;
 /// How often the thread wakes at least (to declare silent peers dead).
 const TICK: Duration = Duration::from_millis(20);
 /// How long the thread polls in-flight operations without progress before it sleeps between
@@ -543,11 +543,12 @@ impl AsRef<[u8]> for Payload {
 }
 
 /// A frame as carried: kind, room, a DATA frame's offset, the payload (the bytes).
-type Parsed = (Kind, u64, Option<u64>, Vec<u8>);
+pub type Parsed = (Kind, u64, Option<u64>, Vec<u8>);
 
 /// Checks one message against the frame format: sequence number, then a frame's header (and
-/// a DATA frame's offset) whose length matches the data.
-fn parse(m: Message) -> Result<(u64, Parsed), String> {
+/// a DATA frame's offset) whose length matches the data. Public for the fuzz target
+/// (`fuzz/src/bin/ucx_messages.rs`).
+pub fn parse(m: Message) -> Result<(u64, Parsed), String> {
     let h = &m.header;
     if h.len() < 8 + wire::HEADER {
         return Err(format!("an active message header of {} bytes", h.len()));
@@ -1124,6 +1125,41 @@ mod tests {
                 proptest::prop_assert_eq!(offset.is_some(), kind == Kind::Data);
             }
         }
+    }
+
+    /// The fuzz target's seeds (fuzz/corpus/ucx_messages: `[header length: u8][data length:
+    /// u16 LE][header][data]` each) are messages this thread accepts, in sequence order once
+    /// put back in order; they fail here when the format changes under them.
+    #[test]
+    fn the_fuzz_seeds_are_valid_messages() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/ucx_messages");
+        let mut messages = 0;
+        for entry in std::fs::read_dir(&dir).expect("the seed corpus") {
+            let path = entry.expect("an entry").path();
+            let bytes = std::fs::read(&path).expect("a seed");
+            let mut input = &bytes[..];
+            let mut order = InOrder::new(MAX_EARLY);
+            let mut out = Vec::new();
+            while !input.is_empty() {
+                let (h, d) = (
+                    input[0] as usize,
+                    u16::from_le_bytes([input[1], input[2]]) as usize,
+                );
+                let m = message(input[3..3 + h].to_vec(), input[3 + h..3 + h + d].to_vec());
+                input = &input[3 + h + d..];
+                let (seq, frame) = parse(m).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                out.extend(order.accept(seq, (seq, frame.0)).unwrap());
+                messages += 1;
+            }
+            let seqs: Vec<u64> = out.iter().map(|(s, _)| *s).collect();
+            assert_eq!(
+                seqs,
+                (0..seqs.len() as u64).collect::<Vec<_>>(),
+                "{}",
+                path.display()
+            );
+        }
+        assert!(messages >= 7, "{messages} messages in the seeds");
     }
 
     #[test]

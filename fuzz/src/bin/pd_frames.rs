@@ -69,7 +69,7 @@ fn main() {
                 Kind::Fail => {
                     check::<Failure>(&frame);
                 }
-                Kind::Ack | Kind::Heartbeat => {}
+                Kind::Ack | Kind::Heartbeat | Kind::Flushed => {}
             }
         }
     });
