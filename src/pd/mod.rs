@@ -23,6 +23,7 @@ pub mod rma;
 mod rma_tests;
 pub mod room;
 pub mod ucx;
+pub mod ucx_faults;
 pub mod ucx_port;
 pub mod wire;
 

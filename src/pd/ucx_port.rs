@@ -25,6 +25,7 @@ use super::in_order::InOrder;
 use super::link::{spawn, Handler, Link, Out};
 use super::rma;
 use super::ucx::{self, Context, Endpoint, EpKey, Message, RemoteKey, Request, Worker};
+use super::ucx_faults::Faults;
 use super::wire::{self, Frame, Kind};
 
 /// The one active-message id: every frame.
@@ -228,6 +229,7 @@ pub fn start(
             next_conn: 0,
             closing: Vec::new(),
             stopping: None,
+            faults: Faults::from_env(),
         };
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| thread.run(&rx)));
         if let Err(e) = run {
@@ -381,7 +383,7 @@ impl Conn {
     /// Takes the next frame of `link` to go out: a DATA frame with a target becomes RMA
     /// writes; a room's DONE, FAIL or FLUSHED after such writes waits for a flush, and later
     /// frames wait behind it. False when the link has nothing to send now.
-    fn take(&mut self, link: &Link) -> Result<bool, String> {
+    fn take(&mut self, link: &Link, faults: Option<&mut Faults>) -> Result<bool, String> {
         if self.held.len() >= MAX_HELD {
             return Ok(false);
         }
@@ -391,7 +393,7 @@ impl Conn {
         match &out {
             Out::Data {
                 target: Some(_), ..
-            } => self.put(out)?,
+            } => self.put(out, faults)?,
             _ if self.flushing.is_some() => self.held.push_back(out),
             _ if self.needs_flush(&out) => {
                 self.held.push_back(out);
@@ -443,7 +445,7 @@ impl Conn {
 
     /// Writes a DATA frame's bytes into the decode's memory by RMA, at the addresses its
     /// claim named for their offsets.
-    fn put(&mut self, out: Out) -> Result<(), String> {
+    fn put(&mut self, out: Out, mut faults: Option<&mut Faults>) -> Result<(), String> {
         let Out::Data {
             prefix,
             bytes,
@@ -472,10 +474,18 @@ impl Conn {
                 )
             })?;
             let len = len as usize;
-            let slice = Slice {
+            let mut slice = Slice {
                 bytes: bytes.clone(),
                 range: local..local + len,
             };
+            if faults.as_mut().is_some_and(|f| f.flip_this_put()) {
+                let mut copy = slice.as_ref().to_vec();
+                copy[0] ^= 0xff;
+                slice = Slice {
+                    bytes: Arc::new(copy),
+                    range: 0..len,
+                };
+            }
             let req = self.ep.put(slice, addr, &self.keys[i].1)?;
             self.inflight_bytes += len;
             self.inflight.push_back((req, len));
@@ -600,6 +610,8 @@ struct Thread<'w> {
     closing: Vec<(Request, Option<Bound>)>,
     /// Stopping: the deadline after which what is left is closed by force.
     stopping: Option<Instant>,
+    /// Tests only (`DSV4_UCX_FAULTS`).
+    faults: Option<Faults>,
 }
 
 impl Thread<'_> {
@@ -653,7 +665,10 @@ impl Thread<'_> {
                 std::thread::yield_now();
             } else {
                 let tick = if in_flight { STUCK_TICK } else { TICK };
-                let next = self.next_heartbeat().min(now + tick);
+                let mut next = self.next_heartbeat().min(now + tick);
+                if let Some(due) = self.faults.as_ref().and_then(Faults::next_due) {
+                    next = next.min(due);
+                }
                 self.worker.wait(next.saturating_duration_since(now), None);
             }
         }
@@ -874,6 +889,21 @@ impl Thread<'_> {
             let Some(&id) = m.from.as_ref().and_then(|ep| self.by_ep.get(ep)) else {
                 continue;
             };
+            let now = match self.faults.as_mut() {
+                Some(f) => f.receive(id, m),
+                None => Some((id, m)),
+            };
+            if let Some((id, m)) = now {
+                self.deliver(id, m);
+            }
+        }
+        let due = self
+            .faults
+            .as_mut()
+            .map(|f| f.due(Instant::now()))
+            .unwrap_or_default();
+        for (id, m) in due {
+            busy = true;
             self.deliver(id, m);
         }
         busy
@@ -1006,7 +1036,7 @@ impl Thread<'_> {
                 Err(e) => link.go_down(&handler, format!("flushing RMA writes failed: {e}")),
             }
             while c.inflight_bytes < INFLIGHT_BYTES {
-                match c.take(&link) {
+                match c.take(&link, self.faults.as_mut()) {
                     Ok(false) => break,
                     Ok(true) => {
                         busy = true;
