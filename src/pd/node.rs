@@ -237,6 +237,9 @@ struct Table {
     /// Decode: rooms whose destination a prefill may be writing by RMA (claimed with
     /// `rma_spans`), until its DONE, FAIL or FLUSHED, or until the link's endpoint closed.
     written: HashMap<u64, Written>,
+    /// Prefill: the memory each UCX decode registered (its HELLO's `rma_keys`), by link:
+    /// a claim's spans must lie inside it.
+    peer_regions: HashMap<u64, Vec<(u64, u64)>>,
     next_link: u64,
     stats: PdStats,
 }
@@ -364,6 +367,10 @@ impl Acceptor for UcxAcceptor {
                 Ok(inner.start_ucx_link(id, peer, port.clone(), peer_interval))
             })
             .ok_or_else(|| refuse(FailReason::PeerDead, "the engine is shutting down".into()))?;
+        // Before any frame of the connection is handled (this runs on the UCX thread, which
+        // hands them over once this returns).
+        let regions = hello.rma_keys.iter().map(|k| (k.addr, k.len)).collect();
+        inner.table().peer_regions.insert(link.id, regions);
         Ok(Accepted {
             reply: wire::encode_json(Kind::Hello, 0, &inner.hello()),
             link,
@@ -552,6 +559,18 @@ impl Node {
                  must give each request its own room"
             )));
         }
+        if t.written.contains_key(&room) || t.lent.contains_key(&room) {
+            // Its previous request's destination is not back yet (a prefill may still write
+            // into it): a new request in the room would be confused with it.
+            return Err(Error::new(
+                ErrorKind::QueueFull,
+                format!(
+                    "pd_room {room}: the previous request's destination is still being released \
+                     (its prefill has not confirmed that its writes stopped): retry shortly, or \
+                     give the request a new room"
+                ),
+            ));
+        }
         if t.rooms.len() >= inner.cfg.max_rooms {
             return Err(Error::new(
                 ErrorKind::QueueFull,
@@ -697,6 +716,15 @@ impl Node {
             }
         };
         let r = t.rooms.get_mut(&room).expect("looked up above");
+        let past_target = |end: usize| r.target.as_ref().is_some_and(|t| end as u64 > t.len());
+        if pieces
+            .iter()
+            .any(|(at, bytes)| past_target(at + bytes.len()))
+        {
+            // Past the destination the claim named: they go with the rest, where the room
+            // fails on its own (the state does not fit) instead of the link.
+            return false;
+        }
         let mut segments = Vec::with_capacity(pieces.len());
         let mut ranges = Vec::with_capacity(pieces.len());
         // A page computed again (its request requeued) was sent already: once is enough.
@@ -822,6 +850,12 @@ impl Node {
         let mut t = self.inner.table();
         if let Some(inc) = t.rooms.get_mut(&room).and_then(|r| {
             r.landing = None;
+            // A claim not sent yet (its connection still opening) must not name the memory
+            // handed back now: it goes, if at all, without it.
+            if let Some(c) = r.claim.as_mut() {
+                c.rma_spans.clear();
+            }
+            r.by_rma = false;
             r.incoming.as_mut()
         }) {
             inc.release();
@@ -1066,10 +1100,19 @@ impl Inner {
                 .link
                 .and_then(|l| t.links.get(&l))
                 .is_some_and(|l| l.is_ucx());
-            let target = if link_is_ucx {
-                Target::from_claim(&claim.rma_spans)
-            } else {
+            let regions = r.link.and_then(|l| t.peer_regions.get(&l));
+            let outside = claim.rma_spans.iter().find(|&&(addr, len)| {
+                regions.is_none_or(|regions| rma::region_of(regions, addr, len).is_none())
+            });
+            let target = if !link_is_ucx {
                 Err("the claim names memory for RMA writes, but it came over TCP".into())
+            } else if let Some((addr, len)) = outside {
+                Err(format!(
+                    "the claim names {len} bytes at {addr:#x} for RMA writes, outside the memory \
+                     the decode registered in its HELLO"
+                ))
+            } else {
+                Target::from_claim(&claim.rma_spans)
             };
             match target {
                 Ok(target) => {
@@ -1628,6 +1671,7 @@ impl Inner {
         {
             let mut t = self.table();
             t.links.remove(&link.id);
+            t.peer_regions.remove(&link.id);
             if t.by_peer.get(&link.peer) == Some(&link.id) {
                 t.by_peer.remove(&link.peer);
             }

@@ -35,6 +35,11 @@ pub const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8;
 /// Bytes in flight per link before its outbox waits for completions (UCX copies nothing of a
 /// DATA frame; this bounds how much of the rooms' buffers UCX holds at once).
 const INFLIGHT_BYTES: usize = 8 << 20;
+/// RMA bytes written since the last flush at most before the next flush starts, and at most
+/// this many more while it is in flight: a put completes locally once UCX has queued it, so
+/// without this bound a whole state would queue inside UCX ahead of the heartbeats (both
+/// ways) and the link would look silent for as long as the state takes.
+const RMA_WINDOW: usize = 4 << 20;
 /// Frames held ahead of a missing one at most, per connection (UCX reorders little: a few
 /// rendezvous messages in flight).
 pub const MAX_EARLY: usize = 4096;
@@ -326,6 +331,8 @@ struct Conn {
     dirty: HashSet<u64>,
     /// A flush in flight: it completes once every write issued before it is in at the peer.
     flushing: Option<Request>,
+    /// RMA bytes issued since the last flush started ([`RMA_WINDOW`]).
+    unflushed: usize,
     /// Frames waiting for it, in order: the room's DONE, FAIL or FLUSHED that asked for it,
     /// then every later frame but RMA writes (which go on meanwhile: other rooms' bytes keep
     /// moving), so no frame overtakes one that waits.
@@ -366,6 +373,7 @@ impl Conn {
             inflight_bytes: 0,
             dirty: HashSet::new(),
             flushing: None,
+            unflushed: 0,
             held: VecDeque::new(),
         }
     }
@@ -382,26 +390,38 @@ impl Conn {
 
     /// Takes the next frame of `link` to go out: a DATA frame with a target becomes RMA
     /// writes; a room's DONE, FAIL or FLUSHED after such writes waits for a flush, and later
-    /// frames wait behind it. False when the link has nothing to send now.
-    fn take(&mut self, link: &Link, faults: Option<&mut Faults>) -> Result<bool, String> {
+    /// frames wait behind it. `None` when the link has nothing to send now; else whether a
+    /// message went to the peer (RMA writes and held frames are not messages: they do not put
+    /// the next heartbeat off, or a long transfer by RMA would look like silence).
+    fn take(&mut self, link: &Link, faults: Option<&mut Faults>) -> Result<Option<bool>, String> {
         if self.held.len() >= MAX_HELD {
-            return Ok(false);
+            return Ok(None);
         }
         let Some(out) = link.next_out() else {
-            return Ok(false);
+            return Ok(None);
         };
-        match &out {
+        let sent = match &out {
             Out::Data {
                 target: Some(_), ..
-            } => self.put(out, faults)?,
-            _ if self.flushing.is_some() => self.held.push_back(out),
+            } => {
+                self.put(out, faults)?;
+                false
+            }
+            _ if self.flushing.is_some() => {
+                self.held.push_back(out);
+                false
+            }
             _ if self.needs_flush(&out) => {
                 self.held.push_back(out);
                 self.flush()?;
+                false
             }
-            _ => self.send(out)?,
-        }
-        Ok(true)
+            _ => {
+                self.send(out)?;
+                true
+            }
+        };
+        Ok(Some(sent))
     }
 
     /// Whether `out` ends what a room's RMA writes since the last flush began.
@@ -417,12 +437,20 @@ impl Conn {
     /// Starts a flush of every write issued so far, for every room.
     fn flush(&mut self) -> Result<(), String> {
         self.dirty.clear();
+        self.unflushed = 0;
         self.flushing = Some(self.ep.flush()?);
         Ok(())
     }
 
+    /// Whether more may be taken now: not while a flush is in flight and a window of RMA
+    /// writes went since it started.
+    fn open(&self) -> bool {
+        self.inflight_bytes < INFLIGHT_BYTES
+            && (self.flushing.is_none() || self.unflushed < RMA_WINDOW)
+    }
+
     /// Once the flush completed, the held frames go in order, up to the next one that needs
-    /// a flush of its own (writes issued meanwhile).
+    /// a flush of its own (writes issued meanwhile). Whether a message went out.
     fn flushed(&mut self) -> Result<bool, String> {
         let Some(flush) = &mut self.flushing else {
             return Ok(false);
@@ -432,6 +460,12 @@ impl Conn {
         };
         self.flushing = None;
         r?;
+        let mut sent = false;
+        if self.unflushed >= RMA_WINDOW {
+            // A window went while the flush was in flight: the next one starts now.
+            self.flush()?;
+            return Ok(false);
+        }
         while let Some(out) = self.held.pop_front() {
             if self.needs_flush(&out) {
                 self.held.push_front(out);
@@ -439,8 +473,9 @@ impl Conn {
                 break;
             }
             self.send(out)?;
+            sent = true;
         }
-        Ok(true)
+        Ok(sent)
     }
 
     /// Writes a DATA frame's bytes into the decode's memory by RMA, at the addresses its
@@ -488,10 +523,14 @@ impl Conn {
             }
             let req = self.ep.put(slice, addr, &self.keys[i].1)?;
             self.inflight_bytes += len;
+            self.unflushed += len;
             self.inflight.push_back((req, len));
             local += len;
         }
         self.dirty.insert(room);
+        if self.flushing.is_none() && self.unflushed >= RMA_WINDOW {
+            self.flush()?;
+        }
         Ok(())
     }
 
@@ -783,6 +822,9 @@ impl Thread<'_> {
                         &handler,
                         "the UCX connection closed during the handshake".into(),
                     );
+                    // Its endpoint is gone already; a claim queued meanwhile never left, but
+                    // the node counts it as written until told.
+                    handler.on_closed(&link);
                     return;
                 };
                 let held = match std::mem::replace(
@@ -1032,15 +1074,21 @@ impl Thread<'_> {
                 continue;
             }
             match c.flushed() {
-                Ok(done) => busy |= done,
+                Ok(true) => {
+                    busy = true;
+                    link.sent();
+                }
+                Ok(false) => {}
                 Err(e) => link.go_down(&handler, format!("flushing RMA writes failed: {e}")),
             }
-            while c.inflight_bytes < INFLIGHT_BYTES {
+            while c.open() {
                 match c.take(&link, self.faults.as_mut()) {
-                    Ok(false) => break,
-                    Ok(true) => {
+                    Ok(None) => break,
+                    Ok(Some(sent)) => {
                         busy = true;
-                        link.sent();
+                        if sent {
+                            link.sent();
+                        }
                     }
                     Err(e) => {
                         link.go_down(&handler, format!("sending failed: {e}"));
@@ -1048,7 +1096,8 @@ impl Thread<'_> {
                     }
                 }
             }
-            if now >= link.heartbeat_at() && c.inflight_bytes < INFLIGHT_BYTES {
+            // A heartbeat is a few bytes: it goes even with the window full of writes.
+            if now >= link.heartbeat_at() {
                 let beat = Out::Frame(wire::encode(Kind::Heartbeat, 0, &[]));
                 if c.send(beat).is_ok() {
                     link.sent();

@@ -46,6 +46,9 @@ impl Drop for EpInner {
     }
 }
 
+/// Zeros after a peer's packed remote key: UCX reads a key without its length.
+const RKEY_PAD: usize = 64 << 10;
+
 /// One connection to a peer's worker. Closed (forcibly) on drop if not [`Self::close`]d.
 pub struct Endpoint {
     inner: Rc<EpInner>,
@@ -188,10 +191,15 @@ impl Endpoint {
     pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey, String> {
         let core = &self.inner.core;
         let mut h: Handle = std::ptr::null_mut();
-        // SAFETY: live endpoint; UCX validates the packed bytes it reads (`packed` lives
-        // across the call); `h` is an out-pointer.
+        // ucp_ep_rkey_unpack takes no length: it reads as far as the packed bytes say. A
+        // short or garbled key from a peer must not make it read past our buffer, so it reads
+        // a copy followed by zeros (as many as the longest key UCX packs, several times over).
+        let mut padded = packed.to_vec();
+        padded.resize(packed.len() + RKEY_PAD, 0);
+        // SAFETY: live endpoint; `padded` lives across the call and holds the packed bytes
+        // then RKEY_PAD zeros, so what UCX reads stays inside it; `h` is an out-pointer.
         let status = unsafe {
-            (core.ctx.api.ucp_ep_rkey_unpack)(self.inner.h, packed.as_ptr().cast(), &mut h)
+            (core.ctx.api.ucp_ep_rkey_unpack)(self.inner.h, padded.as_ptr().cast(), &mut h)
         };
         core.ctx.api.check(status, "ucp_ep_rkey_unpack")?;
         Ok(RemoteKey {
