@@ -461,19 +461,19 @@ impl Conn {
         self.flushing = None;
         r?;
         let mut sent = false;
-        if self.unflushed >= RMA_WINDOW {
-            // A window went while the flush was in flight: the next one starts now.
-            self.flush()?;
-            return Ok(false);
-        }
         while let Some(out) = self.held.pop_front() {
             if self.needs_flush(&out) {
                 self.held.push_front(out);
                 self.flush()?;
-                break;
+                return Ok(sent);
             }
             self.send(out)?;
             sent = true;
+        }
+        if self.unflushed >= RMA_WINDOW {
+            // A window of writes went while the flush was in flight: the next one starts now
+            // (after the held frames, which a long stream of writes must not starve).
+            self.flush()?;
         }
         Ok(sent)
     }
