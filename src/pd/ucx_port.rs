@@ -911,17 +911,24 @@ impl Thread<'_> {
         busy
     }
 
+    /// Ends connection `id` for `why`: its endpoint is force-closed first (so destinations
+    /// the peer was writing are free, `on_closed`, by the time the rooms fail), then its link
+    /// goes down.
     fn fail(&mut self, id: u64, why: String) {
+        let mut bound = None;
         if let Some(c) = self.conns.get(&id) {
             match &c.state {
-                State::Bound { link, handler } => link.go_down(handler, why),
+                State::Bound { link, handler } => bound = Some((link.clone(), handler.clone())),
                 State::Connecting { reply, .. } => {
-                    let _ = reply.send(Err(why));
+                    let _ = reply.send(Err(why.clone()));
                 }
                 _ => {}
             }
         }
         self.remove(id, false);
+        if let Some((link, handler)) = bound {
+            link.go_down(&handler, why);
+        }
     }
 
     fn receive(&mut self) -> bool {
@@ -1060,13 +1067,16 @@ impl Thread<'_> {
         let mut busy = false;
         let now = Instant::now();
         let mut ended: Vec<(u64, bool)> = Vec::new();
+        // Connections that failed, and why: ended after the loop (`fail`).
+        let mut failed: Vec<(u64, String)> = Vec::new();
         for (&id, c) in self.conns.iter_mut() {
             let State::Bound { link, handler } = &c.state else {
                 continue;
             };
             let (link, handler) = (link.clone(), handler.clone());
             if let Err(e) = c.reap() {
-                link.go_down(&handler, format!("sending failed: {e}"));
+                failed.push((id, format!("sending failed: {e}")));
+                continue;
             }
             let (closed, finished) = link.ending();
             if closed {
@@ -1079,8 +1089,12 @@ impl Thread<'_> {
                     link.sent();
                 }
                 Ok(false) => {}
-                Err(e) => link.go_down(&handler, format!("flushing RMA writes failed: {e}")),
+                Err(e) => {
+                    failed.push((id, format!("flushing RMA writes failed: {e}")));
+                    continue;
+                }
             }
+            let mut broken = None;
             while c.open() {
                 match c.take(&link, self.faults.as_mut()) {
                     Ok(None) => break,
@@ -1091,10 +1105,14 @@ impl Thread<'_> {
                         }
                     }
                     Err(e) => {
-                        link.go_down(&handler, format!("sending failed: {e}"));
+                        broken = Some(format!("sending failed: {e}"));
                         break;
                     }
                 }
+            }
+            if let Some(why) = broken {
+                failed.push((id, why));
+                continue;
             }
             // A heartbeat is a few bytes: it goes even with the window full of writes.
             if now >= link.heartbeat_at() {
@@ -1104,8 +1122,7 @@ impl Thread<'_> {
                 }
             }
             if let Some(why) = link.silence() {
-                link.go_down(&handler, why);
-                ended.push((id, false));
+                failed.push((id, why));
                 continue;
             }
             if finished && c.inflight.is_empty() && c.flushing.is_none() {
@@ -1115,6 +1132,9 @@ impl Thread<'_> {
         }
         for (id, graceful) in ended {
             self.remove(id, graceful);
+        }
+        for (id, why) in failed {
+            self.fail(id, why);
         }
         busy
     }
