@@ -57,9 +57,9 @@ impl Spans {
             .starts
             .partition_point(|&s| s <= start)
             .saturating_sub(1);
-        self.spans[first.min(self.spans.len())..]
+        self.spans[first..]
             .iter()
-            .zip(&self.starts[first.min(self.starts.len())..])
+            .zip(&self.starts[first..])
             .take_while(move |(_, &s)| s < end)
             .filter_map(move |(&(addr, n), &s)| {
                 let (from, to) = (start.max(s), end.min(s + n));
