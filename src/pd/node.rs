@@ -1102,7 +1102,9 @@ impl Inner {
                 .is_some_and(|l| l.is_ucx());
             let regions = r.link.and_then(|l| t.peer_regions.get(&l));
             let outside = claim.rma_spans.iter().find(|&&(addr, len)| {
-                regions.is_none_or(|regions| rma::region_of(regions, addr, len).is_none())
+                regions.is_none_or(|regions| {
+                    rma::region_of(regions.iter().copied(), addr, len).is_none()
+                })
             });
             let target = if !link_is_ucx {
                 Err("the claim names memory for RMA writes, but it came over TCP".into())

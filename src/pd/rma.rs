@@ -39,10 +39,14 @@ impl Target {
 }
 
 /// The index of the region (`(address, length)`) that holds `len` bytes at `addr` whole.
-pub fn region_of(regions: &[(u64, u64)], addr: u64, len: u64) -> Option<usize> {
+pub fn region_of(
+    regions: impl IntoIterator<Item = (u64, u64)>,
+    addr: u64,
+    len: u64,
+) -> Option<usize> {
     regions
-        .iter()
-        .position(|&(a, n)| addr >= a && (addr - a).checked_add(len).is_some_and(|end| end <= n))
+        .into_iter()
+        .position(|(a, n)| addr >= a && (addr - a).checked_add(len).is_some_and(|end| end <= n))
 }
 
 /// A packed remote key as it travels in a HELLO.
@@ -86,10 +90,10 @@ mod tests {
         assert_eq!(t.pieces(20, 25), None, "past the destination");
         assert!(Target::from_claim(&[(u64::MAX, 2)]).is_err());
         let regions = [(0x1000, 0x100), (0x9000, 0x10)];
-        assert_eq!(region_of(&regions, 0x100a, 6), Some(0));
-        assert_eq!(region_of(&regions, 0x9008, 8), Some(1));
-        assert_eq!(region_of(&regions, 0x9008, 9), None, "runs past its region");
-        assert_eq!(region_of(&regions, 0x0fff, 1), None);
-        assert_eq!(region_of(&regions, u64::MAX, 2), None);
+        assert_eq!(region_of(regions, 0x100a, 6), Some(0));
+        assert_eq!(region_of(regions, 0x9008, 8), Some(1));
+        assert_eq!(region_of(regions, 0x9008, 9), None, "runs past its region");
+        assert_eq!(region_of(regions, 0x0fff, 1), None);
+        assert_eq!(region_of(regions, u64::MAX, 2), None);
     }
 }

@@ -378,6 +378,14 @@ impl Conn {
         }
     }
 
+    /// The link and handler, once bound.
+    fn bound(&self) -> Option<Bound> {
+        match &self.state {
+            State::Bound { link, handler } => Some((link.clone(), handler.clone())),
+            _ => None,
+        }
+    }
+
     /// Unpacks the peer's remote keys (its HELLO's `rma_keys`) on this endpoint.
     fn unpack(&mut self, keys: &[wire::RmaKey]) -> Result<(), String> {
         for k in keys {
@@ -495,19 +503,21 @@ impl Conn {
         let n = range.len() as u64;
         let pieces = target.pieces(at, at + n).ok_or_else(|| {
             format!(
-                "room {room}: state bytes {at}..{} lie past the {} bytes of the destination                  the decode's claim named",
+                "room {room}: state bytes {at}..{} lie past the {} bytes of the destination \
+                 the decode's claim named",
                 at + n,
                 target.len()
             )
         })?;
-        let regions: Vec<(u64, u64)> = self.keys.iter().map(|(r, _)| *r).collect();
         let mut local = range.start;
         for (addr, len) in pieces {
-            let i = rma::region_of(&regions, addr, len).ok_or_else(|| {
-                format!(
-                    "room {room}: the decode's claim names {len} bytes at {addr:#x}, outside                      the memory its HELLO registered"
-                )
-            })?;
+            let i =
+                rma::region_of(self.keys.iter().map(|(r, _)| *r), addr, len).ok_or_else(|| {
+                    format!(
+                        "room {room}: the decode's claim names {len} bytes at {addr:#x}, outside \
+                         the memory its HELLO registered"
+                    )
+                })?;
             let len = len as usize;
             let mut slice = Slice {
                 bytes: bytes.clone(),
@@ -760,10 +770,7 @@ impl Thread<'_> {
         };
         self.by_ep.remove(&c.ep.key());
         self.worker.forget(c.ep.key());
-        let bound = match &c.state {
-            State::Bound { link, handler } => Some((link.clone(), handler.clone())),
-            _ => None,
-        };
+        let bound = c.bound();
         // Remote keys go before their endpoint closes.
         c.keys.clear();
         if graceful {
@@ -915,15 +922,9 @@ impl Thread<'_> {
     /// the peer was writing are free, `on_closed`, by the time the rooms fail), then its link
     /// goes down.
     fn fail(&mut self, id: u64, why: String) {
-        let mut bound = None;
-        if let Some(c) = self.conns.get(&id) {
-            match &c.state {
-                State::Bound { link, handler } => bound = Some((link.clone(), handler.clone())),
-                State::Connecting { reply, .. } => {
-                    let _ = reply.send(Err(why.clone()));
-                }
-                _ => {}
-            }
+        let bound = self.conns.get(&id).and_then(Conn::bound);
+        if let Some(State::Connecting { reply, .. }) = self.conns.get(&id).map(|c| &c.state) {
+            let _ = reply.send(Err(why.clone()));
         }
         self.remove(id, false);
         if let Some((link, handler)) = bound {
