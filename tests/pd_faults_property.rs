@@ -1,5 +1,9 @@
-//! PD rooms under random interleavings and injected faults (issue "PD 2"): a prefill and a
-//! decode engine talk through the fault proxy (tests/common/fault_proxy.rs); each case submits
+//! PD rooms under random interleavings and injected faults (issues "PD 2" and "PD across
+//! hosts"), on both transports. Over tcp a prefill and a decode engine talk through the fault
+//! proxy (tests/common/fault_proxy.rs); over ucx, where UCX owns the wire, their UCX threads
+//! inject the faults themselves (src/pd/ucx_faults.rs: a byte flipped in a room's RMA write,
+//! a room's message lost, random delays that reorder messages, every connection closed at
+//! once). Each case submits
 //! a few rooms to both engines in either order (some to one side only, so they time out),
 //! aborts some on either side at random times, injects one scripted fault into some rooms'
 //! frames, adds benign noise (delays, lost heartbeats, duplicated ACKs) and sometimes kills
@@ -25,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use dsv4::engine::{Engine, Event, EventKind, FinishReason, RequestSpec};
 use dsv4::error::ErrorKind;
+use dsv4::pd::ucx_faults::{self, Applied};
 use proptest::prelude::*;
 use serde_json::json;
 
@@ -71,9 +76,23 @@ enum Injected {
     DupAck,
     CloseOnClaim,
     Delay(Dir, u8, u64),
+    /// ucx: a byte of the room's first RMA write flipped.
+    FlipPut,
+    /// ucx: the room's first message lost on the way (in either direction): everything after
+    /// it on the connection waits behind the gap until the peer is declared dead.
+    LoseRoom,
 }
 
 impl Injected {
+    /// The fault's setting for the UCX threads (`DSV4_UCX_FAULTS` syntax).
+    fn ucx_setting(self, room: u64) -> String {
+        match self {
+            Injected::FlipPut => format!("flip_room={room}"),
+            Injected::LoseRoom => format!("lose_room={room}"),
+            other => unreachable!("{other:?} is a tcp proxy fault"),
+        }
+    }
+
     fn rule(self, room: u64) -> Rule {
         use Injected::*;
         let (dir, kind, nth, fault) = match self {
@@ -108,6 +127,7 @@ impl Injected {
             DropAck => (Dir::ToPrefill, ACK, 1, Fault::Drop),
             DupAck => (Dir::ToPrefill, ACK, 1, Fault::Duplicate),
             CloseOnClaim => (Dir::ToPrefill, CLAIM, 1, Fault::Close),
+            FlipPut | LoseRoom => unreachable!("{self:?} is a ucx fault"),
             Delay(dir, kind, ms) => (dir, kind, 1, Fault::Delay(Duration::from_millis(ms))),
         };
         Rule {
@@ -159,6 +179,14 @@ impl Injected {
             // finished before the FAIL arrives.
             DropAck => vec![(timeout(), Pat::Ok), (timeout(), kvt("timeout"))],
             DupAck | Delay(..) => vec![(Pat::Ok, Pat::Ok)],
+            // The decode's check at DONE covers every byte, however it was written.
+            FlipPut => same(&["checksum"]),
+            // The link stalls until a side declares the other dead; a prefill that lost the
+            // claim has the room waiting for one until its deadline.
+            LoseRoom => vec![
+                (kvt("peer_dead"), kvt("peer_dead")),
+                (timeout(), kvt("peer_dead")),
+            ],
         }
     }
 
@@ -166,7 +194,12 @@ impl Injected {
         use Injected::*;
         matches!(
             self,
-            BadKindData(_) | BadReservedData(..) | Truncate(..) | CloseOnData(_) | CloseOnClaim
+            BadKindData(_)
+                | BadReservedData(..)
+                | Truncate(..)
+                | CloseOnData(_)
+                | CloseOnClaim
+                | LoseRoom
         )
     }
 }
@@ -286,7 +319,13 @@ fn injected() -> impl Strategy<Value = Injected> {
     ]
 }
 
-fn room_plan() -> impl Strategy<Value = RoomPlan> {
+/// What the UCX threads can do to one room (UCX owns the wire: frames cannot be cut, doubled
+/// or edited on it). A lost message costs a second (the dead interval), so it is rarer.
+fn injected_ucx() -> impl Strategy<Value = Injected> {
+    prop_oneof![3 => Just(Injected::FlipPut), 1 => Just(Injected::LoseRoom)]
+}
+
+fn room_plan(ucx: bool) -> impl Strategy<Value = RoomPlan> {
     let sides = prop_oneof![
         6 => (any::<bool>(), 0u64..300)
             .prop_map(|(decode_first, gap_ms)| Sides::Both { decode_first, gap_ms }),
@@ -297,7 +336,7 @@ fn room_plan() -> impl Strategy<Value = RoomPlan> {
         2 => Just(Act::Plain),
         1 => (any::<bool>(), 0u64..400)
             .prop_map(|(on_decode, after_ms)| Act::Abort { on_decode, after_ms }),
-        4 => injected().prop_map(Act::Fault),
+        4 => if ucx { injected_ucx().boxed() } else { injected().boxed() }.prop_map(Act::Fault),
     ];
     (0..PROMPTS.len(), 0u64..200, sides, act).prop_map(|(prompt, start_ms, sides, act)| {
         // A one-sided room has no frames to fault, and aborts only where it was submitted.
@@ -319,9 +358,9 @@ fn room_plan() -> impl Strategy<Value = RoomPlan> {
     })
 }
 
-fn case() -> impl Strategy<Value = Case> {
+fn case(ucx: bool) -> impl Strategy<Value = Case> {
     (
-        prop::collection::vec(room_plan(), 1..5),
+        prop::collection::vec(room_plan(ucx), 1..5),
         prop::option::weighted(0.15, 0u64..600),
         any::<bool>(),
         any::<u64>(),
@@ -334,11 +373,15 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
-/// The engines, the proxy between them and the reference streams, shared by every case.
+/// The engines, the proxy between them (tcp) and the reference streams, shared by every case.
 struct Rig {
     p: Engine,
     d: Engine,
-    proxy: FaultProxy,
+    /// tcp: the fault proxy the decode reaches the prefill through; ucx: none (the UCX
+    /// threads inject the faults).
+    proxy: Option<FaultProxy>,
+    /// Where the decode finds the prefill.
+    peer: String,
     prompts: Vec<Vec<u32>>,
     /// (token, logprob bits) from a unified engine, per prompt.
     want: Vec<Vec<(u32, u32)>>,
@@ -354,7 +397,7 @@ fn spec(prompt: &[u32]) -> RequestSpec {
 }
 
 impl Rig {
-    fn new() -> Rig {
+    fn new(transport: &str) -> Rig {
         let ids = common::ids("flash-like");
         let prompts: Vec<Vec<u32>> = PROMPTS
             .iter()
@@ -369,7 +412,8 @@ impl Rig {
             })
             .collect();
         let pd = json!({
-            "listen": "tcp://127.0.0.1:0",
+            "transport": transport,
+            "listen": format!("{transport}://127.0.0.1:0"),
             "bootstrap_timeout_ms": BOOTSTRAP_MS,
             "transfer_timeout_ms": TRANSFER_MS,
             "heartbeat_interval_ms": HEARTBEAT_MS,
@@ -377,10 +421,12 @@ impl Rig {
         });
         let p = engine_with(json!({"role": "prefill", "pd": pd.clone()}));
         let d = engine_with(json!({"role": "decode", "pd": pd}));
-        let proxy = FaultProxy::start(&p.pd_endpoint().unwrap(), Plan::default(), 0);
+        let prefill = p.pd_endpoint().unwrap();
+        let proxy = (transport == "tcp").then(|| FaultProxy::start(&prefill, Plan::default(), 0));
         Rig {
             p,
             d,
+            peer: proxy.as_ref().map_or(prefill, |x| x.addr().to_string()),
             proxy,
             prompts,
             want,
@@ -395,12 +441,22 @@ impl Rig {
         let room_of = |i: usize| first + i as u64;
         // The rooms' scripted faults, then the noise: benign whatever frame it hits.
         let mut plan = Plan::default();
+        let mut ucx_setting = Vec::new();
         for (i, r) in case.rooms.iter().enumerate() {
             if let Act::Fault(f) = r.act {
-                plan.rules.push(f.rule(room_of(i)));
+                match self.proxy {
+                    Some(_) => plan.rules.push(f.rule(room_of(i))),
+                    None => ucx_setting.push(f.ucx_setting(room_of(i))),
+                }
             }
         }
-        if case.noise {
+        if case.noise && self.proxy.is_none() {
+            // Messages handed on after a random delay, so they overtake each other.
+            ucx_setting.push(format!("delay_ms={}", 5 + case.seed % 40));
+            ucx_setting.push(format!("seed={}", case.seed));
+        }
+        let ucx_setting = ucx_setting.join(",");
+        if case.noise && self.proxy.is_some() {
             let ms = 5 + case.seed % 40;
             for dir in [Dir::ToPrefill, Dir::ToDecode] {
                 plan.chances.push(Chance {
@@ -423,7 +479,14 @@ impl Rig {
                 fault: Fault::Duplicate,
             });
         }
-        self.proxy.set_plan(plan, case.seed);
+        match &self.proxy {
+            Some(proxy) => proxy.set_plan(plan, case.seed),
+            None => {
+                // What an earlier case did is that case's.
+                ucx_faults::applied();
+                ucx_faults::set(&ucx_setting).unwrap();
+            }
+        }
 
         // The timeline: submissions, aborts and the kill, in time order.
         #[derive(Debug)]
@@ -475,7 +538,7 @@ impl Rig {
                     let mut s = spec(&self.prompts[r.prompt]);
                     s.pd_room = room_of(i);
                     let engine = if on_decode {
-                        s.pd_peer = Some(self.proxy.addr().to_string());
+                        s.pd_peer = Some(self.peer.clone());
                         &self.d
                     } else {
                         &self.p
@@ -487,28 +550,50 @@ impl Rig {
                     // An error only says the request already ended.
                     let _ = engine.abort(ids[i][on_decode as usize].unwrap());
                 }
-                Step::Kill => self.proxy.kill(),
+                Step::Kill => match &self.proxy {
+                    Some(proxy) => proxy.kill(),
+                    // Every connection closed by force, the case's faults kept.
+                    None => ucx_faults::set(&format!("{ucx_setting},close=1")).unwrap(),
+                },
             }
         }
 
-        let context = |what: String| {
-            format!(
-                "{what}\ncase (rooms {first}..): {case:#?}\n{}",
-                self.proxy.report()
-            )
+        let report = || match &self.proxy {
+            Some(proxy) => proxy.report(),
+            None => format!("ucx faults: {ucx_setting:?}"),
         };
+        let context =
+            |what: String| format!("{what}\ncase (rooms {first}..): {case:#?}\n{}", report());
         let side_ids = |side: usize| -> Vec<u64> { ids.iter().filter_map(|x| x[side]).collect() };
         let from_p = self.events(&self.p, &side_ids(0), "prefill", &context);
         let from_d = self.events(&self.d, &side_ids(1), "decode", &context);
 
         // Which rooms' faults fired, and whether the connection went down under the case.
-        let log = self.proxy.log();
-        let fired: HashSet<u64> = log
-            .iter()
-            .filter(|a| a.rule.is_some())
-            .map(|a| a.room)
-            .collect();
-        let conn_died = case.kill_ms.is_some_and(|_| log.iter().any(|a| a.kind == 0))
+        let (fired, killed, applied): (HashSet<u64>, bool, Vec<Applied>) = match &self.proxy {
+            Some(proxy) => {
+                let log = proxy.log();
+                let fired = log
+                    .iter()
+                    .filter(|a| a.rule.is_some())
+                    .map(|a| a.room)
+                    .collect();
+                (fired, log.iter().any(|a| a.kind == 0), Vec::new())
+            }
+            None => {
+                let applied = ucx_faults::applied();
+                let fired = applied
+                    .iter()
+                    .filter_map(|a| match a {
+                        Applied::Flipped { room } => Some(*room),
+                        Applied::Lost { room, .. } => *room,
+                        Applied::Closed(_) => None,
+                    })
+                    .collect();
+                let closed = applied.iter().any(|a| matches!(a, Applied::Closed(_)));
+                (fired, closed, applied)
+            }
+        };
+        let conn_died = case.kill_ms.is_some_and(|_| killed)
             || case.rooms.iter().enumerate().any(|(i, r)| {
                 matches!(r.act, Act::Fault(f) if f.kills_connection() && fired.contains(&room_of(i)))
             });
@@ -520,7 +605,8 @@ impl Rig {
             let d_events = ids[i][1].map(|id| &from_d[&id]);
             let ctx = |what: &str| {
                 context(format!(
-                    "room {room}: {what}\nprefill events: {p_events:?}\ndecode events: {d_events:?}"
+                    "room {room}: {what}\nprefill events: {p_events:?}\ndecode events: \
+                     {d_events:?}\nucx faults applied: {applied:?}"
                 ))
             };
             // The prefill never streams; the decode's tokens are the unified engine's, as far
@@ -766,18 +852,31 @@ fn allowed(r: &RoomPlan, fired: bool) -> Vec<(Pat, Pat)> {
 }
 
 const CASES: u32 = 48;
+/// UCX cases (fewer: a lost message costs its case a dead interval).
+const UCX_CASES: u32 = 32;
 
-/// 48 cases (about a second each) of up to four rooms each, on one engine pair. Cases are timing-dependent, so
-/// shrinking would not replay them: a failure prints the case, the proxy's seed and every
-/// fault applied instead.
+/// 48 cases (about a second each) of up to four rooms each, on one engine pair. Cases are
+/// timing-dependent, so shrinking would not replay them: a failure prints the case, the
+/// proxy's seed and every fault applied instead.
 #[test]
 fn every_room_ends_once_on_each_side_with_its_status_and_nothing_leaks() {
-    let rig = Rig::new();
+    property("tcp", CASES);
+}
+
+/// The same property over UCX (RMA writes, active messages), with the faults UCX's own wire
+/// can suffer.
+#[test]
+fn every_room_ends_once_on_each_side_with_its_status_and_nothing_leaks_over_ucx() {
+    property("ucx", UCX_CASES);
+}
+
+fn property(transport: &str, default_cases: u32) {
+    let rig = Rig::new(transport);
     // PROPTEST_CASES runs more (or fewer) cases, e.g. to soak the property locally.
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(CASES);
+        .unwrap_or(default_cases);
     let config = ProptestConfig {
         cases,
         failure_persistence: None,
@@ -785,11 +884,11 @@ fn every_room_ends_once_on_each_side_with_its_status_and_nothing_leaks() {
         ..ProptestConfig::default()
     };
     let start = Instant::now();
-    proptest!(config, |(c in case())| {
+    proptest!(config, |(c in case(transport == "ucx"))| {
         rig.run(&c);
     });
     eprintln!(
-        "{} rooms in {:?}; ends (prefill, decode): {:?}",
+        "{transport}: {} rooms in {:?}; ends (prefill, decode): {:?}",
         rig.next_room.get() - 1,
         start.elapsed(),
         rig.tally.borrow()

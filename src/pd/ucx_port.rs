@@ -25,7 +25,7 @@ use super::in_order::InOrder;
 use super::link::{spawn, Handler, Link, Out};
 use super::rma;
 use super::ucx::{self, Context, Endpoint, EpKey, Message, RemoteKey, Request, Worker};
-use super::ucx_faults::Faults;
+use super::ucx_faults::{self, Faults};
 use super::wire::{self, Frame, Kind};
 
 /// The one active-message id: every frame.
@@ -235,6 +235,7 @@ pub fn start(
             closing: Vec::new(),
             stopping: None,
             faults: Faults::from_env(),
+            faults_seen: 0,
         };
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| thread.run(&rx)));
         if let Err(e) = run {
@@ -523,7 +524,7 @@ impl Conn {
                 bytes: bytes.clone(),
                 range: local..local + len,
             };
-            if faults.as_mut().is_some_and(|f| f.flip_this_put()) {
+            if faults.as_mut().is_some_and(|f| f.flip_this_put(room)) {
                 let mut copy = slice.as_ref().to_vec();
                 copy[0] ^= 0xff;
                 slice = Slice {
@@ -659,8 +660,10 @@ struct Thread<'w> {
     closing: Vec<(Request, Option<Bound>)>,
     /// Stopping: the deadline after which what is left is closed by force.
     stopping: Option<Instant>,
-    /// Tests only (`DSV4_UCX_FAULTS`).
+    /// Tests only (`DSV4_UCX_FAULTS`, [`ucx_faults::set`]).
     faults: Option<Faults>,
+    /// The generation of [`ucx_faults::set`] the faults come from.
+    faults_seen: u64,
 }
 
 impl Thread<'_> {
@@ -670,6 +673,7 @@ impl Thread<'_> {
             while let Ok(cmd) = rx.try_recv() {
                 self.command(cmd);
             }
+            self.reload_faults();
             let mut busy = self.worker.progress() > 0;
             busy |= self.accept();
             // Messages before errors: a peer's last frames (a REFUSE, a FAIL) arrive before
@@ -721,6 +725,26 @@ impl Thread<'_> {
                 self.worker.wait(next.saturating_duration_since(now), None);
             }
         }
+    }
+
+    /// Tests only: takes the faults [`ucx_faults::set`] named, if they changed; a `close`
+    /// among them ends every connection now, as a dead peer would.
+    fn reload_faults(&mut self) {
+        let Some((generation, mut f)) = ucx_faults::changed(self.faults_seen) else {
+            return;
+        };
+        self.faults_seen = generation;
+        if let Some(old) = self.faults.take() {
+            f.adopt(old);
+        }
+        if f.take_close() && !self.conns.is_empty() {
+            f.closed(self.conns.len());
+            let ids: Vec<u64> = self.conns.keys().copied().collect();
+            for id in ids {
+                self.fail(id, "the connection was closed (an injected fault)".into());
+            }
+        }
+        self.faults = Some(f);
     }
 
     /// Ends every connection at once, waiting for nothing: bound links go down with `why`;
