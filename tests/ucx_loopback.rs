@@ -147,6 +147,36 @@ fn a_peer_that_goes_away_is_reported_on_the_endpoint() {
     assert_eq!(errors[0].0, to_server.key(), "{errors:?}");
 }
 
+/// A listener that refuses a connection request (a prefill shutting down): the client's
+/// endpoint fails at once, its message never delivered, and the server holds no endpoint.
+#[test]
+fn a_rejected_connection_request_fails_the_clients_endpoint() {
+    let (sctx, cctx) = (context(), context());
+    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
+    server.receive(DONE, 64, 64).unwrap();
+    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    assert!(listener.reject_next().is_none(), "no request yet");
+    let to_server = client.connect(listener.local_addr()).unwrap();
+    let _hello = to_server.send(DONE, b"hi".to_vec(), Vec::new()).unwrap();
+    drive(&server, &client, "the connection request", || {
+        listener.reject_next()
+    })
+    .unwrap();
+    let errors = drive(&server, &client, "the client's error", || {
+        let e = client.take_errors();
+        (!e.is_empty()).then_some(e)
+    });
+    assert_eq!(errors[0].0, to_server.key(), "{errors:?}");
+    assert!(
+        server.take_message().is_none(),
+        "a message through a refused connection"
+    );
+    assert!(
+        server.accept().is_none(),
+        "the request was taken by the rejection"
+    );
+}
+
 #[test]
 fn a_message_over_the_receivers_limits_is_dropped_and_its_endpoint_reported() {
     let (sctx, cctx) = (context(), context());

@@ -24,7 +24,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::in_order::InOrder;
 use super::link::{spawn, Handler, Link, Out};
 use super::rma;
-use super::ucx::{self, Context, Endpoint, EpKey, Message, RemoteKey, Request, Worker};
+use super::ucx::{self, Context, Endpoint, EpKey, Listener, Message, RemoteKey, Request, Worker};
 use super::ucx_faults::{self, Faults};
 use super::wire::{self, Frame, Kind};
 
@@ -227,6 +227,7 @@ pub fn start(
         let mut thread = Thread {
             port: p.clone(),
             worker: &worker,
+            listener: listener.as_ref(),
             acceptor,
             handshake,
             conns: HashMap::new(),
@@ -651,6 +652,7 @@ pub fn parse(m: Message) -> Result<(u64, Parsed), String> {
 struct Thread<'w> {
     port: Port,
     worker: &'w Worker,
+    listener: Option<&'w Listener>,
     acceptor: Option<Arc<dyn Acceptor>>,
     handshake: Duration,
     conns: HashMap<u64, Conn>,
@@ -898,6 +900,16 @@ impl Thread<'_> {
     /// New connections from the listener; handshakes that ran out of time.
     fn accept(&mut self) -> bool {
         let mut busy = false;
+        if let (Some(listener), Some(_)) = (self.listener, self.stopping) {
+            // Shutting down: a connection now would only be closed again; refused, the peer
+            // learns at once and tries elsewhere.
+            while let Some(r) = listener.reject_next() {
+                busy = true;
+                if let Err(e) = r {
+                    log::warn!("PD: refusing a UCX connection during shutdown: {e}");
+                }
+            }
+        }
         while let Some(ep) = self.worker.accept() {
             busy = true;
             match ep {

@@ -404,6 +404,18 @@ impl Listener {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// Refuses the next connection request queued on this listener's worker (the peer's
+    /// endpoint fails at once, instead of connecting to be closed): `None` when none waits. A
+    /// worker has at most one listener here, so every queued request is this listener's.
+    pub fn reject_next(&self) -> Option<Result<(), String>> {
+        let req = self.core.events.borrow_mut().conn_requests.pop_front()?;
+        let api = &self.core.ctx.api;
+        // SAFETY: a request this listener's connection handler queued, neither accepted nor
+        // rejected before (popped from the queue once), on the worker's own thread.
+        let status = unsafe { (api.ucp_listener_reject)(self.h, req) };
+        Some(api.check(status, "ucp_listener_reject"))
+    }
 }
 
 impl Drop for Listener {
