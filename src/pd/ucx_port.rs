@@ -301,6 +301,18 @@ pub fn register(
 /// A link and its handler.
 type Bound = (Arc<Link>, Arc<dyn Handler>);
 
+/// A peer's registered regions (`(address, length)`) and their keys unpacked on our endpoint.
+type Keys = Vec<((u64, u64), RemoteKey)>;
+
+/// An operation that ends a connection (a graceful close, or a send still in flight when it
+/// began), with what waits for it: the link to tell once the endpoint's close is done, and
+/// the remote keys the connection's puts read until then.
+struct Closing {
+    req: Request,
+    bound: Option<Bound>,
+    keys: Keys,
+}
+
 enum State {
     /// Accepted: waiting for the peer's HELLO until the deadline.
     Accepting(Instant),
@@ -320,8 +332,9 @@ enum State {
 
 struct Conn {
     /// The peer's registered regions (`(address, length)`) and their keys unpacked on `ep`;
-    /// declared before `ep`: keys go first.
-    keys: Vec<((u64, u64), RemoteKey)>,
+    /// dropped only after `ep`'s close completed ([`Thread::remove`]), since the puts in
+    /// flight read them.
+    keys: Keys,
     ep: Endpoint,
     state: State,
     next_out: u64,
@@ -659,7 +672,7 @@ struct Thread<'w> {
     by_ep: HashMap<EpKey, u64>,
     next_conn: u64,
     /// Graceful closes in flight, with the link to tell once each is done.
-    closing: Vec<(Request, Option<Bound>)>,
+    closing: Vec<Closing>,
     /// Stopping: the deadline after which what is left is closed by force.
     stopping: Option<Instant>,
     /// Tests only (`DSV4_UCX_FAULTS`, [`ucx_faults::set`]).
@@ -683,11 +696,12 @@ impl Thread<'_> {
             busy |= self.receive();
             busy |= self.errors();
             busy |= self.send();
-            self.closing.retain_mut(|(r, bound)| {
-                if r.poll().is_none() {
+            self.closing.retain_mut(|c| {
+                if c.req.poll().is_none() {
                     return true;
                 }
-                if let Some((link, handler)) = bound.take() {
+                c.keys.clear();
+                if let Some((link, handler)) = c.bound.take() {
                     handler.on_closed(&link);
                 }
                 false
@@ -764,19 +778,21 @@ impl Thread<'_> {
             if let Some(r) = c.flushing.take() {
                 r.abandon();
             }
-            c.keys.clear();
             if let Ok(r) = c.ep.close(true) {
                 r.abandon();
             }
+            // Abandoned puts may still name them: leaked with the operations.
+            std::mem::forget(std::mem::take(&mut c.keys));
             // The worker stops with this thread: nothing more lands through it.
             if let State::Bound { link, handler } = &c.state {
                 handler.on_closed(link);
             }
         }
         self.by_ep.clear();
-        for (r, bound) in self.closing.drain(..) {
-            r.abandon();
-            if let Some((link, handler)) = bound {
+        for c in self.closing.drain(..) {
+            c.req.abandon();
+            std::mem::forget(c.keys);
+            if let Some((link, handler)) = c.bound {
                 handler.on_closed(&link);
             }
         }
@@ -797,16 +813,24 @@ impl Thread<'_> {
         self.by_ep.remove(&c.ep.key());
         self.worker.forget(c.ep.key());
         let bound = c.bound();
-        // Remote keys go before their endpoint closes.
-        c.keys.clear();
+        // Remote keys are destroyed only once the endpoint's close is done: until then UCX
+        // may progress a put that reads its key.
+        let keys = std::mem::take(&mut c.keys);
         if graceful {
             // The sends still in flight (a REFUSE, the last FAILs) complete before the
             // close: dropping their requests would cancel them.
-            self.closing
-                .extend(c.inflight.drain(..).map(|(r, _)| (r, None)));
-            self.closing.extend(c.flushing.take().map(|r| (r, None)));
+            let ops = c
+                .inflight
+                .drain(..)
+                .map(|(r, _)| r)
+                .chain(c.flushing.take());
+            self.closing.extend(ops.map(|req| Closing {
+                req,
+                bound: None,
+                keys: Keys::new(),
+            }));
             match c.ep.close(false) {
-                Ok(r) => self.closing.push((r, bound)),
+                Ok(req) => self.closing.push(Closing { req, bound, keys }),
                 Err(e) => {
                     log::warn!("PD: closing a UCX endpoint: {e}");
                     if let Some((link, handler)) = bound {
@@ -816,8 +840,23 @@ impl Thread<'_> {
             }
             return;
         }
-        // Dropped: force-closed (waited for), what is in flight cancelled.
-        drop(c);
+        // Force-closed (waited for): UCX cancels what is in flight; then the requests (ended)
+        // and the keys go.
+        let Conn {
+            ep,
+            inflight,
+            flushing,
+            ..
+        } = c;
+        match ep.close(true) {
+            Ok(mut r) => {
+                if let Err(e) = r.wait(Duration::from_secs(5)) {
+                    log::warn!("PD: force-closing a UCX endpoint: {e}");
+                }
+            }
+            Err(e) => log::warn!("PD: force-closing a UCX endpoint: {e}"),
+        }
+        drop((inflight, flushing, keys));
         if let Some((link, handler)) = bound {
             handler.on_closed(&link);
         }

@@ -150,7 +150,7 @@ impl Endpoint {
         remote_addr: u64,
         rkey: &RemoteKey,
     ) -> Result<Request, String> {
-        if !Rc::ptr_eq(&rkey.ep, &self.inner) {
+        if rkey.ep != self.key() {
             return Err(
                 "a remote key is used on an endpoint other than the one it was \
                         unpacked on (a dsv4 bug)"
@@ -203,21 +203,16 @@ impl Endpoint {
         };
         core.ctx.api.check(status, "ucp_ep_rkey_unpack")?;
         Ok(RemoteKey {
-            ep: self.inner.clone(),
+            core: core.clone(),
+            ep: self.key(),
             h,
         })
     }
 
     /// Closes the endpoint: gracefully (pending operations complete first) or `force`d
-    /// (cancelled). Remote keys unpacked on it must be dropped first.
+    /// (cancelled). Remote keys unpacked on it are to be dropped only once the close
+    /// completed: puts still in flight read their key as UCX progresses them.
     pub fn close(self, force: bool) -> Result<Request, String> {
-        if Rc::strong_count(&self.inner) > 1 {
-            return Err(
-                "an endpoint is closed while remote keys unpacked on it remain \
-                        (a dsv4 bug)"
-                    .into(),
-            );
-        }
         let mut rp = sys::RequestParam::empty();
         if force {
             rp.op_attr_mask = sys::OP_ATTR_FIELD_FLAGS;
@@ -231,15 +226,21 @@ impl Endpoint {
     }
 }
 
-/// A peer's remote key, unpacked on one endpoint (which it keeps open); destroyed on drop.
+/// A peer's remote key, unpacked on one endpoint; destroyed on drop. It may outlive the
+/// endpoint's close (and should, while puts that use it are in flight): `ucp_rkey_destroy`
+/// touches only the key and its worker's pool, not the endpoint (UCX 1.13 through 1.19).
 pub struct RemoteKey {
-    ep: Rc<EpInner>,
+    /// Keeps the worker (whose pool holds the key) alive.
+    core: Rc<Core>,
+    /// The endpoint it was unpacked on, the only one it is used with.
+    ep: EpKey,
     h: Handle,
 }
 
 impl Drop for RemoteKey {
     fn drop(&mut self) {
-        // SAFETY: this key's handle, destroyed once, before its endpoint (held here).
-        unsafe { (self.ep.core.ctx.api.ucp_rkey_destroy)(self.h) };
+        // SAFETY: this key's handle, destroyed once, on its worker's thread while the worker
+        // lives (held here); the owner drops it only after the puts using it ended.
+        unsafe { (self.core.ctx.api.ucp_rkey_destroy)(self.h) };
     }
 }
