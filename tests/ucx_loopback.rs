@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dsv4::pd::ucx::{Context, Message, Worker};
+use dsv4::pd::ucx::{Context, Listener, Message, Worker};
 
 const TLS: &str = "tcp,self,sm";
 const ADDR_KEY: u32 = 1;
@@ -32,6 +32,19 @@ fn drive<T>(a: &Worker, b: &Worker, what: &str, mut done: impl FnMut() -> Option
         assert!(Instant::now() < deadline, "{what}: not after 10 s");
         std::thread::sleep(Duration::from_micros(50));
     }
+}
+
+/// A server worker receiving `DONE` messages of at most `max_header` + `max_data` bytes and
+/// listening on a free loopback port, and a client worker (with its context, for more).
+fn server_and_client(
+    max_header: usize,
+    max_data: usize,
+) -> (Worker, Listener, Worker, Arc<Context>) {
+    let (sctx, cctx) = (context(), context());
+    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
+    server.receive(DONE, max_header, max_data).unwrap();
+    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    (server, listener, client, cctx)
 }
 
 fn take(w: &Worker, id: u32) -> Option<Message> {
@@ -127,10 +140,7 @@ fn puts_land_in_the_peers_registered_memory_byte_for_byte() {
 
 #[test]
 fn a_peer_that_goes_away_is_reported_on_the_endpoint() {
-    let (sctx, cctx) = (context(), context());
-    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
-    server.receive(DONE, 64, 64).unwrap();
-    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let (server, listener, client, cctx) = server_and_client(64, 64);
     let to_server = client.connect(listener.local_addr()).unwrap();
     let mut hello = to_server.send(DONE, b"hi".to_vec(), Vec::new()).unwrap();
     let to_client = drive(&server, &client, "the connection", || server.accept()).unwrap();
@@ -151,10 +161,7 @@ fn a_peer_that_goes_away_is_reported_on_the_endpoint() {
 /// endpoint fails at once, its message never delivered, and the server holds no endpoint.
 #[test]
 fn a_rejected_connection_request_fails_the_clients_endpoint() {
-    let (sctx, cctx) = (context(), context());
-    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
-    server.receive(DONE, 64, 64).unwrap();
-    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let (server, listener, client, _) = server_and_client(64, 64);
     assert!(listener.reject_next().is_none(), "no request yet");
     let to_server = client.connect(listener.local_addr()).unwrap();
     let _hello = to_server.send(DONE, b"hi".to_vec(), Vec::new()).unwrap();
@@ -179,10 +186,7 @@ fn a_rejected_connection_request_fails_the_clients_endpoint() {
 
 #[test]
 fn a_message_over_the_receivers_limits_is_dropped_and_its_endpoint_reported() {
-    let (sctx, cctx) = (context(), context());
-    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
-    server.receive(DONE, 16, 1024).unwrap();
-    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let (server, listener, client, _) = server_and_client(16, 1024);
     let to_server = client.connect(listener.local_addr()).unwrap();
     let _to_client = drive(&server, &client, "the connection", || server.accept()).unwrap();
     // Within the limits, then data over them (eager), then far over them (rendezvous).
@@ -214,10 +218,7 @@ fn a_message_over_the_receivers_limits_is_dropped_and_its_endpoint_reported() {
 
 #[test]
 fn what_is_queued_for_a_forgotten_endpoint_is_dropped() {
-    let (sctx, cctx) = (context(), context());
-    let (server, client) = (Worker::new(&sctx).unwrap(), Worker::new(&cctx).unwrap());
-    server.receive(DONE, 64, 64).unwrap();
-    let listener = server.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let (server, listener, client, _) = server_and_client(64, 64);
     let to_server = client.connect(listener.local_addr()).unwrap();
     let to_client = drive(&server, &client, "the connection", || server.accept()).unwrap();
     let mut sends: Vec<_> = (0..3u8)
