@@ -4,7 +4,10 @@
 //! on the veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES`): left to itself UCX would see two processes
 //! of one machine and use shared memory, which two hosts do not have. The pair's tokens equal a unified engine's and both sides count every room
 //! transferred; a kill -9 of either side ends every room on the survivor with a lost-peer error
-//! and leaves its pools empty.
+//! and leaves its pools empty. Delay, loss and reordering come from the fault-injecting
+//! wrappers (`tc netem` is not available here): over tcp the fault proxy
+//! (tests/common/fault_proxy.rs) runs on the decode's host as a middlebox, over ucx each
+//! process's UCX thread injects them (`DSV4_UCX_FAULTS`).
 //!
 //! Creating namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2, so the tests are
 //! ignored in a plain `cargo test`; `make test-netns` (part of `make test`) runs them with
@@ -14,8 +17,11 @@
 
 mod common;
 
+use std::os::fd::AsRawFd;
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+use common::fault_proxy::{Chance, Dir, Fault, FaultProxy, Plan, Rule, DATA, STATE};
 
 use common::pd_node::{
     assert_lost_peer, claim_early, rooms_match, unified_tokens, with, Node, ONE_AT_A_TIME,
@@ -101,29 +107,67 @@ impl Hosts {
     /// The prefill on `transport`, listening on its veth address only; and the decode,
     /// continuing its rooms.
     fn pair(&self, transport: &str, prefill: Value, decode: Value) -> (Node, Node) {
-        let t = transport;
-        let mut pp = prefill;
-        common::requests::merge(
-            &mut pp,
-            json!({"pd": {"transport": t, "listen": format!("{t}://{PREFILL_ADDR}:0")}}),
-        );
-        let (vp, vd) = (self.dev(&self.prefill), self.dev(&self.decode));
-        let pe = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", vp.as_str())];
-        let de = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", vd.as_str())];
-        let p = Node::start_in(Some(&self.prefill), &pe, "prefill", "prefill", pp, None);
-        assert!(
-            p.endpoint.starts_with(&format!("{t}://{PREFILL_ADDR}:")),
-            "the prefill listens on {}",
-            p.endpoint
-        );
-        let mut dp = decode;
-        common::requests::merge(
-            &mut dp,
-            json!({"pd": {"transport": t, "listen": format!("{t}://{DECODE_ADDR}:0")}}),
-        );
+        let p = self.node(transport, "prefill", prefill, "", None);
         let peer = p.endpoint.clone();
-        let d = Node::start_in(Some(&self.decode), &de, "decode", "decode", dp, Some(&peer));
+        let d = self.node(transport, "decode", decode, "", Some(&peer));
         (p, d)
+    }
+
+    /// A pair whose frames suffer faults on the way: over tcp through a fault proxy following
+    /// `plan` on the decode's host (returned; the decode's peer), over ucx from each process's
+    /// UCX thread (`DSV4_UCX_FAULTS`: `faults.0` on the prefill, `faults.1` on the decode).
+    fn faulty_pair(
+        &self,
+        transport: &str,
+        params: Value,
+        faults: (&str, &str),
+        plan: Plan,
+    ) -> (Node, Node, Option<FaultProxy>) {
+        let (pf, df) = if transport == "ucx" { faults } else { ("", "") };
+        let p = self.node(transport, "prefill", params.clone(), pf, None);
+        let proxy = (transport == "tcp").then(|| {
+            let target = p.endpoint.clone();
+            on_host(&self.decode, move || FaultProxy::start(&target, plan, 5))
+        });
+        let peer = proxy
+            .as_ref()
+            .map_or(p.endpoint.clone(), |x| x.addr().to_string());
+        let d = self.node(transport, "decode", params, df, Some(&peer));
+        (p, d, proxy)
+    }
+
+    /// The `role` process on its host, over `transport` (listening on its veth address),
+    /// injecting `ucx_faults` when not empty.
+    fn node(
+        &self,
+        t: &str,
+        role: &'static str,
+        params: Value,
+        ucx_faults: &str,
+        peer: Option<&str>,
+    ) -> Node {
+        let (ns, addr) = match role {
+            "prefill" => (&self.prefill, PREFILL_ADDR),
+            _ => (&self.decode, DECODE_ADDR),
+        };
+        let mut doc = params;
+        common::requests::merge(
+            &mut doc,
+            json!({"pd": {"transport": t, "listen": format!("{t}://{addr}:0")}}),
+        );
+        let dev = self.dev(ns);
+        let mut env = vec![("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", dev.as_str())];
+        if !ucx_faults.is_empty() {
+            // Warnings on stderr: the thread says it injects faults, and which.
+            env.extend([("DSV4_UCX_FAULTS", ucx_faults), ("PD_NODE_LOG", "warn")]);
+        }
+        let node = Node::start_in(Some(ns), &env, role, role, doc, peer);
+        assert!(
+            node.endpoint.starts_with(&format!("{t}://{addr}:")),
+            "the {role} listens on {}",
+            node.endpoint
+        );
+        node
     }
 
     /// The veth end inside namespace `ns`.
@@ -135,6 +179,22 @@ impl Hosts {
             format!("vd{tag}")
         }
     }
+}
+
+/// Runs `f` on a thread inside network namespace `ns`, so that what it opens (sockets, and the
+/// threads it starts) lives on that host: the TCP fault proxy as a middlebox there.
+fn on_host<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/var/run/netns/{ns}");
+    let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    std::thread::spawn(move || {
+        // SAFETY: setns with a namespace file descriptor that stays open across the call; it
+        // moves this thread alone (a network namespace may change per thread).
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap()
 }
 
 impl Drop for Hosts {
@@ -279,6 +339,120 @@ fn killing_the_decode_host_ends_every_room_on_the_prefill_host() {
         lost.len(),
         took.as_secs_f64() * 1e3
     );
+}
+
+#[test]
+#[ignore = "needs root to make network namespaces: run by `make test-netns`"]
+fn frames_delayed_and_reordered_between_the_hosts_still_give_bit_equal_rooms() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ids = common::ids("flash-like");
+    let lens = [3usize, 129, 300];
+    let want = unified_tokens(common::pd_node::base(), &ids, &lens, 10);
+    let hosts = Hosts::new(&format!("dl{}", &TRANSPORT[..1]));
+    // tcp: a third of the frames each way held 3 ms (those behind wait: TCP keeps order), and
+    // every STATE frame sent after its room's next frame. ucx: every message handed on after a
+    // random 0-4 ms, so messages overtake each other.
+    let delay = |dir| Chance {
+        dir,
+        kinds: vec![],
+        p: 0.3,
+        fault: Fault::Delay(Duration::from_millis(3)),
+    };
+    let plan = Plan {
+        rules: vec![],
+        chances: vec![
+            Chance {
+                dir: Dir::ToDecode,
+                kinds: vec![STATE],
+                p: 1.0,
+                fault: Fault::Reorder,
+            },
+            delay(Dir::ToDecode),
+            delay(Dir::ToPrefill),
+        ],
+    };
+    let faults = ("delay_ms=4,seed=7", "delay_ms=4,seed=8");
+    let (mut p, mut d, proxy) = hosts.faulty_pair(TRANSPORT, common::pd_node::base(), faults, plan);
+    rooms_match(&mut p, &mut d, &ids, &lens, 10, &want);
+    let (pm, dm) = (p.metrics(), d.metrics());
+    assert_eq!((pm["failures"], dm["failures"]), (0, 0));
+    match &proxy {
+        Some(proxy) => {
+            let log = proxy.log();
+            assert!(
+                log.iter().any(|a| a.kind == STATE) && log.len() > lens.len(),
+                "{}",
+                proxy.report()
+            );
+        }
+        None => assert!(
+            d.seen.iter().any(|l| l.contains("injects faults")),
+            "{:?}",
+            d.seen
+        ),
+    }
+    d.quit();
+    p.quit();
+}
+
+#[test]
+#[ignore = "needs root to make network namespaces: run by `make test-netns`"]
+fn a_frame_lost_between_the_hosts_fails_its_rooms_on_both_sides_and_later_rooms_land() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ids = common::ids("flash-like");
+    let want = unified_tokens(common::pd_node::base(), &ids, &[200], 4);
+    let hosts = Hosts::new(&format!("lo{}", &TRANSPORT[..1]));
+    // tcp: room 1's first DATA frame never reaches the decode (TCP itself never loses one: a
+    // middlebox or a bug would). ucx: the decode loses the prefill's second message, and
+    // everything after it waits behind the gap until the prefill is declared dead.
+    let plan = Plan {
+        rules: vec![Rule {
+            dir: Dir::ToDecode,
+            kind: Some(DATA),
+            room: Some(1),
+            nth: 1,
+            fault: Fault::Drop,
+        }],
+        chances: vec![],
+    };
+    let (mut p, mut d, proxy) = hosts.faulty_pair(TRANSPORT, fast_death(), ("", "lose=2"), plan);
+    for room in [1, 2] {
+        p.submit(room, 4, &ids[..200]);
+        d.submit(room, 4, &ids[..200]);
+    }
+    d.wait_ends(&[1, 2], Duration::from_secs(20));
+    p.wait_ends(&[1, 2], Duration::from_secs(20));
+    let lost: &[u64] = if proxy.is_some() { &[1] } else { &[1, 2] };
+    for node in [&d, &p] {
+        for &room in lost {
+            let end = node.end_of(room).unwrap();
+            let reason = if proxy.is_some() { "mismatch" } else { "peer_dead" };
+            assert!(
+                end.starts_with(&format!("error {room} KvTransfer ")) && end.contains(reason),
+                "{}: room {room}: {end}",
+                node.name
+            );
+        }
+    }
+    // Rooms after the loss land whole (over ucx on a new connection).
+    let later: Vec<u64> = (1..=4).filter(|r| !lost.contains(r)).collect();
+    for &room in later.iter().filter(|&&r| r > 2) {
+        p.submit(room, 4, &ids[..200]);
+        d.submit(room, 4, &ids[..200]);
+    }
+    d.wait_ends(&later, Duration::from_secs(20));
+    p.wait_ends(&later, Duration::from_secs(20));
+    for &room in &later {
+        assert_eq!(d.end_of(room).unwrap(), &format!("finished {room} Length"));
+        assert_eq!(d.tokens(room), want[&200], "room {room}");
+    }
+    d.wait_metrics(Duration::from_secs(5), "the decode's pools empty", |m| {
+        m["pages_held"] == 0 && m["decode_transfer"] == 0
+    });
+    assert_eq!(d.usage(), (0, 0), "the decode's pools");
+    assert_eq!(p.usage(), (0, 0), "the prefill's pools");
+    d.quit();
+    p.quit();
 }
 
 #[test]
