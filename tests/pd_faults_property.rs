@@ -78,8 +78,9 @@ enum Injected {
     Delay(Dir, u8, u64),
     /// ucx: a byte of the room's first RMA write flipped.
     FlipPut,
-    /// ucx: the room's first message lost on the way (in either direction): everything after
-    /// it on the connection waits behind the gap until the peer is declared dead.
+    /// ucx: the room's first message lost on the way (on each side: both UCX threads of the
+    /// process take the setting): everything after it on the connection waits behind the gap
+    /// until the peer is declared dead.
     LoseRoom,
 }
 
@@ -552,7 +553,8 @@ impl Rig {
                 }
                 Step::Kill => match &self.proxy {
                     Some(proxy) => proxy.kill(),
-                    // Every connection closed by force, the case's faults kept.
+                    // Every connection closed by force. The case's faults are set again (those
+                    // already used re-armed: they can only hit rooms the kill fails anyway).
                     None => ucx_faults::set(&format!("{ucx_setting},close=1")).unwrap(),
                 },
             }

@@ -1,7 +1,8 @@
 //! Faults injected into the UCX thread for tests (`DSV4_UCX_FAULTS`). UCX owns its wire, so
 //! where the TCP tests put a proxy on the byte stream (`tests/common/fault_proxy.rs`) the UCX
 //! thread itself delays and reorders the messages it receives, loses one, or flips a byte of
-//! an RMA write. Read once when the thread starts; unset (production), nothing changes.
+//! an RMA write. Read when the thread starts, and again whenever a test calls [`set`]; unset
+//! (production), nothing changes.
 //!
 //! `DSV4_UCX_FAULTS` is a comma-separated list of:
 //! - `delay_ms=N`: every received message is handed on after a random 0..=N ms (so messages
@@ -11,10 +12,10 @@
 //!   retransmits, until the peer is declared dead;
 //! - `flip_put=N`: the N-th RMA write this thread issues carries its first byte inverted;
 //! - `lose_room=R` (may repeat): the first message of room R this thread receives vanishes,
-//!   as with `lose`;
+//!   as with `lose` (each side's thread loses its own first one of the room);
 //! - `flip_room=R` (may repeat): the first RMA write of room R carries its first byte inverted;
-//! - `close=1`: every connection the thread holds is closed by force, once, when it reads the
-//!   setting (a peer that died: UCX reports nothing more from it);
+//! - `close=1` (through [`set`] only): every connection the thread holds is closed by force,
+//!   once, when it takes the setting (a peer that died: UCX reports nothing more from it);
 //! - `seed=N`: the random delays' seed (default 1).
 //!
 //! In-process tests change the faults of every UCX thread in the process while it runs with

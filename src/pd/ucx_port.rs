@@ -250,6 +250,10 @@ pub fn start(
             thread.abandon(&format!("the UCX thread failed: {why}"));
         }
         drop(thread);
+        // Connection requests that came in the last pass: refused, not left to the worker.
+        if let Some(l) = &listener {
+            while l.reject_next().is_some() {}
+        }
         drop(listener);
     })
     .map_err(|e| format!("cannot start the UCX thread: {e}"))?;
@@ -304,6 +308,13 @@ type Bound = (Arc<Link>, Arc<dyn Handler>);
 /// A peer's registered regions (`(address, length)`) and their keys unpacked on our endpoint.
 type Keys = Vec<((u64, u64), RemoteKey)>;
 
+/// Remote keys that operations still in flight may read: left to UCX (see [`RemoteKey::leak`]).
+fn leak(keys: Keys) {
+    for (_, key) in keys {
+        key.leak();
+    }
+}
+
 /// An operation that ends a connection (a graceful close, or a send still in flight when it
 /// began), with what waits for it: the link to tell once the endpoint's close is done, and
 /// the remote keys the connection's puts read until then.
@@ -331,11 +342,11 @@ enum State {
 }
 
 struct Conn {
+    ep: Endpoint,
     /// The peer's registered regions (`(address, length)`) and their keys unpacked on `ep`;
     /// dropped only after `ep`'s close completed ([`Thread::remove`]), since the puts in
-    /// flight read them.
+    /// flight read them (declared after `ep`, should a `Conn` ever be dropped whole).
     keys: Keys,
-    ep: Endpoint,
     state: State,
     next_out: u64,
     /// The peer's frames, put back in the order sent.
@@ -782,8 +793,9 @@ impl Thread<'_> {
                 r.abandon();
             }
             // Abandoned puts may still name them: leaked with the operations.
-            std::mem::forget(std::mem::take(&mut c.keys));
-            // The worker stops with this thread: nothing more lands through it.
+            leak(std::mem::take(&mut c.keys));
+            // The worker is destroyed once this thread ends (the keys above no longer hold
+            // it), which ends what is in flight: nothing more lands through it.
             if let State::Bound { link, handler } = &c.state {
                 handler.on_closed(link);
             }
@@ -791,7 +803,7 @@ impl Thread<'_> {
         self.by_ep.clear();
         for c in self.closing.drain(..) {
             c.req.abandon();
-            std::mem::forget(c.keys);
+            leak(c.keys);
             if let Some((link, handler)) = c.bound {
                 handler.on_closed(&link);
             }
@@ -833,6 +845,8 @@ impl Thread<'_> {
                 Ok(req) => self.closing.push(Closing { req, bound, keys }),
                 Err(e) => {
                     log::warn!("PD: closing a UCX endpoint: {e}");
+                    // Its puts may still be in flight, with nothing left to say when they end.
+                    leak(keys);
                     if let Some((link, handler)) = bound {
                         handler.on_closed(&link);
                     }
@@ -848,15 +862,27 @@ impl Thread<'_> {
             flushing,
             ..
         } = c;
-        match ep.close(true) {
-            Ok(mut r) => {
-                if let Err(e) = r.wait(Duration::from_secs(5)) {
+        // Done (even with an error) or not: only a close that ended lets the keys go.
+        let closed = match ep.close(true) {
+            Ok(mut r) => match r.wait(Duration::from_secs(5)) {
+                Ok(()) => true,
+                Err(e) => {
                     log::warn!("PD: force-closing a UCX endpoint: {e}");
+                    r.poll().is_some()
                 }
+            },
+            Err(e) => {
+                log::warn!("PD: force-closing a UCX endpoint: {e}");
+                false
             }
-            Err(e) => log::warn!("PD: force-closing a UCX endpoint: {e}"),
+        };
+        drop((inflight, flushing));
+        if closed {
+            drop(keys);
+        } else {
+            // Puts may still read them: left to UCX rather than destroyed under it.
+            leak(keys);
         }
-        drop((inflight, flushing, keys));
         if let Some((link, handler)) = bound {
             handler.on_closed(&link);
         }

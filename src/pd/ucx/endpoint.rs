@@ -237,6 +237,17 @@ pub struct RemoteKey {
     h: Handle,
 }
 
+impl RemoteKey {
+    /// Leaves the key to UCX, never destroyed (operations abandoned in flight may still read
+    /// it), while releasing the worker it keeps alive, so the worker still goes on time.
+    pub fn leak(self) {
+        let key = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `core` is read out exactly once from a value that is never dropped or used
+        // again (ManuallyDrop), so the Rc is released once and the key's handle stays alive.
+        drop(unsafe { std::ptr::read(&key.core) });
+    }
+}
+
 impl Drop for RemoteKey {
     fn drop(&mut self) {
         // SAFETY: this key's handle, destroyed once, on its worker's thread while the worker
