@@ -43,8 +43,9 @@ pub enum Applied {
     Closed(usize),
 }
 
-/// The faults last [`set`], with their generation (0: never set; the threads keep their own).
-static SET: Mutex<(u64, String)> = Mutex::new((0, String::new()));
+/// The faults last [`set`]; their generation counts the calls (0: never set, the threads keep
+/// their own), bumped under the lock, so a reader holding it sees the text's generation.
+static SET: Mutex<String> = Mutex::new(String::new());
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 static APPLIED: Mutex<Vec<Applied>> = Mutex::new(Vec::new());
 
@@ -55,9 +56,8 @@ static APPLIED: Mutex<Vec<Applied>> = Mutex::new(Vec::new());
 pub fn set(text: &str) -> Result<(), String> {
     Faults::parse(text)?;
     let mut g = SET.lock().unwrap_or_else(|e| e.into_inner());
-    g.0 += 1;
-    g.1 = text.to_string();
-    GENERATION.store(g.0, Ordering::Release);
+    *g = text.to_string();
+    GENERATION.fetch_add(1, Ordering::Release);
     Ok(())
 }
 
@@ -79,8 +79,8 @@ pub(crate) fn changed(seen: u64) -> Option<(u64, Faults)> {
     }
     let g = SET.lock().unwrap_or_else(|e| e.into_inner());
     // `set` parsed it already.
-    let f = Faults::parse(&g.1).unwrap_or_else(|_| Faults::parse("").expect("empty parses"));
-    Some((g.0, f))
+    let f = Faults::parse(&g).unwrap_or_else(|_| Faults::parse("").expect("empty parses"));
+    Some((GENERATION.load(Ordering::Acquire), f))
 }
 
 #[derive(Debug)]

@@ -252,7 +252,7 @@ pub fn start(
         drop(thread);
         // Connection requests that came in the last pass: refused, not left to the worker.
         if let Some(l) = &listener {
-            while l.reject_next().is_some() {}
+            refuse_all(l);
         }
         drop(listener);
     })
@@ -313,6 +313,18 @@ fn leak(keys: Keys) {
     for (_, key) in keys {
         key.leak();
     }
+}
+
+/// Refuses every connection request waiting on `listener` (shutting down); whether any was.
+fn refuse_all(listener: &Listener) -> bool {
+    let mut any = false;
+    while let Some(r) = listener.reject_next() {
+        any = true;
+        if let Err(e) = r {
+            log::warn!("PD: refusing a UCX connection during shutdown: {e}");
+        }
+    }
+    any
 }
 
 /// An operation that ends a connection (a graceful close, or a send still in flight when it
@@ -968,12 +980,7 @@ impl Thread<'_> {
         if let (Some(listener), Some(_)) = (self.listener, self.stopping) {
             // Shutting down: a connection now would only be closed again; refused, the peer
             // learns at once and tries elsewhere.
-            while let Some(r) = listener.reject_next() {
-                busy = true;
-                if let Err(e) = r {
-                    log::warn!("PD: refusing a UCX connection during shutdown: {e}");
-                }
-            }
+            busy |= refuse_all(listener);
         }
         while let Some(ep) = self.worker.accept() {
             busy = true;
