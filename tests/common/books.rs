@@ -11,9 +11,28 @@ use dsv4::engine::{
 };
 use dsv4::error::Result;
 
-/// Threads of this process now.
+/// Threads of this process now that can still run code: a thread already in the kernel's
+/// exit path (PF_EXITING) is not counted. A joined thread stays listed in /proc for a moment
+/// after `pthread_join` returned (the kernel wakes the joiner before it finishes the exit), and
+/// CI saw one such straggler right after a destroy that joins every thread it started.
 pub fn threads_now() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+    const PF_EXITING: u64 = 0x4;
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+        .filter(|stat| {
+            // After the name's closing parenthesis: state, ppid, pgrp, session, tty_nr, tpgid,
+            // then the flags (proc(5)).
+            let flags = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(6))
+                .and_then(|f| f.parse::<u64>().ok());
+            // A task gone between the listing and the read, or unreadable: not running.
+            flags.is_some_and(|f| f & PF_EXITING == 0)
+        })
+        .count()
 }
 
 /// Open file descriptors of this process now (the one used to list them is counted every
