@@ -19,8 +19,11 @@
 //!
 //! Last line: `ratios transfer_vs_tcp=… ttft_p99_pd_vs_unified=…` (goal: transfer ≥ 0.8).
 //!
+//! Both engines run with `kv.prefault` (`--prefault 0`: lazily mapped pools, whose first
+//! writes pay page faults during the transfer).
+//!
 //!   cargo run --release --example bench_transfer [-- --rooms 32 --prompt 8000 --seconds 10
-//!       --factor 10]
+//!       --factor 10 --prefault 1]
 
 #[allow(dead_code)]
 #[path = "common/agentic.rs"]
@@ -325,8 +328,13 @@ fn main() {
     let sequential_vs_tcp = agentic::quantile(&mut seq_ratios, 0.5);
     println!(
         "bench_transfer: tiny model, 2 threads per engine, both engines and the raw sockets in \
-         this process on {} cores",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+         this process on {} cores; KV pools {}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        if agentic::arg("--prefault", 1.0) > 0.0 {
+            "prefaulted (kv.prefault)"
+        } else {
+            "mapped lazily (--prefault 0)"
+        }
     );
     println!(
         "transfer: {rounds} rounds of {rooms} rooms of a {long}-token prompt ({:.0} KiB per \

@@ -267,6 +267,24 @@ fn lpm_runs_the_longest_cached_prefix_first_and_falls_back_to_fcfs() {
 }
 
 #[test]
+fn prefaulted_pools_serve_the_same_tokens() {
+    // `kv.prefault` only makes the pool memory resident at start (its residency is checked in
+    // backend::cpu::pool's tests); requests must not see a difference.
+    let ids = common::ids("flash-like");
+    let prompt = &ids[..300];
+    let run = |extra| {
+        let engine = engine_with(extra);
+        let a = engine.submit(exact(prompt, 8)).unwrap();
+        tokens_of(&collect(&engine, &[a])[&a])
+    };
+    let lazy = run(json!({}));
+    assert_eq!(lazy.len(), 8);
+    assert_eq!(run(json!({"kv": {"prefault": true}})), lazy);
+    let e = Params::from_value(&json!({"kv": {"prefault": "yes"}})).unwrap_err();
+    assert!(e.message().contains("`kv.prefault`"), "{e}");
+}
+
+#[test]
 fn with_the_prefix_cache_off_every_prompt_is_computed() {
     let engine = engine_with(json!({"kv": {"prefix_cache": false}}));
     let ids = common::ids("flash-like");

@@ -333,6 +333,12 @@ pub trait Backend: Send + Sync + 'static {
     // --- pool memory ---------------------------------------------------------------------
     /// A zeroed buffer of exactly `bytes` bytes; an allocation failure is a capacity error.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
+    /// Makes every byte of the buffer resident now (`kv.prefault`), so that no later write
+    /// waits on a page fault; an error when the memory cannot be backed. A no-op where
+    /// allocations are resident from the start (device memory).
+    fn prefault(&self, _b: &mut Self::Buffer) -> Result<()> {
+        Ok(())
+    }
     /// Bytes the buffer's allocation holds.
     fn buffer_bytes(&self, b: &Self::Buffer) -> usize;
     /// Where the buffer's memory is: `(base address, bytes)`, what a copy engine or a network

@@ -135,7 +135,10 @@ fn start<B: Backend>(
         )?
         .with_numerics(params.numerics.mode),
     );
-    let pools = KvPools::new(backend.clone(), plan)?;
+    let mut pools = KvPools::new(backend.clone(), plan)?;
+    if params.kv.prefault {
+        pools.prefault()?;
+    }
     let mut cache = PrefixCache::new(pools, params.kv.snapshot_interval() as usize)?;
     if !params.kv.prefix_cache {
         cache = cache.without_reuse();

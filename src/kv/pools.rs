@@ -98,6 +98,30 @@ impl<B: Backend> KvPools<B> {
         &self.backend
     }
 
+    /// `kv.prefault`: makes every pool's memory resident now, before any request, so that
+    /// writing a page never waits on a first-touch fault and memory the machine cannot back
+    /// fails here instead of under load. Returns the seconds it took.
+    pub fn prefault(&mut self) -> Result<f64> {
+        let start = std::time::Instant::now();
+        for (id, buffer) in PoolId::ALL.into_iter().zip(self.buffers.iter_mut()) {
+            self.backend.prefault(buffer).map_err(|e| {
+                Error::new(
+                    e.kind(),
+                    format!("KV pool `{}`: {}", id.name(), e.message()),
+                )
+            })?;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        log::info!(
+            "KV pools prefaulted ({} bytes) in {seconds:.3} s",
+            self.buffers
+                .iter()
+                .map(|b| self.backend.buffer_bytes(b))
+                .sum::<usize>()
+        );
+        Ok(seconds)
+    }
+
     pub fn layout(&self) -> &KvLayout {
         &self.layout
     }

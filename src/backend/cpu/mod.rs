@@ -235,6 +235,10 @@ impl Backend for CpuBackend {
         CpuBuffer::new(bytes, self.allocated.clone())
     }
 
+    fn prefault(&self, b: &mut CpuBuffer) -> Result<()> {
+        b.prefault()
+    }
+
     fn buffer_bytes(&self, b: &CpuBuffer) -> usize {
         b.len()
     }

@@ -46,6 +46,72 @@ impl CpuBuffer {
         self.len
     }
 
+    /// Backs every page of the buffer now: `calloc` maps large allocations lazily, and a
+    /// first write then pays a page fault (in PD, while a room's bytes arrive). One
+    /// `MADV_POPULATE_WRITE` (Linux 5.14) does it in the kernel and reports memory it cannot
+    /// back as an error instead of an OOM kill later; older kernels get one write per page.
+    pub fn prefault(&mut self) -> Result<()> {
+        // SAFETY: sysconf has no preconditions.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as usize,
+            _ => 4096,
+        };
+        let base = self.ptr.as_ptr() as usize;
+        // madvise takes a page-aligned start; the head before it is touched below.
+        let start = base.next_multiple_of(page);
+        let end = base + self.len;
+        if end > start {
+            // SAFETY: `start..end` lies inside this buffer's allocation (start is at most a
+            // page past `base`, and `end > start`); MADV_POPULATE_WRITE only faults pages in
+            // (as a write of their current bytes would) and changes no byte.
+            let rc = unsafe {
+                libc::madvise(
+                    start as *mut libc::c_void,
+                    end - start,
+                    libc::MADV_POPULATE_WRITE,
+                )
+            };
+            if rc != 0 {
+                let e = std::io::Error::last_os_error();
+                match e.raw_os_error() {
+                    // A kernel without MADV_POPULATE_WRITE: touch each page instead.
+                    Some(libc::EINVAL) => {}
+                    _ => {
+                        return Err(Error::new(
+                            ErrorKind::Capacity,
+                            format!(
+                                "kv.prefault: the machine cannot back {} bytes of KV pool \
+                                 memory ({e}): lower kv.device_memory_bytes (or \
+                                 kv.device_memory_fraction), or set kv.prefault to false",
+                                self.len
+                            ),
+                        ))
+                    }
+                }
+            } else {
+                // Only the unaligned head is left.
+                self.touch(0, (start - base).min(self.len), page);
+                return Ok(());
+            }
+        }
+        self.touch(0, self.len, page);
+        Ok(())
+    }
+
+    /// Writes one byte of every page in `from..to` with its own value.
+    fn touch(&mut self, from: usize, to: usize, page: usize) {
+        let mut at = from;
+        while at < to {
+            // SAFETY: `at < to <= len`, inside the allocation; `&mut self` excludes every
+            // other view, and the byte is written back unchanged.
+            unsafe {
+                let p = self.ptr.as_ptr().add(at);
+                p.write_volatile(p.read_volatile());
+            }
+            at += page;
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -157,4 +223,66 @@ pub(super) fn gather(rows: &Rows<'_, super::CpuBackend>, range: Range<usize>) ->
         push_row(rows, r, &mut out);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages of `buf` the kernel holds resident (`mincore`), of the page-aligned part.
+    fn resident(buf: &CpuBuffer) -> (usize, usize) {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let base = buf.ptr.as_ptr() as usize;
+        let start = base.next_multiple_of(page);
+        let pages = (base + buf.len - start) / page;
+        let mut vec = vec![0u8; pages];
+        // SAFETY: `start .. start + pages * page` lies inside the buffer's mapping; `vec` has
+        // one byte per page, as mincore writes.
+        let rc =
+            unsafe { libc::mincore(start as *mut libc::c_void, pages * page, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        (vec.iter().filter(|&&v| v & 1 == 1).count(), pages)
+    }
+
+    #[test]
+    fn prefault_makes_every_page_resident_and_keeps_the_bytes() {
+        let allocated = Arc::new(AtomicU64::new(0));
+        let mut buf = CpuBuffer::new(48 << 20, allocated.clone()).unwrap();
+        // Lazily mapped: a fresh large allocation is (almost) not resident. This is what makes
+        // the test able to fail: without prefault the count below stays low.
+        let (lazy, pages) = resident(&buf);
+        assert!(
+            lazy < pages / 4,
+            "{lazy} of {pages} pages resident before prefault"
+        );
+        let marks = [0usize, 4095, 4096, 12345, (48 << 20) - 1];
+        for (i, &m) in marks.iter().enumerate() {
+            buf.range_mut(m, 1)[0] = 0x5a + i as u8;
+        }
+        buf.prefault().unwrap();
+        let (now, pages) = resident(&buf);
+        assert_eq!(now, pages, "every page resident after prefault");
+        for (i, &m) in marks.iter().enumerate() {
+            assert_eq!(buf.range(m, 1)[0], 0x5a + i as u8, "byte {m} kept");
+        }
+        // The rest still reads as zero (the pools' initial state).
+        assert!(buf.range(1 << 20, 1 << 20).iter().all(|&b| b == 0));
+        assert_eq!(allocated.load(Ordering::Relaxed), 48 << 20);
+    }
+
+    #[test]
+    fn touching_each_page_is_the_fallback_and_makes_them_resident() {
+        // Above glibc's largest mmap threshold (32 MiB): a fresh mapping, never a reused and
+        // already resident heap chunk.
+        let mut buf = CpuBuffer::new(40 << 20, Arc::default()).unwrap();
+        let (lazy, pages) = resident(&buf);
+        assert!(
+            lazy < pages / 4,
+            "{lazy} of {pages} pages resident before the touch"
+        );
+        buf.touch(0, buf.len, 4096);
+        let (now, pages) = resident(&buf);
+        assert_eq!(now, pages);
+    }
 }

@@ -196,6 +196,8 @@ pub struct KvParams {
     pub snapshot_interval_tokens: Option<u64>,
     pub snapshot_fraction: f64,
     pub prefix_cache: bool,
+    /// Touch every page of the KV pools at start (see [`crate::kv::KvPools::prefault`]).
+    pub prefault: bool,
 }
 
 impl KvParams {

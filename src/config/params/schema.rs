@@ -183,6 +183,7 @@ pub const KEYS: &[KeySpec] = &[
     )
     .hint("use a fraction such as 0.1; 0 disables prefix snapshots"),
     key("kv.prefix_cache", Kind::Bool, "true"),
+    key("kv.prefault", Kind::Bool, "false"),
     key("hicache.enabled", Kind::Bool, "false"),
     key(
         "hicache.ratio",
