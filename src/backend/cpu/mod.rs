@@ -236,7 +236,7 @@ impl Backend for CpuBackend {
     }
 
     fn prefault(&self, b: &mut CpuBuffer) -> Result<()> {
-        b.prefault()
+        self.pool.install(|| b.prefault())
     }
 
     fn buffer_bytes(&self, b: &CpuBuffer) -> usize {

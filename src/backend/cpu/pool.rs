@@ -47,69 +47,80 @@ impl CpuBuffer {
     }
 
     /// Backs every page of the buffer now: `calloc` maps large allocations lazily, and a
-    /// first write then pays a page fault (in PD, while a room's bytes arrive). One
-    /// `MADV_POPULATE_WRITE` (Linux 5.14) does it in the kernel and reports memory it cannot
-    /// back as an error instead of an OOM kill later; older kernels get one write per page.
+    /// first write then pays a page fault (in PD, while a room's bytes arrive).
+    /// `MADV_POPULATE_WRITE` (Linux 5.14) does it in the kernel, in chunks spread over the
+    /// calling rayon pool's threads (page allocation scales with them), and reports memory
+    /// it cannot back as an error instead of an OOM kill later; older kernels get one write
+    /// per page.
     pub fn prefault(&mut self) -> Result<()> {
+        use rayon::prelude::*;
         // SAFETY: sysconf has no preconditions.
         let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
             p if p > 0 => p as usize,
             _ => 4096,
         };
+        const CHUNK: usize = 64 << 20;
         let base = self.ptr.as_ptr() as usize;
-        // madvise takes a page-aligned start; the head before it is touched below.
-        let start = base.next_multiple_of(page);
-        let end = base + self.len;
-        if end > start {
-            // SAFETY: `start..end` lies inside this buffer's allocation (start is at most a
-            // page past `base`, and `end > start`); MADV_POPULATE_WRITE only faults pages in
-            // (as a write of their current bytes would) and changes no byte.
+        // madvise takes page-aligned starts; the head before the first is touched.
+        let start = base.next_multiple_of(page).min(base + self.len);
+        let chunks: Vec<(usize, usize)> = (start..base + self.len)
+            .step_by(CHUNK)
+            .map(|from| (from, (from + CHUNK).min(base + self.len)))
+            .collect();
+        let populate = |&(from, to): &(usize, usize)| -> std::io::Result<()> {
+            // SAFETY: `from..to` lies inside this buffer's allocation (both within
+            // `base..base + len`), `from` is page-aligned; MADV_POPULATE_WRITE only faults
+            // pages in (as a write of their current bytes would) and changes no byte.
             let rc = unsafe {
                 libc::madvise(
-                    start as *mut libc::c_void,
-                    end - start,
+                    from as *mut libc::c_void,
+                    to - from,
                     libc::MADV_POPULATE_WRITE,
                 )
             };
-            if rc != 0 {
-                let e = std::io::Error::last_os_error();
-                match e.raw_os_error() {
-                    // A kernel without MADV_POPULATE_WRITE: touch each page instead.
-                    Some(libc::EINVAL) => {}
-                    _ => {
-                        return Err(Error::new(
-                            ErrorKind::Capacity,
-                            format!(
-                                "kv.prefault: the machine cannot back {} bytes of KV pool \
-                                 memory ({e}): lower kv.device_memory_bytes (or \
-                                 kv.device_memory_fraction), or set kv.prefault to false",
-                                self.len
-                            ),
-                        ))
-                    }
-                }
+            if rc == 0 {
+                Ok(())
             } else {
-                // Only the unaligned head is left.
-                self.touch(0, (start - base).min(self.len), page);
-                return Ok(());
+                Err(std::io::Error::last_os_error())
             }
+        };
+        match chunks.par_iter().try_for_each(populate) {
+            Ok(()) => {
+                self.touch(0, start - base, page);
+                Ok(())
+            }
+            // A kernel without MADV_POPULATE_WRITE: touch each page instead.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                let len = self.len;
+                self.touch(0, len, page);
+                Ok(())
+            }
+            Err(e) => Err(Error::new(
+                ErrorKind::Capacity,
+                format!(
+                    "kv.prefault: the machine cannot back {} bytes of KV pool memory ({e}): \
+                     lower kv.device_memory_bytes (or kv.device_memory_fraction), or set \
+                     kv.prefault to false",
+                    self.len
+                ),
+            )),
         }
-        self.touch(0, self.len, page);
-        Ok(())
     }
 
-    /// Writes one byte of every page in `from..to` with its own value.
+    /// Writes one byte of every page in `from..to` with its own value, spread over the
+    /// calling rayon pool's threads.
     fn touch(&mut self, from: usize, to: usize, page: usize) {
-        let mut at = from;
-        while at < to {
+        use rayon::prelude::*;
+        let base = self.ptr.as_ptr() as usize;
+        (from..to).into_par_iter().step_by(page).for_each(|at| {
             // SAFETY: `at < to <= len`, inside the allocation; `&mut self` excludes every
-            // other view, and the byte is written back unchanged.
+            // other view, each page's byte is touched by one thread, and it is written back
+            // unchanged.
             unsafe {
-                let p = self.ptr.as_ptr().add(at);
+                let p = (base + at) as *mut u8;
                 p.write_volatile(p.read_volatile());
             }
-            at += page;
-        }
+        });
     }
 
     pub fn is_empty(&self) -> bool {
