@@ -78,15 +78,20 @@ impl RequestSpec {
         if self.prompt.is_empty() {
             problems.push("the prompt is empty: pass at least one token".to_string());
         }
-        let bad = |what: &str, ids: &mut dyn Iterator<Item = u32>, problems: &mut Vec<String>| {
-            if let Some((i, id)) = ids.enumerate().find(|(_, id)| *id as usize >= vocab) {
+        let bad = |what: &str, ids: &[u32], problems: &mut Vec<String>| {
+            // The maximum first (a vectorised pass: this runs on the caller's thread for every
+            // prompt token of every submit), the position only when something is out.
+            if ids.iter().max().is_none_or(|&m| (m as usize) < vocab) {
+                return;
+            }
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
                 problems.push(format!(
                     "{what} token id {id} at index {i} is outside the vocabulary (ids 0..{vocab})"
                 ));
             }
         };
-        bad("prompt", &mut self.prompt.iter().copied(), &mut problems);
-        bad("stop", &mut self.stop_tokens.iter().copied(), &mut problems);
+        bad("prompt", &self.prompt, &mut problems);
+        bad("stop", &self.stop_tokens, &mut problems);
         for (i, seq) in self.stop_sequences.iter().enumerate() {
             if seq.is_empty() {
                 problems.push(format!(
@@ -94,11 +99,7 @@ impl RequestSpec {
                      drop it)"
                 ));
             }
-            bad(
-                &format!("stop sequence {i}:"),
-                &mut seq.iter().copied(),
-                &mut problems,
-            );
+            bad(&format!("stop sequence {i}:"), seq, &mut problems);
         }
         let stop_total: usize = self.stop_sequences.iter().map(Vec::len).sum();
         if stop_total > MAX_STOP_SEQUENCE_TOKENS {
@@ -107,11 +108,8 @@ impl RequestSpec {
                  {MAX_STOP_SEQUENCE_TOKENS}: keep fewer or shorter stop sequences"
             ));
         }
-        bad(
-            "logit_bias",
-            &mut self.sampling.logit_bias.iter().map(|b| b.0),
-            &mut problems,
-        );
+        let biased: Vec<u32> = self.sampling.logit_bias.iter().map(|b| b.0).collect();
+        bad("logit_bias", &biased, &mut problems);
         if self.max_new_tokens == 0 {
             problems.push("max_new_tokens is 0: ask for at least 1 token".into());
         }
@@ -214,6 +212,34 @@ impl RequestSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn validation_names_the_first_id_outside_the_vocabulary_of_each_list() {
+        let mut prompt: Vec<u32> = (0..8000).map(|i| i % 100).collect();
+        // The largest bad id is not the first one: the message names the first.
+        (prompt[7000], prompt[7500]) = (150, 900);
+        let spec = RequestSpec {
+            prompt,
+            stop_tokens: vec![3, 4],
+            sampling: SamplingParams {
+                logit_bias: vec![(5, 1.0), (120, -1.0)],
+                ..SamplingParams::default()
+            },
+            ..RequestSpec::default()
+        };
+        let e = spec.validate(100).unwrap_err().to_string();
+        assert!(
+            e.contains("prompt token id 150 at index 7000 is outside the vocabulary (ids 0..100)"),
+            "{e}"
+        );
+        assert!(e.contains("logit_bias token id 120 at index 1"), "{e}");
+        assert!(!e.contains("stop token"), "{e}");
+        let ok = RequestSpec {
+            prompt: (0..8000).map(|i| i % 100).collect(),
+            ..RequestSpec::default()
+        };
+        ok.validate(100).unwrap();
+    }
 
     #[test]
     fn stop_sequences_match_the_generated_tail_only() {
