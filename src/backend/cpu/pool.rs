@@ -15,6 +15,15 @@ use crate::error::{Error, ErrorKind, Result};
 /// `calloc` maps zero pages lazily (a large pool costs nothing until used).
 const ALIGN: usize = 16;
 
+/// The system's page size.
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        p if p > 0 => p as usize,
+        _ => 4096,
+    }
+}
+
 /// One pool's bytes. Frees itself (and updates its backend's byte count) on drop.
 pub struct CpuBuffer {
     ptr: NonNull<u8>,
@@ -49,16 +58,12 @@ impl CpuBuffer {
     /// Backs every page of the buffer now: `calloc` maps large allocations lazily, and a
     /// first write then pays a page fault (in PD, while a room's bytes arrive).
     /// `MADV_POPULATE_WRITE` (Linux 5.14) does it in the kernel, in chunks spread over the
-    /// calling rayon pool's threads (page allocation scales with them), and reports memory
-    /// it cannot back as an error instead of an OOM kill later; older kernels get one write
-    /// per page.
-    pub fn prefault(&mut self) -> Result<()> {
+    /// calling rayon pool's threads (page allocation scales with them); older kernels get one
+    /// write per page. Memory the machine cannot back shows here, at start: as an error from
+    /// the kernel, or (with overcommit) as its OOM killer acting now rather than under load.
+    pub(super) fn prefault(&mut self) -> Result<()> {
         use rayon::prelude::*;
-        // SAFETY: sysconf has no preconditions.
-        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
-            p if p > 0 => p as usize,
-            _ => 4096,
-        };
+        let page = page_size();
         const CHUNK: usize = 64 << 20;
         let base = self.ptr.as_ptr() as usize;
         // madvise takes page-aligned starts; the head before the first is touched.
@@ -86,36 +91,47 @@ impl CpuBuffer {
         };
         match chunks.par_iter().try_for_each(populate) {
             Ok(()) => {
-                self.touch(0, start - base, page);
+                self.touch(0, start - base);
                 Ok(())
             }
-            // A kernel without MADV_POPULATE_WRITE: touch each page instead.
+            // A kernel without MADV_POPULATE_WRITE: touch each page instead. (Newer kernels
+            // also answer EINVAL for a read-only or special mapping, which touching would
+            // fault on; this buffer is the allocator's private read-write memory, never one.)
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 let len = self.len;
-                self.touch(0, len, page);
+                self.touch(0, len);
                 Ok(())
             }
             Err(e) => Err(Error::new(
                 ErrorKind::Capacity,
                 format!(
-                    "kv.prefault: the machine cannot back {} bytes of KV pool memory ({e}): \
-                     lower kv.device_memory_bytes (or kv.device_memory_fraction), or set \
-                     kv.prefault to false",
+                    "kv.prefault: populating {} bytes of KV pool memory failed ({e}): lower \
+                     kv.device_memory_bytes (or kv.device_memory_fraction), or set kv.prefault \
+                     to false",
                     self.len
                 ),
             )),
         }
     }
 
-    /// Writes one byte of every page in `from..to` with its own value, spread over the
-    /// calling rayon pool's threads.
-    fn touch(&mut self, from: usize, to: usize, page: usize) {
+    /// Writes one byte of every page that bytes `from..to` lie on (the first of them, then
+    /// each page start), each with its own value, spread over the calling rayon pool's
+    /// threads.
+    fn touch(&mut self, from: usize, to: usize) {
         use rayon::prelude::*;
+        if from >= to {
+            return;
+        }
+        let page = page_size();
         let base = self.ptr.as_ptr() as usize;
-        (from..to).into_par_iter().step_by(page).for_each(|at| {
-            // SAFETY: `at < to <= len`, inside the allocation; `&mut self` excludes every
-            // other view, each page's byte is touched by one thread, and it is written back
-            // unchanged.
+        // Page starts after `from`'s page (strictly: `from` itself may start a page), as
+        // offsets into the buffer.
+        let first_start = ((base + from) / page + 1) * page - base;
+        let starts = (first_start..to).into_par_iter().step_by(page);
+        rayon::iter::once(from).chain(starts).for_each(|at| {
+            // SAFETY: `from <= at < to <= len`, inside the allocation; `&mut self` excludes
+            // every other view, each page's byte is touched by one thread, and it is written
+            // back unchanged.
             unsafe {
                 let p = (base + at) as *mut u8;
                 p.write_volatile(p.read_volatile());
@@ -240,16 +256,16 @@ pub(super) fn gather(rows: &Rows<'_, super::CpuBackend>, range: Range<usize>) ->
 mod tests {
     use super::*;
 
-    /// Pages of `buf` the kernel holds resident (`mincore`), of the page-aligned part.
-    fn resident(buf: &CpuBuffer) -> (usize, usize) {
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    /// Of the pages bytes `from..to` of `buf` lie on, those the kernel holds resident
+    /// (`mincore`), and how many there are.
+    fn resident(buf: &CpuBuffer, from: usize, to: usize) -> (usize, usize) {
+        let page = page_size();
         let base = buf.ptr.as_ptr() as usize;
-        let start = base.next_multiple_of(page);
-        let pages = (base + buf.len - start) / page;
+        let start = (base + from) / page * page;
+        let pages = (base + to).div_ceil(page) - start / page;
         let mut vec = vec![0u8; pages];
-        // SAFETY: `start .. start + pages * page` lies inside the buffer's mapping; `vec` has
-        // one byte per page, as mincore writes.
+        // SAFETY: the pages from `start` on are pages of the buffer's mapping (each holds at
+        // least one of its bytes); `vec` has one byte per page, as mincore writes.
         let rc =
             unsafe { libc::mincore(start as *mut libc::c_void, pages * page, vec.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
@@ -257,43 +273,53 @@ mod tests {
     }
 
     #[test]
-    fn prefault_makes_every_page_resident_and_keeps_the_bytes() {
+    fn touching_then_prefaulting_makes_every_page_resident_and_keeps_the_bytes() {
+        // Large enough that the allocator maps it fresh (no free chunk of this process is as
+        // big), so it starts out not resident: what makes the checks below able to fail.
+        const LEN: usize = 512 << 20;
         let allocated = Arc::new(AtomicU64::new(0));
-        let mut buf = CpuBuffer::new(48 << 20, allocated.clone()).unwrap();
-        // Lazily mapped: a fresh large allocation is (almost) not resident. This is what makes
-        // the test able to fail: without prefault the count below stays low.
-        let (lazy, pages) = resident(&buf);
+        let mut buf = CpuBuffer::new(LEN, allocated.clone()).unwrap();
+        let (lazy, pages) = resident(&buf, 0, LEN);
         assert!(
-            lazy < pages / 4,
-            "{lazy} of {pages} pages resident before prefault"
+            lazy < pages / 16,
+            "{lazy} of {pages} pages resident at first"
         );
-        let marks = [0usize, 4095, 4096, 12345, (48 << 20) - 1];
+        // The fallback: from an unaligned offset, every page the range lies on, the last
+        // partial one included.
+        let (from, to) = (1000, (64 << 20) + 5);
+        buf.touch(from, to);
+        let (touched, n) = resident(&buf, from, to);
+        assert_eq!(touched, n, "every page of the touched range");
+        let (rest, _) = resident(&buf, 80 << 20, LEN);
+        assert!(
+            rest < pages / 16,
+            "only the touched range: {rest} resident past it"
+        );
+
+        let marks = [0usize, 4095, 4096, 12345, (100 << 20) + 7, LEN - 1];
         for (i, &m) in marks.iter().enumerate() {
             buf.range_mut(m, 1)[0] = 0x5a + i as u8;
         }
         buf.prefault().unwrap();
-        let (now, pages) = resident(&buf);
+        let (now, pages) = resident(&buf, 0, LEN);
         assert_eq!(now, pages, "every page resident after prefault");
         for (i, &m) in marks.iter().enumerate() {
             assert_eq!(buf.range(m, 1)[0], 0x5a + i as u8, "byte {m} kept");
         }
         // The rest still reads as zero (the pools' initial state).
-        assert!(buf.range(1 << 20, 1 << 20).iter().all(|&b| b == 0));
-        assert_eq!(allocated.load(Ordering::Relaxed), 48 << 20);
+        assert!(buf.range(200 << 20, 1 << 20).iter().all(|&b| b == 0));
+        assert_eq!(allocated.load(Ordering::Relaxed), LEN as u64);
     }
 
     #[test]
-    fn touching_each_page_is_the_fallback_and_makes_them_resident() {
-        // Above glibc's largest mmap threshold (32 MiB): a fresh mapping, never a reused and
-        // already resident heap chunk.
-        let mut buf = CpuBuffer::new(40 << 20, Arc::default()).unwrap();
-        let (lazy, pages) = resident(&buf);
-        assert!(
-            lazy < pages / 4,
-            "{lazy} of {pages} pages resident before the touch"
-        );
-        buf.touch(0, buf.len, 4096);
-        let (now, pages) = resident(&buf);
-        assert_eq!(now, pages);
+    fn small_and_empty_buffers_prefault() {
+        for len in [0, 1, 100, 4096, 70_000] {
+            let mut buf = CpuBuffer::new(len, Arc::default()).unwrap();
+            buf.prefault().unwrap();
+            if len > 0 {
+                let (now, pages) = resident(&buf, 0, len);
+                assert_eq!(now, pages, "{len} bytes");
+            }
+        }
     }
 }
