@@ -201,6 +201,12 @@ pub(super) enum Out {
         /// does not go out).
         target: Option<Arc<Target>>,
     },
+    /// The rest of a frame the socket took only part of: `frame`'s bytes from `sent` on (the
+    /// frame is kept, not its rest copied: a DATA frame's slice is up to 256 KiB).
+    Rest {
+        frame: Box<Out>,
+        sent: usize,
+    },
 }
 
 impl Out {
@@ -214,6 +220,13 @@ impl Out {
                 range,
                 ..
             } => (prefix, &bytes[range.clone()]),
+            Out::Rest { frame, sent } => {
+                let (a, b) = frame.parts();
+                match a.get(*sent..) {
+                    Some(rest) => (rest, b),
+                    None => (&[], &b[*sent - a.len()..]),
+                }
+            }
         }
     }
 
@@ -222,17 +235,18 @@ impl Out {
         a.len() + b.len()
     }
 
-    /// The bytes from `n` on, copied: the rest of a frame the socket took only part of.
-    fn tail(&self, n: usize) -> Vec<u8> {
-        let (a, b) = self.parts();
-        let mut out = Vec::with_capacity(a.len() + b.len() - n);
-        if n < a.len() {
-            out.extend_from_slice(&a[n..]);
-            out.extend_from_slice(b);
-        } else {
-            out.extend_from_slice(&b[n - a.len()..]);
+    /// What is left of this frame once the socket took `n` more of its bytes.
+    fn rest(self, n: usize) -> Out {
+        match self {
+            Out::Rest { frame, sent } => Out::Rest {
+                frame,
+                sent: sent + n,
+            },
+            frame => Out::Rest {
+                frame: Box::new(frame),
+                sent: n,
+            },
         }
-        out
     }
 
     /// Writes the whole frame, blocking (up to the socket's write timeout).
@@ -285,7 +299,7 @@ fn send_parts(fd: RawFd, a: &[u8], b: &[u8], extra: libc::c_int) -> io::Result<u
 struct Outbox {
     /// The rest of a frame a caller started writing directly and the socket took only part
     /// of: the very next bytes on the wire.
-    partial: Option<Vec<u8>>,
+    partial: Option<Out>,
     control: VecDeque<Vec<u8>>,
     bulk: VecDeque<Bulk>,
     closed: bool,
@@ -313,7 +327,7 @@ impl Outbox {
     /// (none while finishing).
     fn pop(&mut self) -> Option<Out> {
         if let Some(rest) = self.partial.take() {
-            return Some(Out::Frame(rest));
+            return Some(rest);
         }
         if let Some(f) = self.control.pop_front() {
             return Some(Out::Frame(f));
@@ -538,7 +552,7 @@ impl Link {
             };
             o = self.outbox();
             if sent < out.len() {
-                o.partial = Some(out.tail(sent));
+                o.partial = Some(out.rest(sent));
                 break;
             }
             o.last_sent = Instant::now();
@@ -1012,6 +1026,77 @@ mod tests {
         }
         assert_eq!(order, [3, 4, 5]);
         assert_eq!(seen, [3, 4, 5], "the rooms' frames interleaved");
+        link.close();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn the_rest_of_a_frame_is_its_bytes_past_what_the_socket_took() {
+        let bytes = Arc::new((0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<u8>>());
+        let data = || Out::Data {
+            prefix: wire::data_prefix(9, 100, 2000),
+            bytes: bytes.clone(),
+            range: 500..2500,
+            target: None,
+        };
+        let whole = |o: &Out| {
+            let (a, b) = o.parts();
+            [a, b].concat()
+        };
+        let all = whole(&data());
+        assert_eq!(all.len(), wire::HEADER + 8 + 2000);
+        // Within the header, across it, past it, twice in a row, and all of it.
+        for cuts in [
+            vec![5],
+            vec![24],
+            vec![30],
+            vec![5, 30],
+            vec![3, 0, 1000, 900],
+            vec![2024],
+        ] {
+            let mut out = data();
+            let mut taken = 0;
+            for n in cuts.iter().copied() {
+                out = out.rest(n);
+                taken += n;
+            }
+            assert_eq!(whole(&out), all[taken..], "cuts {cuts:?}");
+            assert_eq!(out.len(), all.len() - taken);
+        }
+        let frame = wire::encode(Kind::Ack, 4, b"xyz");
+        let out = Out::Frame(frame.clone()).rest(7).rest(2);
+        assert_eq!(whole(&out), frame[9..]);
+    }
+
+    #[test]
+    fn bytes_written_in_part_while_the_socket_is_full_arrive_whole() {
+        let (link, mut theirs, _rx, threads) = pair(1000);
+        // 16 MiB queued while nobody reads: the queueing thread writes until the socket is
+        // full, mid-frame, and the writer thread sends that frame's rest later.
+        let n = 64 * wire::DATA_CHUNK;
+        let data = Arc::new((0..n).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+        let state = wire::encode(Kind::State, 3, b"{}");
+        let done = wire::encode(Kind::Done, 3, b"{}");
+        let cancel = Arc::new(AtomicBool::new(false));
+        assert!(link.send_bulk(Bulk::new(3, state, data.clone(), done, cancel)));
+        std::thread::sleep(Duration::from_millis(50));
+        let mut got = vec![0u8; n];
+        let mut filled = 0;
+        loop {
+            let f = wire::read_frame_from(&mut theirs).unwrap();
+            if f.kind == Kind::Data {
+                let at = u64::from_le_bytes(f.payload[..8].try_into().unwrap()) as usize;
+                got[at..at + f.payload.len() - 8].copy_from_slice(&f.payload[8..]);
+                filled += f.payload.len() - 8;
+            }
+            if f.kind == Kind::Done {
+                break;
+            }
+        }
+        assert_eq!(filled, n);
+        assert!(got == *data, "the bytes differ from what was queued");
         link.close();
         for t in threads {
             t.join().unwrap();
