@@ -343,7 +343,7 @@ fn main() {
         "bench_transfer: tiny model, 2 threads per engine, both engines and the raw sockets in \
          this process on {} cores; KV pools {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        if agentic::arg("--prefault", 1.0) > 0.0 {
+        if prefault() {
             "prefaulted (kv.prefault)"
         } else {
             "mapped lazily (--prefault 0)"

@@ -18,15 +18,11 @@ pub fn engine(
     device: &str,
     max_queued: u32,
 ) -> Engine {
-    // kv.prefault: the pools resident from the start, as a serving engine runs them (lazily
-    // mapped, a room's first bytes into never used pages pay page faults); `--prefault 0`
-    // measures lazy pools.
-    let prefault = super::agentic::arg("--prefault", 1.0) > 0.0;
     let mut doc = json!({
         "model_path": dir, "threads": 2, "role": role,
         "kv": {"dtype": "fp8", "indexer_dtype": "fp4", "page_size": 128,
                "device_memory_bytes": device, "max_running_requests": running,
-               "prefault": prefault},
+               "prefault": prefault()},
         "scheduler": {"chunked_prefill_tokens": 2048, "max_batch_tokens": 4096},
         "admission": {"max_queued_requests": max_queued, "queue_timeout_ms": 0},
     });
@@ -40,6 +36,13 @@ pub fn engine(
                            "listen": format!("{transport}://127.0.0.1:0")});
     }
     Engine::create(Params::from_value(&doc).expect("valid params")).expect("engine")
+}
+
+/// Whether the engines run with `kv.prefault`: the pools resident from the start, as a serving
+/// engine runs them (lazily mapped, a room's first bytes into never used pages pay page
+/// faults); `--prefault 0` measures lazy pools.
+pub fn prefault() -> bool {
+    super::agentic::arg("--prefault", 1.0) > 0.0
 }
 
 /// Greedy, EOS suppressed: every request costs the same.

@@ -100,8 +100,8 @@ impl<B: Backend> KvPools<B> {
 
     /// `kv.prefault`: makes every pool's memory resident now, before any request, so that
     /// writing a page never waits on a first-touch fault and memory the machine cannot back
-    /// fails here instead of under load. Returns the seconds it took.
-    pub fn prefault(&mut self) -> Result<f64> {
+    /// fails here instead of under load.
+    pub fn prefault(&mut self) -> Result<()> {
         let start = std::time::Instant::now();
         for (id, buffer) in PoolId::ALL.into_iter().zip(self.buffers.iter_mut()) {
             self.backend.prefault(buffer).map_err(|e| {
@@ -111,15 +111,15 @@ impl<B: Backend> KvPools<B> {
                 )
             })?;
         }
-        let seconds = start.elapsed().as_secs_f64();
         log::info!(
-            "KV pools prefaulted ({} bytes) in {seconds:.3} s",
+            "KV pools prefaulted ({} bytes) in {:.3} s",
             self.buffers
                 .iter()
                 .map(|b| self.backend.buffer_bytes(b))
-                .sum::<usize>()
+                .sum::<usize>(),
+            start.elapsed().as_secs_f64()
         );
-        Ok(seconds)
+        Ok(())
     }
 
     pub fn layout(&self) -> &KvLayout {
