@@ -32,7 +32,9 @@ impl<B: Backend> Worker<B> {
                 let mut st = self.cache.export(&r.req)?;
                 st.last_token = r.p.tokens.last().copied();
                 st.rng = Some(r.p.sampler.rng_state());
-                let bytes = state::read(self.cache.pools(), &st)?;
+                // A reused buffer: a fresh one per room faults in every page.
+                let mut bytes = node.state_buffer(st.byte_len());
+                state::read_into(self.cache.pools(), &st, &mut bytes)?;
                 let header = StateHeader {
                     state: StateInfo::of(&st),
                     first_logprob: h.logprob,

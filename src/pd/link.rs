@@ -28,6 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::buffers::StateBuf;
 use super::incoming::Lent;
 use super::rma::Target;
 use super::wire::{self, Frame, Kind, ReadError};
@@ -78,7 +79,7 @@ pub enum Segment {
     /// `bytes[range]` is the state's bytes from offset `at`.
     Data {
         at: u64,
-        bytes: Arc<Vec<u8>>,
+        bytes: Arc<StateBuf>,
         range: std::ops::Range<usize>,
     },
 }
@@ -104,7 +105,7 @@ impl Bulk {
     pub fn new(
         room: u64,
         state_frame: Vec<u8>,
-        data: Arc<Vec<u8>>,
+        data: Arc<StateBuf>,
         done_frame: Vec<u8>,
         cancel: Arc<AtomicBool>,
     ) -> Self {
@@ -195,7 +196,7 @@ pub(super) enum Out {
     Frame(Vec<u8>),
     Data {
         prefix: [u8; wire::HEADER + 8],
-        bytes: Arc<Vec<u8>>,
+        bytes: Arc<StateBuf>,
         range: std::ops::Range<usize>,
         /// Over UCX: the decode's memory the bytes are written into by RMA (the frame itself
         /// does not go out).
@@ -994,7 +995,7 @@ mod tests {
     }
 
     fn room_bulk(room: u64, chunks: usize) -> Bulk {
-        let data = Arc::new(vec![room as u8; chunks * wire::DATA_CHUNK]);
+        let data = Arc::new(StateBuf::from(vec![room as u8; chunks * wire::DATA_CHUNK]));
         let state = wire::encode(Kind::State, room, b"{}");
         let done = wire::encode(Kind::Done, room, b"{}");
         Bulk::new(room, state, data, done, Arc::new(AtomicBool::new(false)))
@@ -1034,7 +1035,9 @@ mod tests {
 
     #[test]
     fn the_rest_of_a_frame_is_its_bytes_past_what_the_socket_took() {
-        let bytes = Arc::new((0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<u8>>());
+        let bytes = Arc::new(StateBuf::from(
+            (0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<u8>>(),
+        ));
         let data = || Out::Data {
             prefix: wire::data_prefix(9, 100, 2000),
             bytes: bytes.clone(),
@@ -1076,7 +1079,9 @@ mod tests {
         // 16 MiB queued while nobody reads: the queueing thread writes until the socket is
         // full, mid-frame, and the writer thread sends that frame's rest later.
         let n = 64 * wire::DATA_CHUNK;
-        let data = Arc::new((0..n).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+        let data = Arc::new(StateBuf::from(
+            (0..n).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
+        ));
         let state = wire::encode(Kind::State, 3, b"{}");
         let done = wire::encode(Kind::Done, 3, b"{}");
         let cancel = Arc::new(AtomicBool::new(false));
@@ -1096,7 +1101,7 @@ mod tests {
             }
         }
         assert_eq!(filled, n);
-        assert!(got == *data, "the bytes differ from what was queued");
+        assert!(got[..] == data[..], "the bytes differ from what was queued");
         link.close();
         for t in threads {
             t.join().unwrap();
@@ -1126,7 +1131,7 @@ mod tests {
         let (link, mut theirs, _rx, threads) = pair(1000);
         // 16 MiB: more than the socket buffers hold, so the writer blocks mid-bulk until the
         // reader below starts.
-        let data = Arc::new(vec![7u8; 64 * wire::DATA_CHUNK]);
+        let data = Arc::new(StateBuf::from(vec![7u8; 64 * wire::DATA_CHUNK]));
         let cancel = Arc::new(AtomicBool::new(false));
         let state = wire::encode(Kind::State, 5, b"{}");
         let done = wire::encode(Kind::Done, 5, b"{}");
@@ -1195,7 +1200,7 @@ mod tests {
             // EPIPE: SIGPIPE without MSG_NOSIGNAL. 50 ms: the bulk must be queued before the
             // peer is declared dead, on a loaded machine too.
             let (link, _theirs, rx, threads) = pair(50);
-            let data = Arc::new(vec![1u8; 64 * wire::DATA_CHUNK]);
+            let data = Arc::new(StateBuf::from(vec![1u8; 64 * wire::DATA_CHUNK]));
             let state = wire::encode(Kind::State, 1, b"{}");
             let done = wire::encode(Kind::Done, 1, b"{}");
             let cancel = Arc::new(AtomicBool::new(false));

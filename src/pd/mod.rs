@@ -13,6 +13,7 @@
 //! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines;
 //! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory.
 
+pub mod buffers;
 pub mod in_order;
 pub mod incoming;
 pub mod limits;
@@ -27,6 +28,7 @@ pub mod ucx_faults;
 pub mod ucx_port;
 pub mod wire;
 
+pub use buffers::{StateBuf, StateBuffers};
 pub use node::{Config, Delivery, Node, Notice, PdStats, Sink};
 pub use room::{FailReason, RoomState};
 pub use wire::{Claim, Side, StateHeader, StateInfo};

@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::buffers::{StateBuf, StateBuffers};
 use super::incoming::{Incoming, Lent};
 use super::link::{spawn, Bulk, Handler, Link, Segment};
 use super::rma::{self, Target};
@@ -146,7 +147,7 @@ impl Default for PdStats {
 /// state).
 struct Outgoing {
     header: StateHeader,
-    bytes: Arc<Vec<u8>>,
+    bytes: Arc<StateBuf>,
     /// Taken by the one start_sending.
     state_frame: Vec<u8>,
     crc: u32,
@@ -282,6 +283,8 @@ struct Inner {
     /// as its HELLO names them.
     registered: Mutex<Vec<super::ucx::Registered>>,
     rma_keys: Vec<wire::RmaKey>,
+    /// Prefill: buffers for the states it sends, reused room after room.
+    buffers: StateBuffers,
 }
 
 /// The node an engine in a PD role owns. [`Node::shutdown`] stops every thread.
@@ -428,6 +431,7 @@ impl Node {
             ucx: None,
             registered: Mutex::new(Vec::new()),
             rma_keys: Vec::new(),
+            buffers: StateBuffers::new(),
         });
         let spawn_err =
             |e: std::io::Error| Error::internal(format!("cannot start a PD thread: {e}"));
@@ -512,6 +516,7 @@ impl Node {
             ucx: Some(started.port),
             registered: Mutex::new(registered),
             rma_keys,
+            buffers: StateBuffers::new(),
         });
         let _ = acceptor.0.set(Arc::downgrade(&inner));
         let node = Node {
@@ -539,6 +544,12 @@ impl Node {
 
     pub fn side(&self) -> Side {
         self.inner.cfg.side
+    }
+
+    /// Prefill: a buffer for a state of `len` bytes, to fill completely and pass to
+    /// [`Self::send`]; it comes back for later rooms once the room's bytes are sent.
+    pub fn state_buffer(&self, len: usize) -> StateBuf {
+        self.inner.buffers.take(len)
     }
 
     /// Opens room `room` for request `request_id`: `InvalidArgument` when a live request
@@ -657,7 +668,7 @@ impl Node {
 
     /// Prefill: the room's state is computed; it goes out once claimed. An error when the
     /// room already failed (the engine ends the request with it).
-    pub fn send(&self, room: u64, header: StateHeader, bytes: Vec<u8>) -> Result<()> {
+    pub fn send(&self, room: u64, header: StateHeader, bytes: StateBuf) -> Result<()> {
         let inner = &self.inner;
         let mut notices = Vec::new();
         let state_frame = wire::encode_json(Kind::State, room, &header);
@@ -736,7 +747,7 @@ impl Node {
             ranges.push(at..at + bytes.len());
             segments.push(Segment::Data {
                 at: at as u64,
-                bytes: Arc::new(bytes),
+                bytes: Arc::new(StateBuf::from(bytes)),
                 range,
             });
         }

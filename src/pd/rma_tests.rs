@@ -153,7 +153,7 @@ impl Pair {
         };
         // Refused when the room already failed (a decode deadline shorter than a busy
         // machine's start): the tests see that in the notices.
-        if let Err(e) = self.prefill.send(room, header, state.to_vec()) {
+        if let Err(e) = self.prefill.send(room, header, state.to_vec().into()) {
             eprintln!("{e}");
         }
     }

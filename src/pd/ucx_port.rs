@@ -382,7 +382,7 @@ const MAX_HELD: usize = 4096;
 
 /// A slice of a room's bytes, kept (not copied) until the put that writes it completes.
 struct Slice {
-    bytes: Arc<Vec<u8>>,
+    bytes: Arc<super::buffers::StateBuf>,
     range: std::ops::Range<usize>,
 }
 
@@ -565,7 +565,7 @@ impl Conn {
                 let mut copy = slice.as_ref().to_vec();
                 copy[0] ^= 0xff;
                 slice = Slice {
-                    bytes: Arc::new(copy),
+                    bytes: Arc::new(copy.into()),
                     range: 0..len,
                 };
             }
