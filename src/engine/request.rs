@@ -179,13 +179,18 @@ impl RequestSpec {
     pub fn pd_digest(&self) -> u64 {
         let mut h = Xxh3::new();
         h.update(&(self.prompt.len() as u64).to_le_bytes());
-        // Little-endian token bytes, a few KiB at a time.
-        let mut buf = [0u8; 4096];
-        for chunk in self.prompt.chunks(buf.len() / 4) {
-            for (b, &t) in buf.chunks_exact_mut(4).zip(chunk) {
-                b.copy_from_slice(&t.to_le_bytes());
+        // Little-endian token bytes: the prompt's own memory where the target is little-endian
+        // (no copy: the digest runs at every submit), else a few KiB at a time.
+        if cfg!(target_endian = "little") {
+            h.update(bytemuck::cast_slice(&self.prompt));
+        } else {
+            let mut buf = [0u8; 4096];
+            for chunk in self.prompt.chunks(buf.len() / 4) {
+                for (b, &t) in buf.chunks_exact_mut(4).zip(chunk) {
+                    b.copy_from_slice(&t.to_le_bytes());
+                }
+                h.update(&buf[..4 * chunk.len()]);
             }
-            h.update(&buf[..4 * chunk.len()]);
         }
         let s = &self.sampling;
         h.update(&s.temperature.to_bits().to_le_bytes());

@@ -160,7 +160,8 @@ impl<B: Backend> Worker<B> {
             return;
         };
         let claim = Claim {
-            request_hash: r.spec.pd_digest(),
+            // The node sends the digest the room was registered with (computed at submit).
+            request_hash: 0,
             prompt_tokens: r.spec.prompt.len(),
             slot: r.req.kv().slot(),
             pages: r.req.kv().pages().iter().map(|p| p.0).collect(),

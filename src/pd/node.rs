@@ -767,7 +767,8 @@ impl Node {
     /// Decode: the destination is reserved; claims the room from its prefill (connecting to
     /// it first if needed). `max_bytes`: the most state bytes the destination can hold;
     /// `landing`: its memory, when the bytes may be received straight into it — the engine
-    /// then keeps the destination until [`Self::release_landing`] lets it go.
+    /// then keeps the destination until [`Self::release_landing`] lets it go. The claim's
+    /// `request_hash` is the digest the room was registered with.
     pub fn claim(
         &self,
         room: u64,
@@ -792,6 +793,8 @@ impl Node {
             r.deadline = now + inner.cfg.transfer_timeout;
             r.max_bytes = max_bytes;
             let mut claim = claim;
+            // The request's digest, as registered (the caller need not compute it again).
+            claim.request_hash = r.hash;
             // Registered memory (a UCX decode's host pools): the prefill writes it by RMA.
             if let Some(l) = landing.as_ref().filter(|_| !inner.rma_keys.is_empty()) {
                 claim.rma_spans = l.spans().to_vec();
