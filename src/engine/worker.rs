@@ -132,7 +132,11 @@ impl<B: Backend> Worker<B> {
 
     fn main_loop(&mut self) {
         loop {
-            self.receive();
+            let batch = self.receive();
+            // Frames the node queues from here to the step (claims, ACKs, FAILs) go out
+            // together when it is dropped: a burst of claims is one write, not one each.
+            let cork = self.pd.is_some().then(crate::pd::link::Cork::hold);
+            self.handle(batch);
             self.expire();
             if self.shutdown == Some(ShutdownMode::Abort) {
                 self.abort_all();
@@ -149,6 +153,7 @@ impl<B: Backend> Worker<B> {
             self.cache.poll();
             self.finish_loads();
             self.admit();
+            drop(cork);
             self.stalled = false;
             if self.sched.running.iter().any(|r| r.reserved()) {
                 self.make_room_for_decode();
@@ -164,7 +169,7 @@ impl<B: Backend> Worker<B> {
 
     /// Takes everything queued; blocks (until the next deadline, or until events are polled)
     /// only when there is nothing to compute.
-    fn receive(&mut self) {
+    fn receive(&mut self) -> Batch {
         let s = &self.sched;
         // PD requests waiting for their room (Transferring, Receiving) compute nothing: the
         // engine thread sleeps until a notice, a submit or a deadline.
@@ -178,8 +183,7 @@ impl<B: Backend> Worker<B> {
                 d.saturating_duration_since(Instant::now())
             })
         });
-        let batch = self.shared.inbox.take(wait);
-        self.handle(batch);
+        self.shared.inbox.take(wait)
     }
 
     fn handle(&mut self, batch: Batch) {

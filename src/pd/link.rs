@@ -19,6 +19,7 @@
 //! crosses several such hand-offs (the decode's claim, the prefill's first frame, the ACK).
 //! Every write uses `MSG_NOSIGNAL`: a peer that hangs up must not raise SIGPIPE in the host.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::{self, ErrorKind as IoKind, IoSliceMut, Read};
 use std::net::{Shutdown, TcpStream};
@@ -42,6 +43,63 @@ const DIRECT_BYTES: usize = 1 << 20;
 /// room moves in milliseconds unless the link is overloaded, and then every room gets its turn
 /// in order instead of the largest waiting until its deadline.
 const STARVED_AFTER: Duration = Duration::from_millis(250);
+
+/// Consecutive control frames are written together up to this many bytes.
+const COALESCE_BYTES: usize = 64 << 10;
+
+thread_local! {
+    /// This thread's [`Cork`]s held (nesting depth), and the TCP links it queued frames on
+    /// meanwhile.
+    static CORK: RefCell<(usize, Vec<Arc<Link>>)> = const { RefCell::new((0, Vec::new())) };
+}
+
+/// While a cork is held, frames the holding thread queues on TCP links wait in their
+/// outboxes; when the last is dropped each such link writes what it has, consecutive control
+/// frames in one write. The decode's engine thread holds one while it handles what arrived
+/// and admits: the claims of requests admitted together (and the ACKs of rooms landed
+/// together) then cost one system call, and one wake-up of the peer's reader, instead of one
+/// each — on loopback a `sendmsg` runs the peer's whole receive path. Other threads' frames
+/// are not held, and a writer thread already at work sends what is queued, corked or not.
+/// Not `Send`: it belongs to the thread that took it.
+pub struct Cork(std::marker::PhantomData<*const ()>);
+
+impl Cork {
+    pub fn hold() -> Self {
+        CORK.with(|c| c.borrow_mut().0 += 1);
+        Cork(std::marker::PhantomData)
+    }
+
+    /// Whether this thread holds a cork; if so, `link` is written when it is dropped.
+    fn defer(link: &Arc<Link>) -> bool {
+        CORK.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.0 == 0 {
+                return false;
+            }
+            if !c.1.iter().any(|l| Arc::ptr_eq(l, link)) {
+                c.1.push(link.clone());
+            }
+            true
+        })
+    }
+}
+
+impl Drop for Cork {
+    fn drop(&mut self) {
+        let links = CORK.with(|c| {
+            let mut c = c.borrow_mut();
+            c.0 -= 1;
+            if c.0 == 0 {
+                std::mem::take(&mut c.1)
+            } else {
+                Vec::new()
+            }
+        });
+        for link in links {
+            link.flush();
+        }
+    }
+}
 
 /// What the link reports to its owner (the node).
 pub trait Handler: Send + Sync + 'static {
@@ -353,6 +411,24 @@ impl Outbox {
         Some(frame)
     }
 
+    /// Over TCP, [`Self::pop`] with consecutive control frames joined into one (a byte
+    /// stream does not care where a write ends): one system call for a burst of them. UCX
+    /// sends each frame as its own message, so it pops them one by one.
+    fn pop_stream(&mut self) -> Option<Out> {
+        if self.partial.is_some() || self.control.len() < 2 {
+            return self.pop();
+        }
+        let mut joined = self.control.pop_front()?;
+        while let Some(next) = self.control.front() {
+            if joined.len() + next.len() > COALESCE_BYTES {
+                break;
+            }
+            joined.extend_from_slice(next);
+            self.control.pop_front();
+        }
+        Some(Out::Frame(joined))
+    }
+
     fn has_work(&self) -> bool {
         self.partial.is_some()
             || !self.control.is_empty()
@@ -487,13 +563,13 @@ impl Link {
 
     /// Queues a control frame (sent before any further bulk frame). False when the link is
     /// down.
-    pub fn send(&self, frame: Vec<u8>) -> bool {
+    pub fn send(self: &Arc<Self>, frame: Vec<u8>) -> bool {
         self.queue(|o| o.control.push_back(frame))
     }
 
     /// Queues a room's bytes after any of the same room's still queued (a room's frames go
     /// out in the order queued). False when the link is down.
-    pub fn send_bulk(&self, mut bulk: Bulk) -> bool {
+    pub fn send_bulk(self: &Arc<Self>, mut bulk: Bulk) -> bool {
         self.queue(|o| match o.bulk.iter_mut().find(|b| b.room == bulk.room) {
             Some(queued) => {
                 queued.left += bulk.left;
@@ -504,8 +580,8 @@ impl Link {
     }
 
     /// Puts something in the outbox, then writes the next frame from here when nobody else is
-    /// writing (else wakes the writer thread).
-    fn queue(&self, put: impl FnOnce(&mut Outbox)) -> bool {
+    /// writing (else wakes the writer thread) — unless this thread holds a [`Cork`].
+    fn queue(self: &Arc<Self>, put: impl FnOnce(&mut Outbox)) -> bool {
         let mut o = self.outbox();
         if o.closed {
             return false;
@@ -516,6 +592,22 @@ impl Link {
             port.wake();
             return true;
         }
+        if Cork::defer(self) {
+            return true;
+        }
+        self.write_or_wake(o);
+        true
+    }
+
+    /// A cork was dropped: writes what this thread queued (and anything else waiting).
+    fn flush(&self) {
+        let o = self.outbox();
+        if !o.closed && o.has_work() {
+            self.write_or_wake(o);
+        }
+    }
+
+    fn write_or_wake(&self, o: MutexGuard<'_, Outbox>) {
         // try_lock: never wait for the socket here (the caller may hold the node's table).
         match self.wire.try_lock() {
             Ok(wire) if !o.finishing => {
@@ -524,7 +616,6 @@ impl Link {
             }
             _ => self.ready.notify_one(),
         }
-        true
     }
 
     /// Writes queued frames without blocking, holding `wire`, while the socket takes them and
@@ -538,7 +629,7 @@ impl Link {
         let mut budget = DIRECT_BYTES;
         let mut o = self.outbox();
         while budget > 0 {
-            let Some(out) = o.pop() else {
+            let Some(out) = o.pop_stream() else {
                 break;
             };
             drop(o);
@@ -643,7 +734,7 @@ impl Link {
             let frame = match next {
                 Next::Stop => break,
                 // A caller may have written it meanwhile: then wait again.
-                Next::Write => match self.outbox().pop() {
+                Next::Write => match self.outbox().pop_stream() {
                     Some(f) => f,
                     None => continue,
                 },
@@ -1151,6 +1242,79 @@ mod tests {
         assert_eq!(data_frames, 64);
         // The ACK went out between two DATA frames, long before the bulk ended.
         assert!(ack < kinds.len() / 2, "ACK at {ack} of {}", kinds.len());
+        link.close();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn consecutive_control_frames_are_written_as_one() {
+        let mut o = Outbox::new();
+        let frames: Vec<Vec<u8>> = (1..=3).map(|r| wire::encode(Kind::Ack, r, &[])).collect();
+        o.control.extend(frames.iter().cloned());
+        let Some(Out::Frame(joined)) = o.pop_stream() else {
+            panic!("no frame");
+        };
+        assert_eq!(joined, frames.concat());
+        assert!(o.pop_stream().is_none());
+        // Up to COALESCE_BYTES: a frame that would pass it starts the next write.
+        let half = |room| wire::encode(Kind::Claim, room, &vec![b' '; COALESCE_BYTES / 2]);
+        o.control.extend([half(4), half(5), frames[1].clone()]);
+        let lens: Vec<usize> = std::iter::from_fn(|| o.pop_stream())
+            .map(|f| f.len())
+            .collect();
+        let h = half(4).len();
+        assert_eq!(lens, [h, h + frames[1].len()]);
+        // The rest of a partly written frame still goes first, alone.
+        o.partial = Some(Out::Frame(vec![9; 5]));
+        o.control.extend(frames.iter().cloned());
+        assert_eq!(o.pop_stream().map(|f| f.len()), Some(5));
+    }
+
+    #[test]
+    fn frames_queued_under_a_cork_go_out_when_it_is_dropped() {
+        let (link, mut theirs, _rx, threads) = pair(1000);
+        // A writer thread at work sends whatever is queued, corked or not: let it first go
+        // idle (its first heartbeat is a second away).
+        std::thread::sleep(Duration::from_millis(100));
+        theirs
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        {
+            let _outer = Cork::hold();
+            {
+                let _inner = Cork::hold();
+                for room in 1..=3 {
+                    assert!(link.send(wire::encode(Kind::Ack, room, &[])));
+                }
+            }
+            // Still held by the outer cork: nothing on the wire.
+            let e = theirs.peek(&mut byte).unwrap_err();
+            assert!(
+                matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut),
+                "{e}"
+            );
+        }
+        theirs
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let rooms: Vec<u64> = (0..3)
+            .map(|_| wire::read_frame_from(&mut theirs).unwrap().room)
+            .collect();
+        assert_eq!(rooms, [1, 2, 3]);
+        // Another thread's frames are not held, and go out after those queued before them.
+        let _cork = Cork::hold();
+        assert!(link.send(wire::encode(Kind::Ack, 4, &[])));
+        let l = link.clone();
+        std::thread::spawn(move || assert!(l.send(wire::encode(Kind::Ack, 5, &[]))))
+            .join()
+            .unwrap();
+        let rooms: Vec<u64> = (0..2)
+            .map(|_| wire::read_frame_from(&mut theirs).unwrap().room)
+            .collect();
+        assert_eq!(rooms, [4, 5]);
         link.close();
         for t in threads {
             t.join().unwrap();
