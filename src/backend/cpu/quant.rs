@@ -453,7 +453,8 @@ mod x86 {
     unsafe fn fp4x32(p: *const u8, table: __m512) -> (__m512, __m512) {
         // SAFETY: the caller guarantees 16 readable bytes at `p`.
         let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.cast()) });
-        let lo = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)), table);
+        // `vpermps` reads only an index's low 4 bits: the low nibble needs no mask.
+        let lo = _mm512_permutexvar_ps(v, table);
         let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
         (lo, hi)
     }
@@ -470,6 +471,10 @@ mod x86 {
         let k = x.len();
         let nb = k.div_ceil(block);
         assert!(rows.len() >= 2 * k && exps.len() >= 4 * nb && k.is_multiple_of(32));
+        if block == 32 {
+            // SAFETY: as this function's (asserted above).
+            return unsafe { dot4_fp4_block32(x, rows, exps) };
+        }
         // SAFETY: E2M1 has 16 f32s.
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
         let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -500,6 +505,60 @@ mod x86 {
                 let s = _mm512_set1_ps(super::scale_of(exps[r * nb + b]));
                 *a = _mm512_fmadd_ps(part[r], s, *a);
             }
+        }
+        super::super::gemv::x86::reduce4_512(acc)
+    }
+
+    /// [`dot4_fp4_avx512`] for the official format's 32-wide scale blocks, where a block is
+    /// one step of 32 columns: the scales of 16 blocks at a time are made in one vector (the
+    /// e8m0 byte shifted into an f32's exponent field is 2^(e − 127)) and each step picks its
+    /// lane, instead of a scalar load, conversion and broadcast per row per step; each step's
+    /// even and odd products are summed and scaled into the row's accumulator at once.
+    ///
+    /// # Safety
+    /// AVX-512F available; `x.len()` a multiple of 32, `rows` 4 packed rows of `x.len() / 2`
+    /// bytes, `exps` 4 rows of `x.len() / 32`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dot4_fp4_block32(x: &[f32], rows: &[u8], exps: &[u8]) -> [f32; 4] {
+        let k = x.len();
+        let nb = k / 32;
+        let half = k / 2;
+        assert!(rows.len() >= 2 * k && exps.len() >= 4 * nb && k.is_multiple_of(32));
+        // SAFETY: E2M1 has 16 f32s.
+        let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
+        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut b = 0;
+        while b < nb {
+            let n = (nb - b).min(16);
+            let mut scales = [_mm512_setzero_ps(); 4];
+            for (r, s) in scales.iter_mut().enumerate() {
+                let mut e = [0u8; 16];
+                e[..n].copy_from_slice(&exps[r * nb + b..r * nb + b + n]);
+                // SAFETY: `e` is 16 bytes.
+                let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(e.as_ptr().cast()) });
+                *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 23));
+            }
+            for j in 0..n {
+                let c = (b + j) * 32;
+                let lane = _mm512_set1_epi32(j as i32);
+                // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2].
+                unsafe {
+                    let (x0, x1) = (
+                        _mm512_loadu_ps(x.as_ptr().add(c)),
+                        _mm512_loadu_ps(x.as_ptr().add(c + 16)),
+                    );
+                    let xe = _mm512_permutex2var_ps(x0, evens, x1);
+                    let xo = _mm512_permutex2var_ps(x0, odds, x1);
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let (lo, hi) = fp4x32(rows.as_ptr().add(r * half + c / 2), table);
+                        let t = _mm512_fmadd_ps(lo, xe, _mm512_mul_ps(hi, xo));
+                        *a = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(lane, scales[r]), *a);
+                    }
+                }
+            }
+            b += n;
         }
         super::super::gemv::x86::reduce4_512(acc)
     }
@@ -592,12 +651,14 @@ mod tests {
         use super::super::gemm::{gemm_into, Strided};
         use super::super::gemv::gemv_into;
         use super::super::{CpuMatrix, MatrixData};
-        let (out, k): (usize, usize) = (37, 256);
+        // 640 columns: 20 FP4 blocks of 32, so the 32-wide kernel makes its scales 16 blocks
+        // at a time and then 4.
+        let (out, k): (usize, usize) = (37, 640);
         let fp8: Vec<u8> = (0..out * k)
             .map(|i| (i * 53 % 256) as u8)
             .map(|b| if b & 0x7f == 0x7f { 0x38 } else { b })
             .collect();
-        let s8: Vec<f32> = (0..out.div_ceil(16) * 2)
+        let s8: Vec<f32> = (0..out.div_ceil(16) * k.div_ceil(128))
             .map(|i| 2f32.powi(i as i32 % 5 - 2))
             .collect();
         let fp4: Vec<u8> = (0..out * k / 2).map(|i| (i * 29 % 256) as u8).collect();
