@@ -1,10 +1,11 @@
 //! Reused buffers for the states a prefill sends. A state is copied out of the pools into a
-//! buffer at hand-over and kept until its last byte is on the wire. A fresh buffer costs a
-//! page fault per 4 KiB page on first write, and freeing it unmaps it again (glibc maps
-//! anything over its mmap threshold, at most 32 MiB, straight from the kernel): for a real
-//! model's state of tens of MB that is tens of milliseconds of faults on the engine thread
-//! per room, and the unmapping on the link's writer. Buffers whose room is done come back
-//! here and serve the next rooms; what is kept is bounded.
+//! buffer at hand-over and kept until its room ends (the decode's ACK, or a failure) and no
+//! frame or RMA put still holds it. A fresh buffer costs a page fault per 4 KiB page on first
+//! write, and freeing it unmaps it again (glibc maps anything over its mmap threshold, at most
+//! 32 MiB, straight from the kernel): for a real model's state of tens of MB that is tens of
+//! milliseconds of faults on the engine thread per room, and the unmapping on whichever
+//! thread ends the room. Buffers whose room is done come back here and serve the next rooms;
+//! what is kept is bounded.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -130,7 +131,8 @@ impl Drop for StateBuf {
             return;
         }
         drop(idle);
-        // Freed outside the lock (an unmap can take a while).
+        // Freed outside this list's lock (an unmap can take a while); the caller may still
+        // hold its own (the node's table, when a room ends).
         drop(bytes);
     }
 }

@@ -1274,9 +1274,12 @@ mod tests {
 
     #[test]
     fn frames_queued_under_a_cork_go_out_when_it_is_dropped() {
-        let (link, mut theirs, _rx, threads) = pair(1000);
+        // A minute between heartbeats: a heartbeat would also send what is queued, so every
+        // read below times out long before one could make the test pass without the cork's
+        // own flush.
+        let (link, mut theirs, _rx, threads) = pair(60_000);
         // A writer thread at work sends whatever is queued, corked or not: let it first go
-        // idle (its first heartbeat is a second away).
+        // idle.
         std::thread::sleep(Duration::from_millis(100));
         theirs
             .set_read_timeout(Some(Duration::from_millis(100)))
@@ -1298,7 +1301,7 @@ mod tests {
             );
         }
         theirs
-            .set_read_timeout(Some(Duration::from_secs(10)))
+            .set_read_timeout(Some(Duration::from_secs(3)))
             .unwrap();
         let rooms: Vec<u64> = (0..3)
             .map(|_| wire::read_frame_from(&mut theirs).unwrap().room)

@@ -547,7 +547,8 @@ impl Node {
     }
 
     /// Prefill: a buffer for a state of `len` bytes, to fill completely and pass to
-    /// [`Self::send`]; it comes back for later rooms once the room's bytes are sent.
+    /// [`Self::send`]; it comes back for later rooms once the room has ended and nothing
+    /// still sends from it.
     pub fn state_buffer(&self, len: usize) -> StateBuf {
         self.inner.buffers.take(len)
     }
