@@ -133,10 +133,13 @@ impl<B: Backend> Worker<B> {
     fn main_loop(&mut self) {
         loop {
             let batch = self.receive();
-            // Frames the node queues from here to the step (claims, ACKs, FAILs) go out
-            // together when it is dropped: a burst of claims is one write, not one each.
-            let cork = self.pd.is_some().then(crate::pd::link::Cork::hold);
+            // Frames the node queues while this handles what arrived (ACKs of rooms landed
+            // together, FAILs) go out together when the cork drops, and so do the claims of
+            // the requests admitted below: a burst is one write, not one each. Not held over
+            // the cache work between, which would delay them.
+            let cork = self.cork();
             self.handle(batch);
+            drop(cork);
             self.expire();
             if self.shutdown == Some(ShutdownMode::Abort) {
                 self.abort_all();
@@ -152,6 +155,7 @@ impl<B: Backend> Worker<B> {
             }
             self.cache.poll();
             self.finish_loads();
+            let cork = self.cork();
             self.admit();
             drop(cork);
             self.stalled = false;
@@ -165,6 +169,11 @@ impl<B: Backend> Worker<B> {
             }
             self.publish();
         }
+    }
+
+    /// A PD engine's [`crate::pd::link::Cork`] on the frames this thread queues.
+    fn cork(&self) -> Option<crate::pd::link::Cork> {
+        self.pd.is_some().then(crate::pd::link::Cork::hold)
     }
 
     /// Takes everything queued; blocks (until the next deadline, or until events are polled)
