@@ -459,6 +459,24 @@ mod x86 {
         (lo, hi)
     }
 
+    /// The 32 values at `p` as their even and odd elements (the order in which 16 packed FP4
+    /// bytes' low and high nibbles decode).
+    ///
+    /// # Safety
+    /// AVX-512F available; 32 readable f32s at `p`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn even_odd(p: *const f32) -> (__m512, __m512) {
+        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        // SAFETY: the caller guarantees 32 readable f32s at `p`.
+        let (x0, x1) = unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) };
+        (
+            _mm512_permutex2var_ps(x0, evens, x1),
+            _mm512_permutex2var_ps(x0, odds, x1),
+        )
+    }
+
     /// Dot products of `x` with four FP4 rows decoded in registers. The low nibbles of 16
     /// bytes are 16 even elements, the high ones the odd: `x` is split the same way
     /// (`vpermt2ps`), so no decoded value needs reordering.
@@ -477,8 +495,6 @@ mod x86 {
         }
         // SAFETY: E2M1 has 16 f32s.
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
-        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         let half = k / 2;
         let mut acc = [_mm512_setzero_ps(); 4];
         for b in 0..nb {
@@ -487,12 +503,7 @@ mod x86 {
             while c < ((b + 1) * block).min(k) {
                 // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2].
                 unsafe {
-                    let (x0, x1) = (
-                        _mm512_loadu_ps(x.as_ptr().add(c)),
-                        _mm512_loadu_ps(x.as_ptr().add(c + 16)),
-                    );
-                    let xe = _mm512_permutex2var_ps(x0, evens, x1);
-                    let xo = _mm512_permutex2var_ps(x0, odds, x1);
+                    let (xe, xo) = even_odd(x.as_ptr().add(c));
                     for (r, p) in part.iter_mut().enumerate() {
                         let (lo, hi) = fp4x32(rows.as_ptr().add(r * half + c / 2), table);
                         *p = _mm512_fmadd_ps(lo, xe, *p);
@@ -526,8 +537,6 @@ mod x86 {
         assert!(rows.len() >= 2 * k && exps.len() >= 4 * nb && k.is_multiple_of(32));
         // SAFETY: E2M1 has 16 f32s.
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
-        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         let mut acc = [_mm512_setzero_ps(); 4];
         let mut b = 0;
         while b < nb {
@@ -545,12 +554,7 @@ mod x86 {
                 let lane = _mm512_set1_epi32(j as i32);
                 // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2].
                 unsafe {
-                    let (x0, x1) = (
-                        _mm512_loadu_ps(x.as_ptr().add(c)),
-                        _mm512_loadu_ps(x.as_ptr().add(c + 16)),
-                    );
-                    let xe = _mm512_permutex2var_ps(x0, evens, x1);
-                    let xo = _mm512_permutex2var_ps(x0, odds, x1);
+                    let (xe, xo) = even_odd(x.as_ptr().add(c));
                     for (r, a) in acc.iter_mut().enumerate() {
                         let (lo, hi) = fp4x32(rows.as_ptr().add(r * half + c / 2), table);
                         let t = _mm512_fmadd_ps(lo, xe, _mm512_mul_ps(hi, xo));
