@@ -82,16 +82,10 @@ impl StateBuffers {
     }
 }
 
-impl StateBuf {
-    /// Bytes that go back to no pool (tests, and states not read by an engine).
-    pub fn detached(bytes: Vec<u8>) -> Self {
-        Self { bytes, home: None }
-    }
-}
-
+/// Bytes that go back to no pool (early pieces, tests).
 impl From<Vec<u8>> for StateBuf {
     fn from(bytes: Vec<u8>) -> Self {
-        Self::detached(bytes)
+        Self { bytes, home: None }
     }
 }
 
@@ -187,7 +181,7 @@ mod tests {
         assert_eq!(n, 2);
         assert!(bytes <= KEEP_BYTES);
         // Detached bytes go nowhere.
-        drop(StateBuf::detached(vec![1; 100]));
+        drop(StateBuf::from(vec![1; 100]));
         assert_eq!(pool.idle().0, 2);
     }
 

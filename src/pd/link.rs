@@ -55,8 +55,8 @@ thread_local! {
 
 /// While a cork is held, frames the holding thread queues on TCP links wait in their
 /// outboxes; when the last is dropped each such link writes what it has, consecutive control
-/// frames in one write. The decode's engine thread holds one while it handles what arrived
-/// and admits: the claims of requests admitted together (and the ACKs of rooms landed
+/// frames in one write. A PD engine's thread holds one while it handles what arrived and
+/// another while it admits: the claims of requests admitted together (and the ACKs of rooms landed
 /// together) then cost one system call, and one wake-up of the peer's reader, instead of one
 /// each — on loopback a `sendmsg` runs the peer's whole receive path. Other threads' frames
 /// are not held, and a writer thread already at work sends what is queued, corked or not.
