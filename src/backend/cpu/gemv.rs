@@ -86,6 +86,42 @@ pub(super) mod x86 {
     use half::bf16;
     use std::arch::x86_64::*;
 
+    /// How far past the next four rows the kernels that stream weight rows (and the FP8/FP4
+    /// row decoders) prefetch, in bytes.
+    const PREFETCH_LEAD: usize = 4096;
+
+    /// Four rows up to this many bytes are prefetched: the hardware prefetcher, which starts
+    /// again at every 4 KiB page, keeps too few lines in flight for rows that short (the
+    /// model's matrices of 256–1024 columns streamed at half the rate of an 8192 × 4096 one),
+    /// while longer rows are four pages streamed at once, which it handles, and prefetching
+    /// their next rows would only evict the current ones from L1.
+    const PREFETCH_CHUNK: usize = 8 << 10;
+
+    /// Where a kernel over the four rows at `rows` (`chunk` bytes) prefetches from, if it
+    /// does: the next four rows' bytes, [`PREFETCH_LEAD`] further on. Past a matrix's end it
+    /// points at whatever follows, which a prefetch may name (it never faults).
+    #[inline(always)]
+    pub(in crate::backend::cpu) fn prefetch_base(
+        rows: *const u8,
+        chunk: usize,
+    ) -> Option<*const u8> {
+        (chunk <= PREFETCH_CHUNK).then(|| rows.wrapping_add(chunk + PREFETCH_LEAD))
+    }
+
+    /// Prefetches `N` consecutive cache lines `at` bytes past `p` (if any) into L1: the
+    /// kernels call this once per step with the lines that step's share of the next rows
+    /// spans, so by the end of a call the next one's rows are all requested.
+    #[inline(always)]
+    pub(in crate::backend::cpu) fn prefetch_lines<const N: usize>(p: Option<*const u8>, at: usize) {
+        let Some(p) = p else { return };
+        let p = p.wrapping_add(at);
+        for i in 0..N {
+            // SAFETY: a prefetch is a hint that never faults and reads nothing the program
+            // sees, so any address will do.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * i).cast()) };
+        }
+    }
+
     /// Horizontal sums of four vectors.
     #[target_feature(enable = "avx512f")]
     pub(in crate::backend::cpu) fn reduce4_512(a: [__m512; 4]) -> [f32; 4] {
@@ -104,8 +140,11 @@ pub(super) mod x86 {
         let k = x.len();
         assert!(w.len() >= 4 * k);
         let mut acc = [_mm512_setzero_ps(); 4];
+        // A step reads 4 rows × 64 bytes: as many of the next rows' lines.
+        let ahead = prefetch_base(w.as_ptr().cast(), 16 * k);
         let mut i = 0;
         while i + 16 <= k {
+            prefetch_lines::<4>(ahead, 16 * i);
             // SAFETY: i + 16 <= k, and row r spans w[r·k .. (r+1)·k].
             unsafe {
                 let xv = _mm512_loadu_ps(x.as_ptr().add(i));
@@ -136,8 +175,11 @@ pub(super) mod x86 {
         let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        // A step reads 4 rows × 64 bytes: as many of the next rows' lines.
+        let ahead = prefetch_base(w.as_ptr().cast(), 8 * k);
         let mut i = 0;
         while i + 32 <= k {
+            prefetch_lines::<4>(ahead, 8 * i);
             // SAFETY: i + 32 <= k; a bf16 is a u16, 32 of them are one 512-bit load within row r.
             unsafe {
                 let (x0, x1) = (
@@ -199,15 +241,35 @@ pub(super) mod x86 {
     /// # Safety
     /// AVX-512F available; every input has `k` floats and `w` holds 4 rows of `k` values.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot4x4_avx512(x: [&[f32]; 4], w: super::Rows4, k: usize) -> [[f32; 4]; 4] {
+    pub unsafe fn dot4x4_avx512(
+        x: [&[f32]; 4],
+        w: super::Rows4,
+        k: usize,
+        prefetch: bool,
+    ) -> [[f32; 4]; 4] {
         assert!(x.iter().all(|xi| xi.len() >= k));
         assert!(match w {
             super::Rows4::F32(v) => v.len() >= 4 * k,
             super::Rows4::Bf16(v) => v.len() >= 4 * k,
         });
         let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        // A step reads 4 rows × 16 values: 4 lines of the next rows (f32), or 2 (bf16).
+        let (base, size): (*const u8, usize) = match w {
+            super::Rows4::F32(v) => (v.as_ptr().cast(), 4),
+            super::Rows4::Bf16(v) => (v.as_ptr().cast(), 2),
+        };
+        let ahead = if prefetch {
+            prefetch_base(base, 4 * k * size)
+        } else {
+            None
+        };
         let mut i = 0;
         while i + 16 <= k {
+            if size == 4 {
+                prefetch_lines::<4>(ahead, 16 * i);
+            } else {
+                prefetch_lines::<2>(ahead, 8 * i);
+            }
             // SAFETY: i + 16 <= k for every load; the bounds are asserted above.
             unsafe {
                 let wv = [
@@ -337,7 +399,8 @@ pub(super) fn attention_scores(
                     &q[(h0 + 3) * dim..(h0 + 4) * dim],
                 ];
                 // SAFETY: AVX-512F was detected; each head has `dim` floats, `quad` 4 rows of dim.
-                let d = unsafe { x86::dot4x4_avx512(four, quad, dim) };
+                // The next keys are prefetched once, with the first heads.
+                let d = unsafe { x86::dot4x4_avx512(four, quad, dim, h0 == 0 && take == 4) };
                 for (t, row) in d.iter().enumerate() {
                     out[(h0 + t) * n + j0..(h0 + t) * n + j0 + take].copy_from_slice(&row[..take]);
                 }
@@ -476,7 +539,11 @@ pub(super) fn gemv_into(
                     while ri + 4 <= rows {
                         let four = [inputs[ri], inputs[ri + 1], inputs[ri + 2], inputs[ri + 3]];
                         // SAFETY: AVX-512F was detected; inputs have k floats, `quad` 4 rows of k.
-                        let d = unsafe { x86::dot4x4_avx512(four, quad, k) };
+                        // The matrix's next rows are prefetched once, with the first inputs
+                        // (not for rows decoded into a buffer).
+                        let stream =
+                            ri == 0 && take == 4 && !matches!(w.data, MatrixData::Native(_));
+                        let d = unsafe { x86::dot4x4_avx512(four, quad, k, stream) };
                         for (n, row) in d.iter().enumerate() {
                             for (t, &value) in row.iter().enumerate().take(take) {
                                 out[(j - start + t) * rows + ri + n] = value;
@@ -523,7 +590,7 @@ mod tests {
             for quad in [Rows4::F32(&w), Rows4::Bf16(&w16)] {
                 let four = [&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]];
                 // SAFETY: AVX-512F was detected; the slices have the sizes the kernel needs.
-                let got = unsafe { x86::dot4x4_avx512(four, quad, k) };
+                let got = unsafe { x86::dot4x4_avx512(four, quad, k, true) };
                 for n in 0..4 {
                     let expected = dot4_portable(&xs[n], quad);
                     for r in 0..4 {

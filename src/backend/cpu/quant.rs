@@ -269,6 +269,7 @@ fn scale_of(e: u8) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::gemv::x86::{prefetch_base, prefetch_lines};
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
@@ -372,8 +373,13 @@ mod x86 {
     pub unsafe fn fp8_row_avx512(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
         assert!(row.len() == out.len() && row.len().is_multiple_of(16));
         assert!(exponents.len() >= row.len().div_ceil(block));
+        // Rows are decoded four at a time: the row four further on, a line per 64 bytes.
+        let ahead = prefetch_base(row.as_ptr(), 4 * row.len());
         let mut c = 0;
         while c < row.len() {
+            if c % 64 == 0 {
+                prefetch_lines::<1>(ahead, c);
+            }
             let s = _mm512_set1_ps(super::scale_of(exponents[c / block]) * 256.0);
             // SAFETY: c + 16 <= len for both slices (lengths asserted, c steps by 16).
             unsafe {
@@ -424,10 +430,13 @@ mod x86 {
         let nb = k.div_ceil(block);
         assert!(rows.len() >= 4 * k && exps.len() >= 4 * nb && k.is_multiple_of(16));
         let mut acc = [_mm512_setzero_ps(); 4];
+        // A step reads 4 rows × 16 bytes: one line of the next rows.
+        let ahead = prefetch_base(rows.as_ptr(), 4 * k);
         for b in 0..nb {
             let mut part = [_mm512_setzero_ps(); 4];
             let mut c = b * block;
             while c < ((b + 1) * block).min(k) {
+                prefetch_lines::<1>(ahead, 4 * c);
                 // SAFETY: c + 16 <= k; row r spans rows[r·k .. (r+1)·k].
                 unsafe {
                     let xv = _mm512_loadu_ps(x.as_ptr().add(c));
@@ -497,10 +506,13 @@ mod x86 {
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
         let half = k / 2;
         let mut acc = [_mm512_setzero_ps(); 4];
+        // A step reads 4 rows × 16 bytes: one line of the next rows.
+        let ahead = prefetch_base(rows.as_ptr(), 2 * k);
         for b in 0..nb {
             let mut part = [_mm512_setzero_ps(); 4];
             let mut c = b * block;
             while c < ((b + 1) * block).min(k) {
+                prefetch_lines::<1>(ahead, 2 * c);
                 // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2].
                 unsafe {
                     let (xe, xo) = even_odd(x.as_ptr().add(c));
@@ -538,6 +550,8 @@ mod x86 {
         // SAFETY: E2M1 has 16 f32s.
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
         let mut acc = [_mm512_setzero_ps(); 4];
+        // A step reads 4 rows × 16 bytes: one line of the next rows.
+        let ahead = prefetch_base(rows.as_ptr(), 2 * k);
         let mut b = 0;
         while b < nb {
             let n = (nb - b).min(16);
@@ -551,6 +565,7 @@ mod x86 {
             }
             for j in 0..n {
                 let c = (b + j) * 32;
+                prefetch_lines::<1>(ahead, 2 * c);
                 let lane = _mm512_set1_epi32(j as i32);
                 // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2].
                 unsafe {
@@ -581,8 +596,13 @@ mod x86 {
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
         let even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
         let odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        // Rows are decoded four at a time: the row four further on, a line per 64 bytes.
+        let ahead = prefetch_base(row.as_ptr(), 4 * row.len());
         let mut c = 0;
         while c < out.len() {
+            if c % 128 == 0 {
+                prefetch_lines::<1>(ahead, c / 2);
+            }
             let s = _mm512_set1_ps(super::scale_of(exponents[c / block]));
             // SAFETY: the 16 bytes at c / 2 and the 32 floats at c are in bounds (lengths
             // asserted, c steps by 32).
