@@ -152,12 +152,19 @@ DSV4_STRESS_SECONDS ?= 60
 stress: deps
 	DSV4_STRESS_SECONDS=$(DSV4_STRESS_SECONDS) $(CARGO) test --test engine_books -- --ignored --nocapture
 
-# Forward-pass speed against transformers on the same weights (needs torch + transformers 5.23.0
-# in $(PYTHON) for the comparison; without them dsv4's numbers alone).
-PYTHON ?= python3
+# Forward-pass speed against transformers on the same weights. torch + transformers 5.23.0 go
+# into .venv-bench first (scripts/bench_venv.sh; a few GB, once); where pip cannot install them,
+# or with BENCH_PYTHON=python3, dsv4's numbers alone (the script says why).
+BENCH_VENV   := $(CURDIR)/.venv-bench
+BENCH_PYTHON ?=
 bench-forward: deps
 	$(CARGO) build --release --example bench_forward
-	$(PYTHON) scripts/bench_forward.py
+	@py="$(BENCH_PYTHON)"; \
+	if [ -z "$$py" ]; then \
+	    if ./scripts/bench_venv.sh $(BENCH_VENV); then py=$(BENCH_VENV)/bin/python; \
+	    else echo "bench-forward: could not install torch/transformers; dsv4 alone"; py=python3; fi; \
+	fi; \
+	$$py scripts/bench_forward.py
 
 # Prefix-cache match/insert vs memcmp on a 1.2M-token tree, page alloc/free rate.
 bench-radix: deps
