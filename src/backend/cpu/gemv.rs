@@ -47,15 +47,16 @@ pub(super) enum Rows4<'a> {
     Bf16(&'a [bf16]),
 }
 
-/// The dot products of `x` with four consecutive weight rows of length `x.len()`.
-fn dot4(level: Simd, x: &[f32], w: Rows4) -> [f32; 4] {
+/// The dot products of `x` with four consecutive weight rows of length `x.len()`;
+/// `prefetch`: `w` lies in a matrix whose next rows follow it (not a padded or decoded buffer).
+fn dot4(level: Simd, x: &[f32], w: Rows4, prefetch: bool) -> [f32; 4] {
     match (level, w) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F was detected at run time; the slices hold 4 rows of x.len().
-        (Simd::Avx512, Rows4::F32(w)) => unsafe { x86::dot4_f32_avx512(x, w) },
+        (Simd::Avx512, Rows4::F32(w)) => unsafe { x86::dot4_f32_avx512(x, w, prefetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Simd::Avx512, Rows4::Bf16(w)) => unsafe { x86::dot4_bf16_avx512(x, w) },
+        (Simd::Avx512, Rows4::Bf16(w)) => unsafe { x86::dot4_bf16_avx512(x, w, prefetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 and FMA were detected at run time; the slice holds 4 rows of x.len().
         (Simd::Avx2, Rows4::F32(w)) => unsafe { x86::dot4_f32_avx2(x, w) },
@@ -109,8 +110,9 @@ pub(super) mod x86 {
     }
 
     /// Prefetches `N` consecutive cache lines `at` bytes past `p` (if any) into L1: the
-    /// kernels call this once per step with the lines that step's share of the next rows
-    /// spans, so by the end of a call the next one's rows are all requested.
+    /// kernels call this once per step with that step's share of the next four rows'
+    /// bytes [`PREFETCH_LEAD`] further on, so in a stream of calls every call's rows were
+    /// requested by the calls before it.
     #[inline(always)]
     pub(in crate::backend::cpu) fn prefetch_lines<const N: usize>(p: Option<*const u8>, at: usize) {
         let Some(p) = p else { return };
@@ -136,12 +138,12 @@ pub(super) mod x86 {
     /// # Safety
     /// AVX-512F available; `w` holds 4 rows of `x.len()` floats.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot4_f32_avx512(x: &[f32], w: &[f32]) -> [f32; 4] {
+    pub unsafe fn dot4_f32_avx512(x: &[f32], w: &[f32], prefetch: bool) -> [f32; 4] {
         let k = x.len();
         assert!(w.len() >= 4 * k);
         let mut acc = [_mm512_setzero_ps(); 4];
         // A step reads 4 rows × 64 bytes: as many of the next rows' lines.
-        let ahead = prefetch_base(w.as_ptr().cast(), 16 * k);
+        let ahead = prefetch_base(w.as_ptr().cast(), 16 * k).filter(|_| prefetch);
         let mut i = 0;
         while i + 16 <= k {
             prefetch_lines::<4>(ahead, 16 * i);
@@ -164,7 +166,7 @@ pub(super) mod x86 {
     /// # Safety
     /// AVX-512F available; `w` holds 4 rows of `x.len()` bf16 values.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot4_bf16_avx512(x: &[f32], w: &[bf16]) -> [f32; 4] {
+    pub unsafe fn dot4_bf16_avx512(x: &[f32], w: &[bf16], prefetch: bool) -> [f32; 4] {
         let k = x.len();
         assert!(w.len() >= 4 * k);
         let mut acc = [_mm512_setzero_ps(); 4];
@@ -176,7 +178,7 @@ pub(super) mod x86 {
         let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
         // A step reads 4 rows × 64 bytes: as many of the next rows' lines.
-        let ahead = prefetch_base(w.as_ptr().cast(), 8 * k);
+        let ahead = prefetch_base(w.as_ptr().cast(), 8 * k).filter(|_| prefetch);
         let mut i = 0;
         while i + 32 <= k {
             prefetch_lines::<4>(ahead, 8 * i);
@@ -199,6 +201,7 @@ pub(super) mod x86 {
             i += 32;
         }
         while i + 16 <= k {
+            prefetch_lines::<2>(ahead, 8 * i);
             // SAFETY: i + 16 <= k; a bf16 is a u16, 16 of them are one 256-bit load within row r.
             unsafe {
                 let xv = _mm512_loadu_ps(x.as_ptr().add(i));
@@ -258,11 +261,7 @@ pub(super) mod x86 {
             super::Rows4::F32(v) => (v.as_ptr().cast(), 4),
             super::Rows4::Bf16(v) => (v.as_ptr().cast(), 2),
         };
-        let ahead = if prefetch {
-            prefetch_base(base, 4 * k * size)
-        } else {
-            None
-        };
+        let ahead = prefetch_base(base, 4 * k * size).filter(|_| prefetch);
         let mut i = 0;
         while i + 16 <= k {
             if size == 4 {
@@ -534,16 +533,16 @@ pub(super) fn gemv_into(
                     j += take;
                     continue;
                 }
+                // The matrix's next rows are prefetched once, with the first inputs (not
+                // after a padded quad or rows decoded into a buffer).
+                let stream = take == 4 && !matches!(w.data, MatrixData::Native(_));
                 #[cfg(target_arch = "x86_64")]
                 if level == Simd::Avx512 {
                     while ri + 4 <= rows {
                         let four = [inputs[ri], inputs[ri + 1], inputs[ri + 2], inputs[ri + 3]];
+                        let first = ri == 0;
                         // SAFETY: AVX-512F was detected; inputs have k floats, `quad` 4 rows of k.
-                        // The matrix's next rows are prefetched once, with the first inputs
-                        // (not for rows decoded into a buffer).
-                        let stream =
-                            ri == 0 && take == 4 && !matches!(w.data, MatrixData::Native(_));
-                        let d = unsafe { x86::dot4x4_avx512(four, quad, k, stream) };
+                        let d = unsafe { x86::dot4x4_avx512(four, quad, k, stream && first) };
                         for (n, row) in d.iter().enumerate() {
                             for (t, &value) in row.iter().enumerate().take(take) {
                                 out[(j - start + t) * rows + ri + n] = value;
@@ -553,7 +552,7 @@ pub(super) fn gemv_into(
                     }
                 }
                 for (ri, xi) in inputs.iter().enumerate().skip(ri) {
-                    let d = dot4(level, xi, quad);
+                    let d = dot4(level, xi, quad, stream && ri == 0);
                     for (t, &value) in d.iter().enumerate().take(take) {
                         out[(j - start + t) * rows + ri] = value;
                     }
@@ -637,9 +636,9 @@ mod tests {
                 let e32 = exact(&|i| w[i]);
                 let e16 = exact(&|i| w16[i].to_f32());
                 for level in [simd(), Simd::Portable] {
-                    let got = dot4(level, &x, Rows4::F32(&w))[r];
+                    let got = dot4(level, &x, Rows4::F32(&w), true)[r];
                     assert!((f64::from(got) - e32).abs() < 1e-3, "{level:?} f32 k={k}");
-                    let got = dot4(level, &x, Rows4::Bf16(&w16))[r];
+                    let got = dot4(level, &x, Rows4::Bf16(&w16), true)[r];
                     assert!((f64::from(got) - e16).abs() < 1e-3, "{level:?} bf16 k={k}");
                 }
             }

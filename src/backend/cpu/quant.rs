@@ -373,7 +373,8 @@ mod x86 {
     pub unsafe fn fp8_row_avx512(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
         assert!(row.len() == out.len() && row.len().is_multiple_of(16));
         assert!(exponents.len() >= row.len().div_ceil(block));
-        // Rows are decoded four at a time: the row four further on, a line per 64 bytes.
+        // Callers decode consecutive rows (gemv four at a time, gemm a block): the row four
+        // further on, `PREFETCH_LEAD` past it, a line per 64 bytes (wasted for an embedding row).
         let ahead = prefetch_base(row.as_ptr(), 4 * row.len());
         let mut c = 0;
         while c < row.len() {
@@ -596,7 +597,8 @@ mod x86 {
         let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
         let even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
         let odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-        // Rows are decoded four at a time: the row four further on, a line per 64 bytes.
+        // Callers decode consecutive rows (gemv four at a time, gemm a block): the row four
+        // further on, `PREFETCH_LEAD` past it, a line per 64 bytes (wasted for an embedding row).
         let ahead = prefetch_base(row.as_ptr(), 4 * row.len());
         let mut c = 0;
         while c < out.len() {
