@@ -540,9 +540,8 @@ pub(super) fn gemv_into(
                 if level == Simd::Avx512 {
                     while ri + 4 <= rows {
                         let four = [inputs[ri], inputs[ri + 1], inputs[ri + 2], inputs[ri + 3]];
-                        let first = ri == 0;
                         // SAFETY: AVX-512F was detected; inputs have k floats, `quad` 4 rows of k.
-                        let d = unsafe { x86::dot4x4_avx512(four, quad, k, stream && first) };
+                        let d = unsafe { x86::dot4x4_avx512(four, quad, k, stream && ri == 0) };
                         for (n, row) in d.iter().enumerate() {
                             for (t, &value) in row.iter().enumerate().take(take) {
                                 out[(j - start + t) * rows + ri + n] = value;
