@@ -232,6 +232,92 @@ impl Native {
     }
 }
 
+impl Native {
+    /// Whether [`Self::dot_rows`] has a kernel for rows `cols` wide on this CPU.
+    pub(crate) fn pairs(&self, cols: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_avx512() {
+            return matches!(self, Native::Fp8 { block, .. }
+                if block.is_multiple_of(16) && cols.is_multiple_of(16));
+        }
+        let _ = cols;
+        false
+    }
+
+    /// Dot products of every input (`cols` wide) with rows `j0..j1` (an even count):
+    /// `out[(j - j0) · inputs + input]`. Each row is decoded in registers once for up to eight
+    /// inputs, two rows at a time. `None` where [`Self::pairs`] is false (the caller decodes
+    /// rows instead).
+    pub(crate) fn dot_rows(
+        &self,
+        cols: usize,
+        (j0, j1): (usize, usize),
+        inputs: &[&[f32]],
+        out: &mut [f32],
+    ) -> Option<()> {
+        #[cfg(target_arch = "x86_64")]
+        if let Native::Fp8 {
+            values,
+            exponents,
+            block,
+            nan_free,
+        } = self
+        {
+            let n = inputs.len();
+            if !self.pairs(cols) || !(j1 - j0).is_multiple_of(2) || out.len() < (j1 - j0) * n {
+                return None;
+            }
+            if inputs.iter().any(|x| x.len() < cols) {
+                return None;
+            }
+            let nb = cols.div_ceil(*block);
+            values.get(j0 * cols..j1 * cols)?;
+            exponents.get(j0 * nb..j1 * nb)?;
+            for j in (j0..j1).step_by(2) {
+                let rows = &values[j * cols..(j + 2) * cols];
+                let exps = &exponents[j * nb..(j + 2) * nb];
+                let (first, second) = out[(j - j0) * n..(j + 2 - j0) * n].split_at_mut(n);
+                for (c, x) in inputs.chunks(8).enumerate() {
+                    let mut put = |v: &[[f32; 2]]| {
+                        for (i, d) in v.iter().enumerate() {
+                            first[8 * c + i] = d[0];
+                            second[8 * c + i] = d[1];
+                        }
+                    };
+                    // SAFETY (every arm): AVX-512F/AVX2/F16C detected (`pairs`); each input
+                    // holds `cols` floats, `rows` two rows of `cols` bytes and `exps` their
+                    // `nb` exponents each; `cols` and `block` are multiples of 16 (`pairs`).
+                    macro_rules! run {
+                        ($n:literal) => {{
+                            let x: [&[f32]; $n] = x.try_into().expect("a chunk of this size");
+                            put(&unsafe {
+                                if *nan_free {
+                                    x86::dot2xn_fp8_avx512::<$n, false>(x, cols, rows, exps, *block)
+                                } else {
+                                    x86::dot2xn_fp8_avx512::<$n, true>(x, cols, rows, exps, *block)
+                                }
+                            })
+                        }};
+                    }
+                    match x.len() {
+                        1 => run!(1),
+                        2 => run!(2),
+                        3 => run!(3),
+                        4 => run!(4),
+                        5 => run!(5),
+                        6 => run!(6),
+                        7 => run!(7),
+                        _ => run!(8),
+                    }
+                }
+            }
+            return Some(());
+        }
+        let _ = (cols, j0, j1, inputs, out);
+        None
+    }
+}
+
 /// The decoders this CPU has, best last.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Level {
@@ -454,6 +540,55 @@ mod x86 {
             }
         }
         super::super::gemv::x86::reduce4_512(acc)
+    }
+
+    /// Dot products of `N` inputs with two FP8 rows (`k` columns each, back to back in
+    /// `rows`): `out[input][row]`. Each 16 columns of a row are decoded in registers and scaled
+    /// once for all `N` inputs (a batch's decode step) instead of being written to a buffer and
+    /// read back. Scaling by a power of two is exact and the sums are formed in the order the
+    /// decoded-row kernel (`dot4x4_avx512`) forms them, so the results are bit for bit its.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2 and F16C available; every input holds `k` floats (a multiple of 16),
+    /// `rows` 2 rows of `k` bytes, `exps` 2 rows of `k.div_ceil(block)`, `block` a multiple
+    /// of 16.
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn dot2xn_fp8_avx512<const N: usize, const NAN: bool>(
+        x: [&[f32]; N],
+        k: usize,
+        rows: &[u8],
+        exps: &[u8],
+        block: usize,
+    ) -> [[f32; 2]; N] {
+        let nb = k.div_ceil(block);
+        assert!(x.iter().all(|xi| xi.len() >= k));
+        assert!(rows.len() >= 2 * k && exps.len() >= 2 * nb);
+        assert!(k.is_multiple_of(16) && block.is_multiple_of(16));
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        // Two steps read 2 rows × 32 bytes: one line of the next pair of rows.
+        let ahead = prefetch_base(rows.as_ptr(), 2 * k);
+        for b in 0..nb {
+            let s0 = _mm512_set1_ps(super::scale_of(exps[b]) * 256.0);
+            let s1 = _mm512_set1_ps(super::scale_of(exps[nb + b]) * 256.0);
+            let mut c = b * block;
+            while c < ((b + 1) * block).min(k) {
+                if c.is_multiple_of(32) {
+                    prefetch_lines::<1>(ahead, 2 * c);
+                }
+                // SAFETY: c + 16 <= k; row r spans rows[r·k .. (r+1)·k], input i x[i][..k].
+                unsafe {
+                    let w0 = _mm512_mul_ps(fp8x16::<NAN>(rows.as_ptr().add(c)), s0);
+                    let w1 = _mm512_mul_ps(fp8x16::<NAN>(rows.as_ptr().add(k + c)), s1);
+                    for (xi, a) in x.iter().zip(acc.iter_mut()) {
+                        let xv = _mm512_loadu_ps(xi.as_ptr().add(c));
+                        a[0] = _mm512_fmadd_ps(xv, w0, a[0]);
+                        a[1] = _mm512_fmadd_ps(xv, w1, a[1]);
+                    }
+                }
+                c += 16;
+            }
+        }
+        acc.map(|a| [_mm512_reduce_add_ps(a[0]), _mm512_reduce_add_ps(a[1])])
     }
 
     /// Sixteen packed FP4 bytes at `p` as f32 through `table` (E2M1): the low nibbles (16
@@ -730,7 +865,8 @@ mod tests {
                 (MatrixData::Native(_), 1) | (MatrixData::Stacked(_), 2)
             ));
             let m: CpuMatrix = m;
-            for rows in [1, 5, 16, 40] {
+            // 4 and 5 inputs: the paired FP8 kernel; 9 and 16: rows decoded into a buffer.
+            for rows in [1, 4, 5, 9, 16, 40] {
                 let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
                 let mut y = vec![0.0f32; rows * out];
                 if rows <= super::super::gemv::MAX_ROWS {
@@ -753,6 +889,64 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The paired FP8 kernel gives bit for bit what the kernel over decoded rows gives, for
+    /// every number of inputs it takes at once.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn paired_fp8_products_equal_the_decoded_row_kernel() {
+        let (out, k) = (4, 384);
+        let fp8: Vec<u8> = (0..out * k)
+            .map(|i| (i * 97 % 256) as u8)
+            .map(|b| if b & 0x7f == 0x7f { 0x41 } else { b })
+            .collect();
+        let scales: Vec<f32> = (0..3).map(|i| 2f32.powi(i - 1)).collect();
+        let w = WeightData::whole(
+            WeightFormat::Fp8E4m3 { block: [128, 128] },
+            &fp8,
+            scales,
+            out,
+            k,
+        );
+        let native = Native::of(&w).unwrap();
+        if !native.pairs(k) {
+            println!("skipped: no AVX-512 on this CPU, so there is no paired kernel to compare");
+            return;
+        }
+        let mut decoded = vec![0.0f32; out * k];
+        for (r, row) in decoded.chunks_exact_mut(k).enumerate() {
+            native.decode_row(k, r, row);
+        }
+        let xs: Vec<Vec<f32>> = (0..12)
+            .map(|n| {
+                (0..k)
+                    .map(|i| ((i * 3 + n * 11) as f32 * 0.21).cos())
+                    .collect()
+            })
+            .collect();
+        for n in 1..=xs.len() {
+            let inputs: Vec<&[f32]> = xs[..n].iter().map(Vec::as_slice).collect();
+            let mut got = vec![0.0f32; 2 * n];
+            native.dot_rows(k, (2, 4), &inputs, &mut got).unwrap();
+            for i in 0..n {
+                let g = [got[i], got[n + i]];
+                let four = [inputs[i], inputs[i], inputs[i], inputs[i]];
+                let quad = super::super::gemv::Rows4::F32(&decoded);
+                // SAFETY: `pairs` found AVX-512F; each input and decoded row has k floats.
+                let want = unsafe { super::super::gemv::x86::dot4x4_avx512(four, quad, k, false) };
+                assert_eq!(
+                    g[0].to_bits(),
+                    want[0][2].to_bits(),
+                    "{n} inputs, input {i}"
+                );
+                assert_eq!(
+                    g[1].to_bits(),
+                    want[0][3].to_bits(),
+                    "{n} inputs, input {i}"
+                );
             }
         }
     }
