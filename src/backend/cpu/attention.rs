@@ -1,8 +1,6 @@
 //! Per-sequence attention state and attention itself: compressor frontiers, the window ring,
 //! the lightning indexer and windowed + compressed attention with sinks.
 
-use std::ops::Range;
-
 use rayon::prelude::*;
 
 use super::{gemm, gemv, pool, CpuBackend, CpuTensor};
@@ -208,10 +206,10 @@ fn attention_tiled(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTensor, 
 /// keys (the others weigh exactly 0); the weighted sum in one product. Where the queries'
 /// selections share so few rows that the union is more than twice a query's own keys, each
 /// query is attended alone instead.
-fn attend_tile(a: &AttentionArgs<'_, CpuBackend>, tile: Range<usize>, o: &mut [f32]) {
+fn attend_tile(a: &AttentionArgs<'_, CpuBackend>, tile: std::ops::Range<usize>, o: &mut [f32]) {
     let (heads, hd) = (a.heads, a.head_dim);
     let width = heads * hd;
-    let (q, sinks) = (&a.q.0, &a.sinks.0);
+    let (q, kv, sinks) = (&a.q.0, &a.kv.0, &a.sinks.0);
     let t = tile.len();
     let pos = |i: usize| a.start_pos + i;
     let first = |i: usize| (pos(i) + 1).saturating_sub(a.window);
@@ -242,7 +240,14 @@ fn attend_tile(a: &AttentionArgs<'_, CpuBackend>, tile: Range<usize>, o: &mut [f
         return;
     }
     let mut keys: Vec<f32> = Vec::with_capacity((w1 - w0 + comp_rows.len()) * hd);
-    push_window(a, w0..w1, &mut keys);
+    for p in w0..w1 {
+        if p < a.start_pos {
+            pool::push_row(&a.ring, p, &mut keys);
+        } else {
+            let rr = a.rows.start + (p - a.start_pos);
+            keys.extend_from_slice(&kv[rr * hd..(rr + 1) * hd]);
+        }
+    }
     if let Some(comp) = &a.compressed {
         for &s in &comp_rows {
             pool::push_row(comp, s, &mut keys);
@@ -296,30 +301,23 @@ fn attend_tile(a: &AttentionArgs<'_, CpuBackend>, tile: Range<usize>, o: &mut [f
     gemm::weighted_sum(&scores, t * heads, n, &keys, hd, o);
 }
 
-/// The K=V rows of window positions `positions`, in order: from the ring before this step's
-/// first position, from the step's own rows after it.
-fn push_window(a: &AttentionArgs<'_, CpuBackend>, positions: Range<usize>, keys: &mut Vec<f32>) {
-    let hd = a.head_dim;
-    for p in positions {
-        if p < a.start_pos {
-            pool::push_row(&a.ring, p, keys);
-        } else {
-            let rr = a.rows.start + (p - a.start_pos);
-            keys.extend_from_slice(&a.kv.0[rr * hd..(rr + 1) * hd]);
-        }
-    }
-}
-
 fn attend_query(a: &AttentionArgs<'_, CpuBackend>, i: usize, o: &mut [f32]) {
     let (heads, hd) = (a.heads, a.head_dim);
     let width = heads * hd;
-    let (q, sinks) = (&a.q.0, &a.sinks.0);
+    let (q, kv, sinks) = (&a.q.0, &a.kv.0, &a.sinks.0);
     let pos = a.start_pos + i;
     let r = a.rows.start + i;
     let mut keys: Vec<f32> = Vec::with_capacity((a.window + 64) * hd);
     // Window keys in position order, then compressed rows in index order.
     let first = (pos + 1).saturating_sub(a.window);
-    push_window(a, first..pos + 1, &mut keys);
+    for p in first..=pos {
+        if p < a.start_pos {
+            pool::push_row(&a.ring, p, &mut keys);
+        } else {
+            let rr = a.rows.start + (p - a.start_pos);
+            keys.extend_from_slice(&kv[rr * hd..(rr + 1) * hd]);
+        }
+    }
     if let Some(comp) = &a.compressed {
         match a.selection {
             Some((sel, k)) => {
