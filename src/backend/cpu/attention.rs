@@ -138,16 +138,9 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
     (out, k)
 }
 
-/// Queries of one sequence attended together (a prefill's): their keys are gathered once and
-/// both products run as GEMMs over the tile, each query masked to its own keys.
-const TILE: usize = 16;
-
 pub(super) fn attention(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTensor) {
     let Some(first) = seqs.first() else { return };
     let width = first.heads * first.head_dim;
-    if seqs.iter().any(|a| a.rows.len() > 1) {
-        return attention_tiled(seqs, out, width);
-    }
     // Which sequence (and which of its tokens) each batch row belongs to.
     let mut owner: Vec<Option<(usize, usize)>> = vec![None; out.0.len() / width.max(1)];
     for (s, a) in seqs.iter().enumerate() {
@@ -166,139 +159,6 @@ pub(super) fn attention(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTen
                 attend_query(&seqs[s], i, o);
             }
         });
-}
-
-/// [`attention`] with each sequence's queries in tiles of [`TILE`] (one query alone where a
-/// sequence has one row, as in decode).
-fn attention_tiled(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTensor, width: usize) {
-    // (sequence, first query, end) per tile, in row order, each with its output rows.
-    let mut tiles: Vec<(usize, usize, usize)> = Vec::new();
-    for (s, a) in seqs.iter().enumerate() {
-        for i0 in (0..a.rows.len()).step_by(TILE) {
-            tiles.push((s, i0, (i0 + TILE).min(a.rows.len())));
-        }
-    }
-    tiles.sort_by_key(|&(s, i0, _)| seqs[s].rows.start + i0);
-    let mut rest: &mut [f32] = &mut out.0;
-    let mut at = 0;
-    let mut work = Vec::with_capacity(tiles.len());
-    for (s, i0, i1) in tiles {
-        let r0 = seqs[s].rows.start + i0;
-        let skip = std::mem::take(&mut rest).split_at_mut((r0 - at) * width).1;
-        let (o, tail) = skip.split_at_mut((i1 - i0) * width);
-        rest = tail;
-        at = r0 + (i1 - i0);
-        work.push((s, i0, i1, o));
-    }
-    work.into_par_iter().for_each(|(s, i0, i1, o)| {
-        if i1 - i0 == 1 {
-            attend_query(&seqs[s], i0, o);
-        } else {
-            attend_tile(&seqs[s], i0..i1, o);
-        }
-    });
-}
-
-/// Queries `tile` of one sequence: the union of their keys (window positions from the first
-/// query's window start to the last query, then the compressed rows any of them sees, in index
-/// order: the order each query alone takes its own keys in) gathered once; scores for every
-/// (query, head) against all of them in one product; each query's softmax over only its own
-/// keys (the others weigh exactly 0); the weighted sum in one product. Where the queries'
-/// selections share so few rows that the union is more than twice a query's own keys, each
-/// query is attended alone instead.
-fn attend_tile(a: &AttentionArgs<'_, CpuBackend>, tile: std::ops::Range<usize>, o: &mut [f32]) {
-    let (heads, hd) = (a.heads, a.head_dim);
-    let width = heads * hd;
-    let (q, kv, sinks) = (&a.q.0, &a.kv.0, &a.sinks.0);
-    let t = tile.len();
-    let pos = |i: usize| a.start_pos + i;
-    let first = |i: usize| (pos(i) + 1).saturating_sub(a.window);
-    // Window positions first(tile.start)..=pos(tile.end - 1).
-    let (w0, w1) = (first(tile.start), pos(tile.end - 1) + 1);
-    // Compressed rows: the sorted union of the selections, or every row the last query sees.
-    let mut comp_rows: Vec<usize> = Vec::new();
-    let mut own_max = 0;
-    if let Some(comp) = &a.compressed {
-        match a.selection {
-            Some((sel, k)) => {
-                for i in tile.clone() {
-                    let chosen = sel.0[i * k..(i + 1) * k].iter().filter(|&&s| s >= 0);
-                    own_max = own_max.max(chosen.clone().count());
-                    comp_rows.extend(chosen.map(|&s| s as usize));
-                }
-                comp_rows.sort_unstable();
-                comp_rows.dedup();
-            }
-            None => comp_rows.extend(0..visible_rows(pos(tile.end - 1), a.ratio, comp.count)),
-        }
-    }
-    let own = a.window.min(w1 - w0) + own_max;
-    if a.selection.is_some() && (w1 - w0) + comp_rows.len() > 2 * own.max(1) {
-        for (i, o) in tile.zip(o.chunks_mut(width)) {
-            attend_query(a, i, o);
-        }
-        return;
-    }
-    let mut keys: Vec<f32> = Vec::with_capacity((w1 - w0 + comp_rows.len()) * hd);
-    for p in w0..w1 {
-        if p < a.start_pos {
-            pool::push_row(&a.ring, p, &mut keys);
-        } else {
-            let rr = a.rows.start + (p - a.start_pos);
-            keys.extend_from_slice(&kv[rr * hd..(rr + 1) * hd]);
-        }
-    }
-    if let Some(comp) = &a.compressed {
-        for &s in &comp_rows {
-            pool::push_row(comp, s, &mut keys);
-        }
-    }
-    let n = keys.len() / hd;
-    let n_win = w1 - w0;
-    // [t·heads, n]: query i's head h is row (i − tile.start)·heads + h (the queries' rows are
-    // contiguous, heads within a row).
-    let qs = &q[(a.rows.start + tile.start) * width..(a.rows.start + tile.end) * width];
-    let mut scores = vec![0.0f32; t * heads * n];
-    gemm::product(qs, t * heads, hd, &keys, n, &mut scores);
-    let mut visible = vec![false; n];
-    for (ti, i) in tile.clone().enumerate() {
-        // Which of the tile's keys this query sees.
-        visible.fill(false);
-        visible[first(i) - w0..=pos(i) - w0].fill(true);
-        match a.selection {
-            Some((sel, k)) => {
-                for &s in sel.0[i * k..(i + 1) * k].iter().filter(|&&s| s >= 0) {
-                    let at = comp_rows
-                        .binary_search(&(s as usize))
-                        .expect("in the union");
-                    visible[n_win + at] = true;
-                }
-            }
-            None => {
-                let seen = a
-                    .compressed
-                    .as_ref()
-                    .map_or(0, |c| visible_rows(pos(i), a.ratio, c.count));
-                visible[n_win..n_win + seen].fill(true);
-            }
-        }
-        let rows = &mut scores[ti * heads * n..(ti + 1) * heads * n];
-        // Softmax per head with the sink logit in the denominator only.
-        for (h, row) in rows.chunks_mut(n).enumerate() {
-            let max = row
-                .iter()
-                .zip(&visible)
-                .filter(|(_, &v)| v)
-                .fold(sinks[h], |m, (&s, _)| m.max(s * a.scale));
-            let mut den = (sinks[h] - max).exp();
-            for (s, &v) in row.iter_mut().zip(&visible) {
-                *s = if v { (*s * a.scale - max).exp() } else { 0.0 };
-                den += *s;
-            }
-            row.iter_mut().for_each(|s| *s /= den);
-        }
-    }
-    gemm::weighted_sum(&scores, t * heads, n, &keys, hd, o);
 }
 
 fn attend_query(a: &AttentionArgs<'_, CpuBackend>, i: usize, o: &mut [f32]) {
