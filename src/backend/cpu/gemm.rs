@@ -174,7 +174,7 @@ fn widen_transposed(w: &CpuMatrix, rows: Range<usize>, k: usize) -> Vec<f32> {
         }
         let mut c0 = 0;
         #[cfg(target_arch = "x86_64")]
-        if take == TILE && x86::has_avx512() {
+        if take == TILE && super::gemv::has_avx512() {
             while c0 + TILE <= k {
                 // SAFETY: AVX-512F detected; the tile holds 16 rows of k ≥ c0 + 16 values and
                 // `out` k columns of n ≥ j0 + 16 values.
@@ -194,12 +194,6 @@ fn widen_transposed(w: &CpuMatrix, rows: Range<usize>, k: usize) -> Vec<f32> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
-
-    pub fn has_avx512() -> bool {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
-    }
 
     /// `out[(c0 + c) · n + j0 + r] = tile[r · k + c0 + c]` for r, c in 0..16: a 16 × 16 block
     /// transposed in registers (pairs of rows interleaved, then pairs of pairs, then 128-bit

@@ -40,6 +40,11 @@ fn simd() -> Simd {
     })
 }
 
+/// Whether the AVX-512 kernels run on this CPU (AVX-512F, detected once).
+pub(super) fn has_avx512() -> bool {
+    simd() == Simd::Avx512
+}
+
 /// Four weight rows of one matrix, as stored.
 #[derive(Clone, Copy)]
 pub(super) enum Rows4<'a> {

@@ -235,13 +235,8 @@ impl Native {
 impl Native {
     /// Whether [`Self::dot_rows`] has a kernel for rows `cols` wide on this CPU.
     pub(crate) fn pairs(&self, cols: usize) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if x86::has_avx512() {
-            return matches!(self, Native::Fp8 { block, .. }
-                if block.is_multiple_of(16) && cols.is_multiple_of(16));
-        }
-        let _ = cols;
-        false
+        // The FP8 kernel needs what the fused one-input kernel does.
+        matches!(self, Native::Fp8 { .. }) && self.fuses(cols)
     }
 
     /// Dot products of every input (`cols` wide) with rows `j0..j1` (an even count):
