@@ -203,6 +203,10 @@ struct Queue {
     callback: Option<Arc<dyn EventCallback>>,
     /// The engine thread has stopped: nothing more will be queued.
     closed: bool,
+    /// [`Held`] guards alive: events queued meanwhile wake no poller until the last drops.
+    held: u32,
+    /// An event was queued while held: the last guard wakes the pollers.
+    unnotified: bool,
 }
 
 /// Where the engine thread puts events.
@@ -216,6 +220,19 @@ pub struct EventSink {
 impl Default for EventSink {
     fn default() -> Self {
         Self::new(usize::MAX)
+    }
+}
+
+/// See [`EventSink::hold`].
+pub struct Held<'a>(&'a EventSink);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut q = self.0.lock();
+        q.held -= 1;
+        if q.held == 0 && std::mem::take(&mut q.unnotified) {
+            self.0.ready.notify_all();
+        }
     }
 }
 
@@ -235,6 +252,8 @@ impl EventSink {
                 per_request: HashMap::new(),
                 callback: None,
                 closed: false,
+                held: 0,
+                unnotified: false,
             }),
             ready: Condvar::new(),
             limit,
@@ -256,12 +275,26 @@ impl EventSink {
                 None => {
                     *q.per_request.entry(event.request_id()).or_insert(0) += 1;
                     q.events.push_back(event);
-                    self.ready.notify_all();
+                    if q.held > 0 {
+                        q.unnotified = true;
+                    } else {
+                        self.ready.notify_all();
+                    }
                     return;
                 }
             }
         };
         callback.deliver(&event);
+    }
+
+    /// Until the guard drops, queued events wake no poller; then one wake-up covers them all.
+    /// The engine thread holds one while it emits several events with no computing between
+    /// them (a landed room's first token and, with `max_new_tokens = 1`, its end): a waiting
+    /// poller wakes once, instead of once per event — on a busy machine each wake-up also
+    /// preempts the engine thread. A callback is called at once either way.
+    pub fn hold(&self) -> Held<'_> {
+        self.lock().held += 1;
+        Held(self)
     }
 
     /// The requests to pause: with `limit` or more events unpolled, every request that has
@@ -346,5 +379,52 @@ impl EventSink {
         let mut q = self.lock();
         q.events.clear();
         q.per_request.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    fn token(id: u64) -> Event {
+        let origin = Origin {
+            request_id: id,
+            user_tag: 0,
+        };
+        Event::token(origin, 7, 0.0, EventStats::default())
+    }
+
+    #[test]
+    fn events_emitted_while_held_wake_a_waiting_poller_once_for_all() {
+        let sink = Arc::new(EventSink::default());
+        let (tx, rx) = mpsc::channel();
+        let poller = {
+            let sink = sink.clone();
+            std::thread::spawn(move || {
+                let polled = sink.poll(16, Some(Duration::from_secs(10))).unwrap();
+                tx.send(polled.events.len()).unwrap();
+                // Not held: each event wakes the poller at once.
+                let polled = sink.poll(16, Some(Duration::from_secs(10))).unwrap();
+                tx.send(polled.events.len()).unwrap();
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50)); // the poller waits
+        {
+            let _outer = sink.hold();
+            sink.emit(token(1));
+            {
+                let _inner = sink.hold();
+                sink.emit(token(1));
+            }
+            // Neither the events nor the inner guard's end woke it.
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(rx.try_recv().is_err(), "a held event woke the poller");
+            sink.emit(token(1));
+        }
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(3));
+        sink.emit(token(2));
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(1));
+        poller.join().unwrap();
     }
 }
