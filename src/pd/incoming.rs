@@ -150,13 +150,37 @@ impl Incoming {
         })
     }
 
-    /// A lent buffer or destination back, with `len` more bytes at `offset` when `filled`.
-    pub(super) fn put_back(&mut self, offset: u64, len: usize, lent: Lent, filled: bool) {
+    /// The running CRC when bytes at `offset` would extend it (they start where it stops):
+    /// the reader extends it over them before taking them back ([`ahead_crc`]), outside the
+    /// node's lock.
+    pub(super) fn crc_base(&self, offset: u64) -> Option<u32> {
+        (offset == self.crc_upto as u64 && !self.is_released()).then_some(self.bytes_crc)
+    }
+
+    /// A lent buffer or destination back, with `len` more bytes at `offset` when `filled`;
+    /// `ahead`: the running CRC the bytes extend ([`Self::crc_base`]) and the CRC extended
+    /// over them, taken meanwhile.
+    pub(super) fn put_back(
+        &mut self,
+        offset: u64,
+        len: usize,
+        lent: Lent,
+        filled: bool,
+        ahead: Option<(u32, u32)>,
+    ) {
         if let (Lent::Buffer(b), Store::Buffer(mine)) = (lent, &mut self.store) {
             *mine = b;
         }
         if filled && len > 0 && !self.is_released() {
             let start = offset as usize; // checked by lend
+            if let Some((base, crc)) = ahead {
+                // Unless the CRC moved meanwhile (it cannot: this room's bytes come through
+                // one reader, which is here), it now runs to the end of these bytes.
+                if self.crc_upto == start && self.bytes_crc == base {
+                    self.bytes_crc = crc;
+                    self.crc_upto = start + len;
+                }
+            }
             self.record(start, start + len);
         }
     }
@@ -169,7 +193,8 @@ impl Incoming {
         }
     }
 
-    /// Counts bytes `start..end` (checked, non-empty) as received.
+    /// Counts bytes `start..end` (checked, non-empty) as received, and extends the running
+    /// CRC over what it can.
     fn record(&mut self, start: usize, end: usize) {
         self.ranges.insert(start, end);
         self.received += end - start;
@@ -217,9 +242,28 @@ impl Incoming {
     }
 }
 
+/// `base` (a room's running CRC, [`Incoming::crc_base`]) extended over bytes `start..end`
+/// that were just read into `lent`, for [`Incoming::put_back`]; `None` when nothing was
+/// stored.
+///
+/// # Safety
+/// `lent` is still lent (a destination stays reserved until it is handed back) and
+/// `start..end` was just filled through it, by this thread.
+pub(super) unsafe fn ahead_crc(lent: &Lent, base: u32, start: usize, end: usize) -> Option<u32> {
+    match lent {
+        Lent::Buffer(b) => b
+            .get(start..end)
+            .map(|bytes| crate::crc::append(base, bytes)),
+        // SAFETY: the caller's contract: the pages are reserved while lent, and only this
+        // thread writes the room's bytes, which it has finished writing.
+        Lent::Direct(l) => Some(unsafe { l.crc_append(base, start, end) }),
+        Lent::Discard => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Incoming;
+    use super::{Incoming, Lent};
 
     /// The running CRC equals one taken over the STATE payload and all bytes in offset order,
     /// whatever order the ranges came in (pages sent early leave gaps filled later).
@@ -252,6 +296,25 @@ mod tests {
                 );
                 assert_eq!(inc.take_bytes(), Some(bytes.clone()));
             }
+        }
+        // Lent and handed back: the CRC extended by the reader (`ahead_crc`) is taken when it
+        // extends the running one; one taken from a stale base is ignored (the bytes are
+        // folded in from the store instead).
+        for stale in [false, true] {
+            let mut inc = Incoming::new(bytes.len(), None);
+            inc.set_header_crc(header);
+            for r in [0..4000, 4000..10_000] {
+                let Some(Lent::Buffer(mut buf)) = inc.lend(r.start as u64, r.len()) else {
+                    panic!("a buffer is lent");
+                };
+                buf[r.clone()].copy_from_slice(&bytes[r.clone()]);
+                let lent = Lent::Buffer(buf);
+                let base = inc.crc_base(r.start as u64).unwrap() ^ u32::from(stale);
+                // SAFETY: a buffer is owned by the lent value.
+                let crc = unsafe { super::ahead_crc(&lent, base, r.start, r.end) }.unwrap();
+                inc.put_back(r.start as u64, r.len(), lent, true, Some((base, crc)));
+            }
+            assert_eq!(inc.crc(), Some(want), "stale base {stale}");
         }
         let mut inc = Incoming::new(10, None);
         inc.put(2, &[1, 2, 3]).unwrap();
