@@ -8,7 +8,7 @@
 //!    (wire::DATA_CHUNK) over one stream, each room from its own resident buffer into its own
 //!    resident buffer, as the rooms go from the prefill's state buffers into the decode's
 //!    pages; each ratio is the median round's. (Raw TCP reusing one buffer each side keeps a
-//!    611 KiB room in the cores' L2 and runs ~35 % faster here; it is printed for scale.)
+//!    611 KiB room in the cores' L2 and ran 0-35 % faster here; it is printed for scale.)
 //!    - Throughput, the headline: all R rooms claimed at once, wall clock from the first
 //!      decode submit to the last room landed.
 //!    - One room at a time: the metrics' claim → done (kv_transfer_seconds_total), which also
