@@ -1064,24 +1064,24 @@ mod tests {
         mpsc::Receiver<String>,
         Vec<JoinHandle<()>>,
     ) {
+        let (tx, rx) = mpsc::channel();
+        let (link, theirs, threads) = linked(interval_ms, Arc::new(Recorder(Mutex::new(tx))));
+        (link, theirs, rx, threads)
+    }
+
+    /// A link handing frames to `handler`, to a raw socket the test reads and writes itself;
+    /// a heartbeat every `interval_ms`, dead after 3 silent intervals.
+    fn linked(
+        interval_ms: u64,
+        handler: Arc<dyn Handler>,
+    ) -> (Arc<Link>, TcpStream, Vec<JoinHandle<()>>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (theirs, _) = listener.accept().unwrap();
-        let (tx, rx) = mpsc::channel();
         let mut threads = Vec::new();
         let ms = Duration::from_millis(interval_ms);
-        let link = Link::start(
-            1,
-            "peer".into(),
-            ours,
-            ms,
-            ms,
-            3,
-            Arc::new(Recorder(Mutex::new(tx))),
-            &mut threads,
-        )
-        .unwrap();
-        (link, theirs, rx, threads)
+        let link = Link::start(1, "peer".into(), ours, ms, ms, 3, handler, &mut threads).unwrap();
+        (link, theirs, threads)
     }
 
     /// The rooms' DONE frames in the order they arrive, reading until `n` have.
@@ -1382,23 +1382,8 @@ mod tests {
         // the bytes before them, payloads straddle its buffer, DATA frames larger than it go
         // around it. The peer writes a seeded mix of frames as one stream cut at random
         // places, some pieces a byte long, with pauses so the reader sees partial frames.
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (mut theirs, _) = listener.accept().unwrap();
         let (tx, rx) = mpsc::channel();
-        let mut threads = Vec::new();
-        let second = Duration::from_secs(1);
-        let link = Link::start(
-            1,
-            "peer".into(),
-            ours,
-            second,
-            second,
-            5,
-            Arc::new(Frames(Mutex::new(tx))),
-            &mut threads,
-        )
-        .unwrap();
+        let (link, mut theirs, threads) = linked(1000, Arc::new(Frames(Mutex::new(tx))));
         let mut rng = fastrand::Rng::with_seed(7);
         let mut sent = Vec::new();
         let mut stream = Vec::new();
