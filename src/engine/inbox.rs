@@ -126,6 +126,15 @@ impl Inbox {
         }
     }
 
+    /// [`Self::pd_notice`] for several, with one wake-up.
+    pub fn pd_notices(&self, ns: Vec<Notice>) {
+        let mut s = self.lock();
+        if !s.closed && !ns.is_empty() {
+            s.pd.extend(ns);
+            self.ready.notify_one();
+        }
+    }
+
     /// Stops intake and asks the engine thread to stop; an abort overrides an earlier drain.
     pub fn shutdown(&self, mode: ShutdownMode) {
         let mut s = self.lock();

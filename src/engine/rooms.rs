@@ -99,10 +99,6 @@ impl<B: Backend> Worker<B> {
 
     /// Acts on what the node reported.
     pub(super) fn on_notice(&mut self, n: Notice) {
-        // Whatever this emits (a landed room's first token, and its end when that was its
-        // only token) wakes a waiting poller once.
-        let shared = self.shared.clone();
-        let _held = shared.sink.hold();
         match n {
             Notice::Transferred { room, request } => {
                 if let Some(i) = self.running_in(request, room, Phase::Transferring) {

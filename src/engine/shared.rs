@@ -146,4 +146,8 @@ impl crate::pd::Sink for Shared {
     fn notice(&self, notice: crate::pd::Notice) {
         self.inbox.pd_notice(notice);
     }
+
+    fn notices(&self, notices: Vec<crate::pd::Notice>) {
+        self.inbox.pd_notices(notices);
+    }
 }

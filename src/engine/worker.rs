@@ -223,6 +223,10 @@ impl<B: Backend> Worker<B> {
         for c in batch.controls {
             self.control(c);
         }
+        // Whatever these emit (landed rooms' first tokens, and their ends when that was their
+        // only token) wakes a waiting poller once.
+        let shared = self.shared.clone();
+        let _held = shared.sink.hold();
         for n in batch.pd {
             self.on_notice(n);
         }

@@ -136,6 +136,10 @@ pub trait Handler: Send + Sync + 'static {
         _filled: bool,
     ) {
     }
+    /// TCP: the reader is between two frames; `more_ready` says whether the next one's bytes
+    /// (some of them) are already in (a system call when nothing is buffered: call it only
+    /// when the answer matters).
+    fn between_frames(&self, _link: &Arc<Link>, _more_ready: &mut dyn FnMut() -> bool) {}
     /// The link is down (`why`); called once.
     fn on_down(&self, link: &Arc<Link>, why: String);
     /// UCX: the link's endpoint is closed (after [`Self::on_down`]): nothing the peer wrote by
@@ -373,6 +377,9 @@ struct Outbox {
     /// of: the very next bytes on the wire.
     partial: Option<Out>,
     control: VecDeque<Vec<u8>>,
+    /// Control frames that may wait until `lazy_due` for company ([`Link::send_lazy`]).
+    lazy: Vec<Vec<u8>>,
+    lazy_due: Option<Instant>,
     bulk: VecDeque<Bulk>,
     closed: bool,
     /// Closing once the queued control frames are out (the FAILs of an engine shutting
@@ -387,6 +394,8 @@ impl Outbox {
         Self {
             partial: None,
             control: VecDeque::new(),
+            lazy: Vec::new(),
+            lazy_due: None,
             bulk: VecDeque::new(),
             closed: false,
             finishing: false,
@@ -440,6 +449,12 @@ impl Outbox {
             self.control.pop_front();
         }
         Some(Out::Frame(joined))
+    }
+
+    /// The lazy frames join the control frames (after those queued before them).
+    fn promote_lazy(&mut self) {
+        self.control.extend(self.lazy.drain(..));
+        self.lazy_due = None;
     }
 
     fn has_work(&self) -> bool {
@@ -592,6 +607,28 @@ impl Link {
         })
     }
 
+    /// Queues a control frame that may wait up to `within` for other frames to go with
+    /// (any other frame queued takes it along): an ACK while more rooms are arriving on the
+    /// link. Over TCP the burst is then one write and one wake-up of the peer's reader and
+    /// engine thread, instead of one per room. UCX sends it at once.
+    pub fn send_lazy(self: &Arc<Self>, frame: Vec<u8>, within: Duration) -> bool {
+        if self.is_ucx() {
+            return self.send(frame);
+        }
+        let mut o = self.outbox();
+        if o.closed {
+            return false;
+        }
+        o.lazy.push(frame);
+        let due = Instant::now() + within;
+        if o.lazy_due.is_none_or(|d| due < d) {
+            o.lazy_due = Some(due);
+            // The writer thread sleeps until its next heartbeat: it now wakes by `due`.
+            self.ready.notify_one();
+        }
+        true
+    }
+
     /// Puts something in the outbox, then writes the next frame from here when nobody else is
     /// writing (else wakes the writer thread) — unless this thread holds a [`Cork`].
     fn queue(self: &Arc<Self>, put: impl FnOnce(&mut Outbox)) -> bool {
@@ -599,6 +636,7 @@ impl Link {
         if o.closed {
             return false;
         }
+        o.promote_lazy();
         put(&mut o);
         if let Conn::Ucx(port) = &self.conn {
             drop(o);
@@ -683,6 +721,7 @@ impl Link {
     pub fn finish(&self) {
         let mut o = self.outbox();
         o.finishing = true;
+        o.promote_lazy();
         o.bulk.clear();
         self.ready.notify_all();
         drop(o);
@@ -718,17 +757,21 @@ impl Link {
             if o.closed {
                 return Next::Stop;
             }
+            let now = Instant::now();
+            if o.lazy_due.is_some_and(|d| now >= d) {
+                o.promote_lazy();
+            }
             if o.has_work() {
                 return Next::Write;
             }
             if o.finishing {
                 return Next::Stop;
             }
-            let due = o.last_sent + self.interval;
-            let now = Instant::now();
-            if now >= due {
+            let heartbeat = o.last_sent + self.interval;
+            if now >= heartbeat {
                 return Next::Heartbeat;
             }
+            let due = o.lazy_due.map_or(heartbeat, |d| d.min(heartbeat));
             o = self
                 .ready
                 .wait_timeout(o, due - now)
@@ -1017,6 +1060,9 @@ impl Link {
         crate::threads::mark_internal();
         let mut stream = BufReader::with_capacity(READ_AHEAD, stream);
         loop {
+            handler.between_frames(&self, &mut || {
+                !stream.buffer().is_empty() || readable(stream.get_ref())
+            });
             match self.read_one(&mut stream, &handler) {
                 Ok(()) => {}
                 Err(ReadError::Io(e)) => {
@@ -1030,6 +1076,23 @@ impl Link {
             }
         }
     }
+}
+
+/// Whether `stream` has bytes to read now (false also at its end or on an error: the next
+/// read tells).
+fn readable(stream: &TcpStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: a one-byte peek into a live local; the fd is the stream's own, open while it
+    // is borrowed.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n > 0
 }
 
 /// Starts a named library thread.
@@ -1366,6 +1429,99 @@ mod tests {
     /// down instead of killing the host with SIGPIPE (a C host need not ignore it; Rust's
     /// runtime does, so the check runs in a child process with SIGPIPE at its default).
     /// Records every frame whole.
+    #[test]
+    fn lazy_frames_wait_for_company_or_their_deadline_and_keep_their_order() {
+        // A minute between heartbeats: nothing else sends what is queued.
+        let (link, mut theirs, _rx, threads) = pair(60_000);
+        std::thread::sleep(Duration::from_millis(100));
+        theirs
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        for room in [1, 2] {
+            assert!(link.send_lazy(wire::encode(Kind::Ack, room, &[]), Duration::from_secs(60)));
+        }
+        let e = theirs.peek(&mut byte).unwrap_err();
+        assert!(
+            matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut),
+            "a lazy frame went out alone: {e}"
+        );
+        theirs
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        // Any other frame takes them along, after them.
+        assert!(link.send(wire::encode(Kind::Fail, 3, &[])));
+        let got: Vec<(Kind, u64)> = (0..3)
+            .map(|_| wire::read_frame_from(&mut theirs).unwrap())
+            .map(|f| (f.kind, f.room))
+            .collect();
+        assert_eq!(got, [(Kind::Ack, 1), (Kind::Ack, 2), (Kind::Fail, 3)]);
+        // Alone, one goes by its deadline (the writer thread wakes for it, not for a
+        // heartbeat a minute away).
+        let queued = Instant::now();
+        assert!(link.send_lazy(wire::encode(Kind::Ack, 4, &[]), Duration::from_millis(20)));
+        assert_eq!(wire::read_frame_from(&mut theirs).unwrap().room, 4);
+        assert!(
+            queued.elapsed() >= Duration::from_millis(20),
+            "went before its deadline"
+        );
+        // Finishing sends them too.
+        assert!(link.send_lazy(wire::encode(Kind::Ack, 5, &[]), Duration::from_secs(60)));
+        link.finish();
+        assert_eq!(wire::read_frame_from(&mut theirs).unwrap().room, 5);
+        link.close();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    /// Records frames and what the reader says between them.
+    struct Boundaries(Mutex<mpsc::Sender<String>>);
+
+    impl Handler for Boundaries {
+        fn on_frame(&self, _: &Arc<Link>, frame: Frame) {
+            let _ = self.0.lock().unwrap().send(format!("room {}", frame.room));
+        }
+        fn between_frames(&self, _: &Arc<Link>, more_ready: &mut dyn FnMut() -> bool) {
+            let _ = self
+                .0
+                .lock()
+                .unwrap()
+                .send(format!("more {}", more_ready()));
+        }
+        fn on_down(&self, _: &Arc<Link>, _: String) {}
+    }
+
+    #[test]
+    fn between_frames_the_reader_says_whether_the_next_frame_is_already_in() {
+        let (tx, rx) = mpsc::channel();
+        let (link, mut theirs, threads) = linked(60_000, Arc::new(Boundaries(Mutex::new(tx))));
+        let next = || rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        // Before anything arrived.
+        assert_eq!(next(), "more false");
+        // Three frames in one write: the second and third are in once the first is read.
+        let burst: Vec<u8> = (1..=3)
+            .flat_map(|room| wire::encode(Kind::Ack, room, &[]))
+            .collect();
+        theirs.write_all(&burst).unwrap();
+        let seen: Vec<String> = (0..6).map(|_| next()).collect();
+        assert_eq!(
+            seen,
+            [
+                "room 1",
+                "more true",
+                "room 2",
+                "more true",
+                "room 3",
+                "more false"
+            ]
+        );
+        link.close();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
     struct Frames(Mutex<mpsc::Sender<(Kind, u64, Vec<u8>)>>);
 
     impl Handler for Frames {

@@ -13,7 +13,10 @@
 //! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines;
 //! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory.
 
+#[cfg(test)]
+mod batching_tests;
 pub mod buffers;
+mod deferred;
 pub mod in_order;
 pub mod incoming;
 pub mod limits;

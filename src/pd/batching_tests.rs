@@ -1,0 +1,150 @@
+//! Rooms that arrive together over TCP are handed over together: a decode's engine lands
+//! them while more are on the wire and their ACKs go in one write; the prefill's reader hands
+//! their TRANSFERRED notices to its engine in one batch. Nothing waits for other traffic: the
+//! heartbeats here are 10 s apart, so a notice or an ACK held until the next frame would miss
+//! every deadline below. The bytes are checked against the prefill's source, as memcmp would.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::limits::tests::fingerprint;
+use super::node::{Config, Node, Notice, Sink};
+use super::wire::{Claim, StateHeader, StateInfo};
+use super::Side;
+use crate::config::params::{Endpoint, PdTransport};
+use crate::kv::Landing;
+
+const ROOMS: u64 = 8;
+const STATE: usize = 64 << 10;
+
+/// The engine's inbox as the node sees it: every notice, and how many came in each hand-over.
+#[derive(Default)]
+struct Inbox(Mutex<(Vec<Notice>, Vec<usize>)>, Condvar);
+
+impl Sink for Inbox {
+    fn notice(&self, n: Notice) {
+        self.notices(vec![n]);
+    }
+
+    fn notices(&self, ns: Vec<Notice>) {
+        let mut q = self.0.lock().unwrap();
+        q.1.push(ns.len());
+        q.0.extend(ns);
+        self.1.notify_all();
+    }
+}
+
+impl Inbox {
+    /// Waits until `count` of the notices satisfy `pick`; panics on a failed room.
+    fn wait_for(&self, count: usize, pick: impl Fn(&Notice) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut q = self.0.lock().unwrap();
+        loop {
+            if let Some(Notice::Failed { error, .. }) =
+                q.0.iter().find(|n| matches!(n, Notice::Failed { .. }))
+            {
+                panic!("a room failed: {error}");
+            }
+            let n = q.0.iter().filter(|n| pick(n)).count();
+            if n >= count {
+                assert_eq!(n, count, "a notice came twice");
+                return;
+            }
+            let now = Instant::now();
+            assert!(now < deadline, "{n} of {count} notices within 5 s");
+            q = self.1.wait_timeout(q, deadline - now).unwrap().0;
+        }
+    }
+}
+
+fn config(side: Side) -> Config {
+    Config {
+        side,
+        listen: Endpoint {
+            transport: PdTransport::Tcp,
+            host: "127.0.0.1".into(),
+            port: 0,
+        },
+        ucx_library: None,
+        advertise: None,
+        bootstrap_timeout: Duration::from_secs(30),
+        transfer_timeout: Duration::from_secs(30),
+        heartbeat_interval: Duration::from_secs(10),
+        heartbeat_misses: 3,
+        max_rooms: 16,
+        layout: fingerprint(),
+        rma_regions: Vec::new(),
+    }
+}
+
+/// Room `room`'s state: a pattern of its own with no zero byte.
+fn state(room: u64) -> Vec<u8> {
+    (0..STATE as u64)
+        .map(|i| ((i.wrapping_add(room << 20).wrapping_mul(2_654_435_761) >> 13) as u8) | 1)
+        .collect()
+}
+
+#[test]
+fn rooms_arriving_together_are_landed_acknowledged_and_reported_together() {
+    let (from_p, from_d) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
+    let prefill = Node::start(config(Side::Prefill), from_p.clone()).unwrap();
+    let decode = Node::start(config(Side::Decode), from_d.clone()).unwrap();
+    let endpoint = prefill.endpoint().to_string();
+    let mut pool = vec![0u8; STATE * ROOMS as usize];
+    let base = pool.as_mut_ptr().expose_provenance() as u64;
+    for room in 1..=ROOMS {
+        prefill.register(room, 10 + room, 77, None).unwrap();
+        prefill.activate(room);
+        decode
+            .register(room, 20 + room, 77, Some(endpoint.clone()))
+            .unwrap();
+        decode.activate(room);
+        let at = base + (room - 1) * STATE as u64;
+        let claim = Claim {
+            request_hash: 77,
+            prompt_tokens: 5,
+            slot: 0,
+            pages: vec![0],
+            rma_spans: Vec::new(),
+        };
+        let landing = Landing::over(&[(at, STATE as u64)]);
+        decode.claim(room, claim, STATE, Some(landing)).unwrap();
+    }
+    for room in 1..=ROOMS {
+        let header = StateHeader {
+            state: StateInfo {
+                position: 5,
+                last_token: Some(3),
+                rng: None,
+                pages: 1,
+                bytes: STATE as u64,
+            },
+            first_logprob: 0.0,
+            cached_tokens_device: 0,
+            cached_tokens_host: 0,
+        };
+        prefill.send(room, header, state(room).into()).unwrap();
+    }
+    // Every room's notice, although no frame follows the last one for 10 s.
+    from_d.wait_for(ROOMS as usize, |n| matches!(n, Notice::Received { .. }));
+    for room in 1..=ROOMS {
+        let at = (room - 1) as usize * STATE;
+        assert!(
+            pool[at..at + STATE] == state(room)[..],
+            "room {room}'s bytes differ from what the prefill sent"
+        );
+    }
+    // The engine lands them one by one: the ACKs of the first seven wait for company (the
+    // others are still to land), the eighth takes them all along at once.
+    for room in 1..=ROOMS {
+        decode.landed(room);
+    }
+    from_p.wait_for(ROOMS as usize, |n| matches!(n, Notice::Transferred { .. }));
+    let batches = from_p.0.lock().unwrap().1.clone();
+    assert!(
+        batches.len() < ROOMS as usize,
+        "the prefill's engine was handed the {ROOMS} TRANSFERRED notices one by one: {batches:?}"
+    );
+    decode.shutdown();
+    prefill.shutdown();
+}
