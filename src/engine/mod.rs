@@ -59,7 +59,7 @@ use crate::plan::{self, Plan};
 use crate::tokenizer::TextCodec;
 
 /// A loaded engine. Thread-safe: every method takes `&self`. Not generic over the backend: the
-/// backend is chosen once, in [`Engine::create`] ([`start_on_backend`]), and lives on the
+/// backend is chosen once, in [`Engine::create`] (`start_on_backend`), and lives on the
 /// engine thread.
 pub struct Engine {
     params: Params,

@@ -1,5 +1,5 @@
 //! The C ABI: the only module with `extern "C"`. Thin by design: check arguments, call into the
-//! crate, convert results. Every entry point runs inside [`boundary::guard`] (panics become
+//! crate, convert results. Every entry point runs inside `boundary::guard` (panics become
 //! `DSV4_ERR_INTERNAL`), checks its pointers, and leaves a message in `dsv4_last_error()` on
 //! failure. `include/dsv4.h` is generated from this module by cbindgen (see build.rs).
 

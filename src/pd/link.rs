@@ -11,16 +11,21 @@
 //! the next frame, and rooms of one size finish one after another — each lands (and its first
 //! token goes out) while the next is on the wire — instead of all at the end, as taking turns
 //! would have them. So that a stream of smaller rooms cannot starve a large one until its
-//! transfer deadline fails it, rooms queued for [`STARVED_AFTER`] go first, oldest first.
+//! transfer deadline fails it, rooms queued for `STARVED_AFTER` (250 ms) go first, oldest first.
 //!
 //! Frames queued while the writer thread is idle are written at once by the caller, without
-//! blocking (`MSG_DONTWAIT`): what the socket takes, up to [`DIRECT_BYTES`]; the rest goes to
+//! blocking (`MSG_DONTWAIT`): what the socket takes, up to `DIRECT_BYTES`; the rest goes to
 //! the writer thread. Waking the writer costs tens of microseconds on a busy machine, and a room
 //! crosses several such hand-offs (the decode's claim, the prefill's first frame, the ACK).
 //! Every write uses `MSG_NOSIGNAL`: a peer that hangs up must not raise SIGPIPE in the host.
 //!
-//! The reader reads [`READ_AHEAD`] bytes ahead, so the next frame's header usually comes with
-//! the bytes before it; a DATA frame's bytes go straight into the room's destination.
+//! The reader reads `READ_AHEAD` (8 KiB) ahead, so the next frame's header usually comes with
+//! the bytes before it; a DATA frame's bytes go straight into the room's destination. Between
+//! frames it tells its handler whether the next frame is already in
+//! ([`Handler::between_frames`]), so good news can wait for the rest of a burst.
+//!
+//! A frame queued with [`Link::send_lazy`] (an ACK while more rooms are arriving) waits for
+//! other frames to go with, until its deadline.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;

@@ -2004,10 +2004,11 @@ impl Inner {
             })
             .flatten();
         let ahead = base.and_then(|base| {
-            let start = offset as usize; // checked by lend
-                                         // SAFETY: `lent` is not back yet (so its destination stays reserved: a release
-                                         // meanwhile waits for `put_back`, see `t.lent`), and the link's reader, this
-                                         // thread, just filled `start..start + len` through it.
+            // Checked by `lend`.
+            let start = offset as usize;
+            // SAFETY: `lent` is not back yet (so its destination stays reserved: a release
+            // meanwhile waits for `put_back`, see `t.lent`), and the link's reader, this
+            // thread, just filled `start..start + len` through it.
             let crc = unsafe { super::incoming::ahead_crc(&lent, base, start, start + len) };
             crc.map(|crc| (base, crc))
         });
