@@ -9,10 +9,9 @@ use std::time::{Duration, Instant};
 
 use super::limits::tests::fingerprint;
 use super::node::{Config, Node, Notice, Sink};
-use super::wire::{Claim, StateHeader, StateInfo};
+use super::test_rooms::{header, open_and_claim};
 use super::Side;
 use crate::config::params::{Endpoint, PdTransport};
-use crate::kv::Landing;
 
 const ROOMS: u64 = 8;
 const STATE: usize = 64 << 10;
@@ -89,41 +88,16 @@ fn rooms_arriving_together_are_landed_acknowledged_and_reported_together() {
     let (from_p, from_d) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
     let prefill = Node::start(config(Side::Prefill), from_p.clone()).unwrap();
     let decode = Node::start(config(Side::Decode), from_d.clone()).unwrap();
-    let endpoint = prefill.endpoint().to_string();
     let mut pool = vec![0u8; STATE * ROOMS as usize];
     let base = pool.as_mut_ptr().expose_provenance() as u64;
     for room in 1..=ROOMS {
-        prefill.register(room, 10 + room, 77, None).unwrap();
-        prefill.activate(room);
-        decode
-            .register(room, 20 + room, 77, Some(endpoint.clone()))
-            .unwrap();
-        decode.activate(room);
         let at = base + (room - 1) * STATE as u64;
-        let claim = Claim {
-            request_hash: 77,
-            prompt_tokens: 5,
-            slot: 0,
-            pages: vec![0],
-            rma_spans: Vec::new(),
-        };
-        let landing = Landing::over(&[(at, STATE as u64)]);
-        decode.claim(room, claim, STATE, Some(landing)).unwrap();
+        open_and_claim(&prefill, &decode, room, &[(at, STATE as u64)], STATE);
     }
     for room in 1..=ROOMS {
-        let header = StateHeader {
-            state: StateInfo {
-                position: 5,
-                last_token: Some(3),
-                rng: None,
-                pages: 1,
-                bytes: STATE as u64,
-            },
-            first_logprob: 0.0,
-            cached_tokens_device: 0,
-            cached_tokens_host: 0,
-        };
-        prefill.send(room, header, state(room).into()).unwrap();
+        prefill
+            .send(room, header(STATE), state(room).into())
+            .unwrap();
     }
     // Every room's notice, although no frame follows the last one for 10 s.
     from_d.wait_for(ROOMS as usize, |n| matches!(n, Notice::Received { .. }));

@@ -26,6 +26,8 @@ pub mod rma;
 #[cfg(test)]
 mod rma_tests;
 pub mod room;
+#[cfg(test)]
+mod test_rooms;
 pub mod ucx;
 pub mod ucx_faults;
 pub mod ucx_port;

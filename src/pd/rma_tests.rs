@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use super::limits::tests::fingerprint;
 use super::node::{Config, Node, Notice, Sink};
-use super::wire::{Claim, StateHeader, StateInfo};
+use super::test_rooms::{header, open_and_claim};
 use super::{FailReason, Side};
 use crate::config::params::{Endpoint, PdTransport};
-use crate::kv::{Landing, PoolId, PoolRegion, RegionTier};
+use crate::kv::{PoolId, PoolRegion, RegionTier};
 
 /// A state big enough to be mid-transfer for tens of milliseconds.
 const STATE: usize = 96 << 20;
@@ -121,36 +121,8 @@ impl Pair {
 
     /// Opens `room` on both, claims it into `spans`, and has the prefill send `state`.
     fn start_room(&self, room: u64, spans: &[(u64, u64)], state: &[u8]) {
-        let endpoint = self.prefill.endpoint().to_string();
-        self.prefill.register(room, 10 + room, 77, None).unwrap();
-        self.prefill.activate(room);
-        self.decode
-            .register(room, 20 + room, 77, Some(endpoint))
-            .unwrap();
-        self.decode.activate(room);
-        let landing = Landing::over(spans);
-        let claim = Claim {
-            request_hash: 77,
-            prompt_tokens: 5,
-            slot: 0,
-            pages: vec![0],
-            rma_spans: Vec::new(),
-        };
-        self.decode
-            .claim(room, claim, state.len(), Some(landing))
-            .unwrap();
-        let header = StateHeader {
-            state: StateInfo {
-                position: 5,
-                last_token: Some(3),
-                rng: None,
-                pages: 1,
-                bytes: state.len() as u64,
-            },
-            first_logprob: 0.0,
-            cached_tokens_device: 0,
-            cached_tokens_host: 0,
-        };
+        open_and_claim(&self.prefill, &self.decode, room, spans, state.len());
+        let header = header(state.len());
         // Refused when the room already failed (a decode deadline shorter than a busy
         // machine's start): the tests see that in the notices.
         if let Err(e) = self.prefill.send(room, header, state.to_vec().into()) {
