@@ -6,6 +6,7 @@ mod copier;
 mod gemm;
 mod gemv;
 mod hc;
+mod hot;
 mod moe;
 mod ops;
 mod pool;
@@ -125,6 +126,8 @@ pub struct CpuBackend {
     /// Bytes held by live pool buffers.
     allocated: Arc<AtomicU64>,
     copier: copier::Copier,
+    /// Counts this pool's threads among the process's while it lives (see `hot`).
+    _counted: hot::PoolThreads,
 }
 
 impl CpuBackend {
@@ -161,6 +164,7 @@ impl CpuBackend {
             handles,
             allocated: Arc::default(),
             copier: copier::Copier::default(),
+            _counted: hot::PoolThreads::count(threads),
         })
     }
 
@@ -228,7 +232,7 @@ impl Backend for CpuBackend {
     }
 
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
+        hot::run_step(&self.pool, f)
     }
 
     fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
