@@ -90,13 +90,22 @@ fn keep_hot(hot: &AtomicBool, owner: Option<usize>) {
         return;
     }
     let mut idle_since = Instant::now();
+    let mut idle_rounds = 0u32;
     while hot.load(Ordering::Acquire) {
         if rayon::yield_now() == Some(rayon::Yield::Executed) {
             idle_since = Instant::now();
+            idle_rounds = 0;
         } else if idle_since.elapsed() > IDLE_SPIN {
             return;
         } else {
-            std::thread::yield_now();
+            idle_rounds += 1;
+            // A system call per idle round delays taking the next product's work; the
+            // occasional one still lets a waiting thread of the process run.
+            if idle_rounds.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 }
