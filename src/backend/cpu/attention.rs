@@ -138,6 +138,13 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
     (out, k)
 }
 
+/// Keys per part of one query's attention. Each part's softmax is taken on its own and the
+/// parts are merged in order (flash-decoding), so a query's output does not depend on how many
+/// threads computed its parts: a decode step (one query, its parts on every worker) and a
+/// prefill (many queries, each one's parts in turn) give the same bits for the same keys, as a
+/// prefix-cache hit and a scratch run must. A multiple of 4 (the score kernel's key quads).
+const PART: usize = 32;
+
 pub(super) fn attention(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTensor) {
     let Some(first) = seqs.first() else { return };
     let width = first.heads * first.head_dim;
@@ -150,73 +157,338 @@ pub(super) fn attention(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTen
     }
     // Every query of every sequence in parallel; all heads of a query together: the heads share
     // every key (K = V, one KV head), so keys are gathered once and both products run as small
-    // matrix multiplications.
+    // matrix multiplications. With fewer queries than threads (decode), each query's key parts
+    // run in parallel too.
+    let queries = owner.iter().filter(|o| o.is_some()).count();
+    let split = queries < rayon::current_num_threads();
     out.0
         .par_chunks_mut(width)
         .zip(owner.par_iter())
-        .for_each(|(o, owner)| {
+        .for_each_init(Scratch::default, |scratch, (o, owner)| {
             if let Some((s, i)) = *owner {
-                attend_query(&seqs[s], i, o);
+                attend_query(&seqs[s], i, o, split, scratch);
             }
         });
 }
 
-fn attend_query(a: &AttentionArgs<'_, CpuBackend>, i: usize, o: &mut [f32]) {
-    let (heads, hd) = (a.heads, a.head_dim);
-    let width = heads * hd;
-    let (q, kv, sinks) = (&a.q.0, &a.kv.0, &a.sinks.0);
+/// Where one key of a query comes from.
+#[derive(Clone, Copy)]
+enum Key {
+    /// A window position before this chunk (the ring).
+    Ring(usize),
+    /// A row of this chunk's new K=V rows.
+    New(usize),
+    /// A compressed row.
+    Compressed(usize),
+}
+
+/// A query's keys: window keys in position order, then compressed rows in index order.
+fn keys_of(a: &AttentionArgs<'_, CpuBackend>, i: usize) -> Vec<Key> {
     let pos = a.start_pos + i;
-    let r = a.rows.start + i;
-    let mut keys: Vec<f32> = Vec::with_capacity((a.window + 64) * hd);
-    // Window keys in position order, then compressed rows in index order.
     let first = (pos + 1).saturating_sub(a.window);
-    for p in first..=pos {
-        if p < a.start_pos {
-            pool::push_row(&a.ring, p, &mut keys);
-        } else {
-            let rr = a.rows.start + (p - a.start_pos);
-            keys.extend_from_slice(&kv[rr * hd..(rr + 1) * hd]);
-        }
-    }
+    let mut keys: Vec<Key> = (first..=pos)
+        .map(|p| {
+            if p < a.start_pos {
+                Key::Ring(p)
+            } else {
+                Key::New(a.rows.start + (p - a.start_pos))
+            }
+        })
+        .collect();
     if let Some(comp) = &a.compressed {
         match a.selection {
-            Some((sel, k)) => {
-                for &s in &sel.0[i * k..(i + 1) * k] {
-                    if s >= 0 {
-                        pool::push_row(comp, s as usize, &mut keys);
-                    }
-                }
-            }
-            None => {
-                for s in 0..visible_rows(pos, a.ratio, comp.count) {
-                    pool::push_row(comp, s, &mut keys);
-                }
+            Some((sel, k)) => keys.extend(
+                sel.0[i * k..(i + 1) * k]
+                    .iter()
+                    .filter(|&&s| s >= 0)
+                    .map(|&s| Key::Compressed(s as usize)),
+            ),
+            None => keys.extend((0..visible_rows(pos, a.ratio, comp.count)).map(Key::Compressed)),
+        }
+    }
+    keys
+}
+
+/// A worker's buffers for the queries it takes, reused from one query to the next: the parts
+/// of one query (per part and head the largest scaled score and the sum of `exp(score − max)`,
+/// `[parts, heads]`, and the rows weighted by those terms, `[parts, heads, head_dim]`), and one
+/// part's keys and scores.
+#[derive(Default)]
+struct Scratch {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    out: Vec<f32>,
+    keys: Vec<f32>,
+    scores: Vec<f32>,
+    weights: Vec<f32>,
+}
+
+/// One part's keys, scores and weighted rows; `keys` and `scores` are scratch space.
+#[allow(clippy::too_many_arguments)]
+fn attend_part(
+    a: &AttentionArgs<'_, CpuBackend>,
+    i: usize,
+    part: &[Key],
+    keys: &mut Vec<f32>,
+    scores: &mut Vec<f32>,
+    max: &mut [f32],
+    sum: &mut [f32],
+    out: &mut [f32],
+) {
+    let (heads, hd) = (a.heads, a.head_dim);
+    let width = heads * hd;
+    let kv = &a.kv.0;
+    keys.clear();
+    for key in part {
+        match *key {
+            Key::Ring(p) => pool::push_row(&a.ring, p, keys),
+            Key::New(r) => keys.extend_from_slice(&kv[r * hd..(r + 1) * hd]),
+            Key::Compressed(s) => {
+                let comp = a.compressed.as_ref().expect("compressed keys have rows");
+                pool::push_row(comp, s, keys)
             }
         }
     }
-    let n_keys = keys.len() / hd;
-    let mut scores = vec![0.0f32; heads * n_keys];
+    let n = part.len();
+    let r = a.rows.start + i;
+    scores.clear();
+    scores.resize(heads * n, 0.0);
     gemv::attention_scores(
-        &q[r * width..(r + 1) * width],
+        &a.q.0[r * width..(r + 1) * width],
         heads,
         hd,
-        &keys,
-        n_keys,
-        &mut scores,
+        keys,
+        n,
+        scores,
     );
-    // Softmax per head with the sink logit in the denominator only.
-    for (h, row) in scores.chunks_mut(n_keys.max(1)).enumerate().take(heads) {
-        let max = row.iter().fold(sinks[h], |m, &s| m.max(s * a.scale));
-        let mut den = (sinks[h] - max).exp();
+    for (h, row) in scores.chunks_mut(n).enumerate() {
+        let m = row
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &s| m.max(s * a.scale));
+        let mut l = 0.0f32;
         for s in row.iter_mut() {
-            *s = (*s * a.scale - max).exp();
-            den += *s;
+            *s = (*s * a.scale - m).exp();
+            l += *s;
         }
-        row.iter_mut().for_each(|s| *s /= den);
+        (max[h], sum[h]) = (m, l);
     }
-    if n_keys == 0 {
+    gemv::attention_values(scores, heads, n, keys, hd, out);
+}
+
+fn attend_query(
+    a: &AttentionArgs<'_, CpuBackend>,
+    i: usize,
+    o: &mut [f32],
+    split: bool,
+    scratch: &mut Scratch,
+) {
+    let (heads, hd) = (a.heads, a.head_dim);
+    let width = heads * hd;
+    let keys = keys_of(a, i);
+    if keys.is_empty() {
         o.fill(0.0);
         return;
     }
-    gemv::attention_values(&scores, heads, n_keys, &keys, hd, o);
+    let n_parts = keys.len().div_ceil(PART);
+    // Every value of these is written below before it is read: no zeroing between queries.
+    let Scratch {
+        max: maxes,
+        sum: sums,
+        out: outs,
+        keys: part_keys,
+        scores,
+        weights,
+    } = scratch;
+    for (v, len) in [
+        (&mut *maxes, heads),
+        (&mut *sums, heads),
+        (&mut *outs, width),
+    ] {
+        if v.len() < n_parts * len {
+            v.resize(n_parts * len, 0.0);
+        }
+    }
+    let each = keys
+        .chunks(PART)
+        .zip(maxes.chunks_mut(heads))
+        .zip(sums.chunks_mut(heads))
+        .zip(outs.chunks_mut(width));
+    if split {
+        // Each part on whichever worker takes it, with its own keys and scores.
+        each.collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each(|(((part, max), sum), out)| {
+                let (mut k, mut s) = (Vec::new(), Vec::new());
+                attend_part(a, i, part, &mut k, &mut s, max, sum, out);
+            });
+    } else {
+        for (((part, max), sum), out) in each {
+            attend_part(a, i, part, part_keys, scores, max, sum, out);
+        }
+    }
+    // Softmax per head over every part's keys, with the sink logit in the denominator only.
+    let sinks = &a.sinks.0;
+    weights.resize(n_parts, 0.0);
+    for (h, o) in o.chunks_mut(hd).enumerate().take(heads) {
+        let at = |p: usize| p * heads + h;
+        let max = (0..n_parts).fold(sinks[h], |m, p| m.max(maxes[at(p)]));
+        for (p, w) in weights.iter_mut().enumerate() {
+            *w = (maxes[at(p)] - max).exp();
+        }
+        let den =
+            (sinks[h] - max).exp() + (0..n_parts).map(|p| weights[p] * sums[at(p)]).sum::<f32>();
+        o.fill(0.0);
+        for (p, w) in weights.iter().enumerate() {
+            let c = w / den;
+            o.iter_mut()
+                .zip(&outs[p * width + h * hd..p * width + (h + 1) * hd])
+                .for_each(|(o, &v)| *o += c * v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuIndex;
+    use crate::backend::{Backend, Placement, RowLayout, Rows};
+    use crate::formats::rows::RowCodec;
+
+    /// Deterministic values in [-1, 1).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 23) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// A query's keys in parts, computed one part after another and on two threads at once,
+    /// give the same bits, and both match a plain softmax over every key (in f64) with the
+    /// sinks in the denominator.
+    #[test]
+    fn parts_on_any_number_of_threads_give_the_same_bits_as_one_softmax() {
+        let cpu = CpuBackend::new(2).unwrap();
+        let (heads, hd, window) = (8, 64, 128);
+        let (start_pos, new, ring_rows, n_comp, k) = (200, 3, 128, 50, 24);
+        let row_bytes = RowCodec::F32.row_bytes(hd);
+        let ring_values = values(1, ring_rows * hd);
+        let mut ring_buf = cpu.alloc(ring_rows * row_bytes).unwrap();
+        cpu.write_bytes(&mut ring_buf, 0, bytemuck::cast_slice(&ring_values))
+            .unwrap();
+        let comp_values = values(2, n_comp * hd);
+        let mut comp_buf = cpu.alloc(n_comp * row_bytes).unwrap();
+        cpu.write_bytes(&mut comp_buf, 0, bytemuck::cast_slice(&comp_values))
+            .unwrap();
+        let layout = |rows| RowLayout {
+            offset: 0,
+            row_bytes,
+            width: hd,
+            codec: RowCodec::F32,
+            placement: Placement::Ring { rows },
+        };
+        let q = CpuTensor(
+            values(3, new * heads * hd)
+                .iter()
+                .map(|v| v * 4.0)
+                .collect(),
+        );
+        let kv = CpuTensor(values(4, new * hd));
+        let sinks = CpuTensor(values(5, heads));
+        // Each query selects k compressed rows, some slots empty (-1).
+        let sel: Vec<i32> = (0..new * k)
+            .map(|i| {
+                if i % 7 == 3 {
+                    -1
+                } else {
+                    ((i * 13) % n_comp) as i32
+                }
+            })
+            .collect();
+        let sel = CpuIndex(sel);
+        let args = AttentionArgs {
+            q: &q,
+            kv: &kv,
+            rows: 0..new,
+            start_pos,
+            ring: Rows {
+                buffer: &ring_buf,
+                layout: layout(ring_rows),
+                count: start_pos,
+            },
+            window,
+            compressed: Some(Rows {
+                buffer: &comp_buf,
+                layout: layout(n_comp),
+                count: n_comp,
+            }),
+            ratio: 4,
+            selection: Some((&sel, k)),
+            sinks: &sinks,
+            heads,
+            head_dim: hd,
+            scale: 0.125,
+        };
+        // One worker's scratch serves every query in turn, as in a prefill.
+        let mut reused = Scratch::default();
+        for i in 0..new {
+            let (mut one, mut two) = (vec![0.0; heads * hd], vec![0.0; heads * hd]);
+            attend_query(&args, i, &mut one, false, &mut reused);
+            cpu.run(|| attend_query(&args, i, &mut two, true, &mut Scratch::default()));
+            assert_eq!(
+                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                two.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "query {i}: the parts' thread count changed the bits"
+            );
+            // The reference: every key in order, one softmax per head in f64.
+            let pos = start_pos + i;
+            let mut keys: Vec<&[f32]> = Vec::new();
+            for p in pos + 1 - window..=pos {
+                keys.push(if p < start_pos {
+                    &ring_values[(p % ring_rows) * hd..][..hd]
+                } else {
+                    &kv.0[(p - start_pos) * hd..][..hd]
+                });
+            }
+            for &s in &sel.0[i * k..(i + 1) * k] {
+                if s >= 0 {
+                    keys.push(&comp_values[s as usize * hd..][..hd]);
+                }
+            }
+            assert!(keys.len() > 4 * PART, "the keys span several parts");
+            for h in 0..heads {
+                let qh = &q.0[(i * heads + h) * hd..][..hd];
+                let logits: Vec<f64> = keys
+                    .iter()
+                    .map(|key| {
+                        let dot: f64 = qh
+                            .iter()
+                            .zip(*key)
+                            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                            .sum();
+                        dot * 0.125
+                    })
+                    .collect();
+                let sink = f64::from(sinks.0[h]);
+                let max = logits.iter().fold(sink, |m, &l| m.max(l));
+                let den = (sink - max).exp() + logits.iter().map(|l| (l - max).exp()).sum::<f64>();
+                for c in 0..hd {
+                    let want: f64 = logits
+                        .iter()
+                        .zip(&keys)
+                        .map(|(l, key)| (l - max).exp() / den * f64::from(key[c]))
+                        .sum();
+                    let got = f64::from(one[h * hd + c]);
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "query {i} head {h} col {c}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -468,12 +468,16 @@ pub(super) fn gemv_into(
         .map(|r| &x[x_at.offset + r * x_at.row_stride..][..k])
         .collect();
     // Blocks of weight rows (multiples of 4) in parallel; each returns [row][input] results.
-    // Small matrices run in one block: a fork-join costs more than their few microseconds.
+    // Tiny products run in one block: a fork-join costs more than their microsecond or two. A
+    // step keeps its workers spinning (`hot`), so a fork costs little more than that: the
+    // mHC's 24 × 4096 f32 mixes (~30 µs on one thread, 16 a decode step) run on every worker.
+    // Blocks hold at least 16 rows (4 for long rows), so no block is only a few microseconds.
     let threads = rayon::current_num_threads().max(1);
-    let block = if n * k * rows < 1 << 18 {
+    let block = if n * k * rows < 1 << 16 {
         n
     } else {
-        n.div_ceil(threads * 4).next_multiple_of(4).max(16)
+        let min_rows = (16 * 1024 / k.max(1)).clamp(4, 16).next_multiple_of(4);
+        n.div_ceil(threads * 4).next_multiple_of(4).max(min_rows)
     };
     let results: Vec<Vec<f32>> = (0..n.div_ceil(block))
         .into_par_iter()
