@@ -18,25 +18,46 @@ pub(super) fn embed(table: &CpuMatrix, ids: &[i32]) -> Vec<f32> {
 }
 
 /// `1 / sqrt(mean(x²) + eps)`, accumulated in f64 so long rows keep f32-exact results.
-fn inv_rms(x: &[f32], eps: f32) -> f32 {
-    let sum: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+pub(super) fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    // Eight partial sums (f64, as one sum was): independent chains that the compiler keeps in
+    // vector registers. One running sum is one dependent add per value, ~5 µs for a 4096-wide
+    // mHC row, 1.4 ms of every hc_pre of a 512-token prefill.
+    let mut acc = [0f64; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f64::from(v) * f64::from(v);
+        }
+    }
+    let tail: f64 = chunks
+        .remainder()
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum();
+    let sum = acc.iter().sum::<f64>() + tail;
     let mean = (sum / x.len() as f64) as f32;
     1.0 / (mean + eps).sqrt()
 }
 
 pub(super) fn rms_norm(x: &[f32], dim: usize, weight: Option<&[f32]>, eps: f32) -> Vec<f32> {
-    let mut out = x.to_vec();
-    let norm = |v: &mut [f32]| {
+    // Written once from `x` (not copied, then scaled in place: one pass over the output less).
+    let mut out = vec![0.0; x.len()];
+    let norm = |(o, v): (&mut [f32], &[f32])| {
         let r = inv_rms(v, eps);
         match weight {
-            Some(w) => v.iter_mut().zip(w).for_each(|(x, w)| *x = *x * r * w),
-            None => v.iter_mut().for_each(|x| *x *= r),
+            Some(w) => o
+                .iter_mut()
+                .zip(v.iter().zip(w))
+                .for_each(|(o, (x, w))| *o = *x * r * w),
+            None => o.iter_mut().zip(v).for_each(|(o, x)| *o = *x * r),
         }
     };
     if out.len() >= PAR_MIN {
-        out.par_chunks_mut(dim).for_each(norm);
+        out.par_chunks_mut(dim)
+            .zip(x.par_chunks(dim))
+            .for_each(norm);
     } else {
-        out.chunks_mut(dim).for_each(norm);
+        out.chunks_mut(dim).zip(x.chunks(dim)).for_each(norm);
     }
     out
 }
