@@ -325,8 +325,38 @@ pub(super) mod x86 {
     ) {
         assert!(heads.is_multiple_of(4) && width.is_multiple_of(16));
         assert!(p.len() >= heads * n && v.len() >= n * width && out.len() >= heads * width);
+        // Four heads by four 16-column chunks per key: the four weights broadcast once serve
+        // 16 FMAs (one chunk at a time, a key's 4 weights and its row were 5 loads for 4 FMAs:
+        // load-bound). Every output still sums its keys in order, so the bits do not depend
+        // on how columns are grouped.
         for h0 in (0..heads).step_by(4) {
-            for c in (0..width).step_by(16) {
+            let mut c = 0;
+            while c + 64 <= width {
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                for j in 0..n {
+                    let w = [0, 1, 2, 3].map(|t| _mm512_set1_ps(p[(h0 + t) * n + j]));
+                    for (u, row) in acc.iter_mut().enumerate() {
+                        // SAFETY: c + 64 <= width and j < n, so the load is inside `v`.
+                        let vv = unsafe { _mm512_loadu_ps(v.as_ptr().add(j * width + c + 16 * u)) };
+                        for (a, &wt) in row.iter_mut().zip(&w) {
+                            *a = _mm512_fmadd_ps(wt, vv, *a);
+                        }
+                    }
+                }
+                for (u, row) in acc.iter().enumerate() {
+                    for (t, a) in row.iter().enumerate() {
+                        // SAFETY: (h0 + t) < heads and c + 64 <= width: inside `out`.
+                        unsafe {
+                            _mm512_storeu_ps(
+                                out.as_mut_ptr().add((h0 + t) * width + c + 16 * u),
+                                *a,
+                            )
+                        };
+                    }
+                }
+                c += 64;
+            }
+            while c < width {
                 let mut acc = [_mm512_setzero_ps(); 4];
                 for j in 0..n {
                     // SAFETY: c + 16 <= width and j < n, so the load is inside `v`.
@@ -339,6 +369,7 @@ pub(super) mod x86 {
                     // SAFETY: (h0 + t) < heads and c + 16 <= width, so the store is inside `out`.
                     unsafe { _mm512_storeu_ps(out.as_mut_ptr().add((h0 + t) * width + c), *a) };
                 }
+                c += 16;
             }
         }
     }
@@ -641,6 +672,40 @@ mod tests {
             for c in 0..dim {
                 let expected: f32 = (0..n).map(|j| scores[h * n + j] * keys[j * dim + c]).sum();
                 assert!((out[h * dim + c] - expected).abs() < 1e-3);
+            }
+        }
+    }
+
+    /// The weighted-rows kernel sums each output's keys in order with one FMA per key, in
+    /// whatever column groups it takes them: bit for bit a scalar `mul_add` chain, for widths
+    /// with and without a 64-column remainder.
+    #[test]
+    fn weighted_rows_are_one_fma_chain_per_output_in_key_order() {
+        for (heads, n, width) in [(8, 37, 512), (4, 5, 80), (4, 33, 16)] {
+            let p: Vec<f32> = (0..heads * n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let v: Vec<f32> = (0..n * width).map(|i| (i as f32 * 0.11).cos()).collect();
+            let mut out = vec![0.0; heads * width];
+            attention_values(&p, heads, n, &v, width, &mut out);
+            #[cfg(target_arch = "x86_64")]
+            if simd() == Simd::Avx512 {
+                for h in 0..heads {
+                    for c in 0..width {
+                        let want = (0..n)
+                            .fold(0.0f32, |acc, j| p[h * n + j].mul_add(v[j * width + c], acc));
+                        assert_eq!(
+                            out[h * width + c].to_bits(),
+                            want.to_bits(),
+                            "heads {heads} keys {n} width {width}: head {h} column {c}"
+                        );
+                    }
+                }
+                continue;
+            }
+            for h in 0..heads {
+                for c in 0..width {
+                    let want: f32 = (0..n).map(|j| p[h * n + j] * v[j * width + c]).sum();
+                    assert!((out[h * width + c] - want).abs() < 1e-3);
+                }
             }
         }
     }
