@@ -1,6 +1,8 @@
 //! Per-sequence attention state and attention itself: compressor frontiers, the window ring,
 //! the lightning indexer and windowed + compressed attention with sinks.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::{gemm, gemv, pool, CpuBackend, CpuTensor};
@@ -145,76 +147,56 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
 /// prefix-cache hit and a scratch run must. A multiple of 4 (the score kernel's key quads).
 const PART: usize = 32;
 
+/// Consecutive queries of one sequence that share one gathered window: each query's window
+/// keys are a slice of it, so 16 queries copy 143 window rows instead of 16 × 128.
+const TILE: usize = 16;
+
 pub(super) fn attention(seqs: &[AttentionArgs<'_, CpuBackend>], out: &mut CpuTensor) {
     let Some(first) = seqs.first() else { return };
     let width = first.heads * first.head_dim;
-    // Which sequence (and which of its tokens) each batch row belongs to.
-    let mut owner: Vec<Option<(usize, usize)>> = vec![None; out.0.len() / width.max(1)];
-    for (s, a) in seqs.iter().enumerate() {
-        for (i, r) in a.rows.clone().enumerate() {
-            owner[r] = Some((s, i));
-        }
+    // Tiles in batch-row order: (sequence, its tokens).
+    let mut tiles: Vec<(usize, Range<usize>)> = seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(s, a)| {
+            let n = a.rows.len();
+            (0..n)
+                .step_by(TILE)
+                .map(move |i0| (s, i0..(i0 + TILE).min(n)))
+        })
+        .collect();
+    tiles.sort_by_key(|(s, r)| seqs[*s].rows.start + r.start);
+    // Each tile's output rows, cut from `out` in order (rows no sequence owns stay as they are).
+    let mut rest: &mut [f32] = &mut out.0;
+    let mut at = 0;
+    let mut jobs = Vec::with_capacity(tiles.len());
+    for (s, range) in tiles {
+        let start = seqs[s].rows.start + range.start;
+        assert!(start >= at, "attention: sequences' batch rows overlap");
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((start - at) * width);
+        let (mine, tail) = tail.split_at_mut(range.len() * width);
+        (rest, at) = (tail, start + range.len());
+        jobs.push((s, range, mine));
     }
-    // Every query of every sequence in parallel; all heads of a query together: the heads share
+    // Every tile of every sequence in parallel; all heads of a query together: the heads share
     // every key (K = V, one KV head), so keys are gathered once and both products run as small
     // matrix multiplications. With fewer queries than threads (decode), each query's key parts
     // run in parallel too.
-    let queries = owner.iter().filter(|o| o.is_some()).count();
+    let queries: usize = seqs.iter().map(|a| a.rows.len()).sum();
     let split = queries < rayon::current_num_threads();
-    out.0
-        .par_chunks_mut(width)
-        .zip(owner.par_iter())
-        .for_each_init(Scratch::default, |scratch, (o, owner)| {
-            if let Some((s, i)) = *owner {
-                attend_query(&seqs[s], i, o, split, scratch);
-            }
+    jobs.into_par_iter()
+        .for_each_init(Scratch::default, |scratch, (s, range, o)| {
+            attend_tile(&seqs[s], range, o, split, scratch)
         });
 }
 
-/// Where one key of a query comes from.
-#[derive(Clone, Copy)]
-enum Key {
-    /// A window position before this chunk (the ring).
-    Ring(usize),
-    /// A row of this chunk's new K=V rows.
-    New(usize),
-    /// A compressed row.
-    Compressed(usize),
-}
-
-/// A query's keys: window keys in position order, then compressed rows in index order.
-fn keys_of(a: &AttentionArgs<'_, CpuBackend>, i: usize) -> Vec<Key> {
-    let pos = a.start_pos + i;
-    let first = (pos + 1).saturating_sub(a.window);
-    let mut keys: Vec<Key> = (first..=pos)
-        .map(|p| {
-            if p < a.start_pos {
-                Key::Ring(p)
-            } else {
-                Key::New(a.rows.start + (p - a.start_pos))
-            }
-        })
-        .collect();
-    if let Some(comp) = &a.compressed {
-        match a.selection {
-            Some((sel, k)) => keys.extend(
-                sel.0[i * k..(i + 1) * k]
-                    .iter()
-                    .filter(|&&s| s >= 0)
-                    .map(|&s| Key::Compressed(s as usize)),
-            ),
-            None => keys.extend((0..visible_rows(pos, a.ratio, comp.count)).map(Key::Compressed)),
-        }
-    }
-    keys
-}
-
-/// A worker's buffers for the queries it takes, reused from one query to the next: the parts
-/// of one query (per part and head the largest scaled score and the sum of `exp(score − max)`,
-/// `[parts, heads]`, and the rows weighted by those terms, `[parts, heads, head_dim]`), and one
+/// A worker's buffers, reused from one tile to the next: the tile's window rows; the parts of
+/// one query (per part and head the largest scaled score and the sum of `exp(score − max)`,
+/// `[parts, heads]`, and the rows weighted by those terms, `[parts, heads, head_dim]`); one
 /// part's keys and scores.
 #[derive(Default)]
 struct Scratch {
+    window: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
     out: Vec<f32>,
@@ -223,33 +205,94 @@ struct Scratch {
     weights: Vec<f32>,
 }
 
-/// One part's keys, scores and weighted rows; `keys` and `scores` are scratch space.
+/// Queries `range` of one sequence (consecutive positions) into `o` (`[range.len(), heads ·
+/// head_dim]`), with their window rows gathered once.
+fn attend_tile(
+    a: &AttentionArgs<'_, CpuBackend>,
+    range: Range<usize>,
+    o: &mut [f32],
+    split: bool,
+    scratch: &mut Scratch,
+) {
+    let hd = a.head_dim;
+    let width = a.heads * hd;
+    if range.is_empty() {
+        return;
+    }
+    let last = a.start_pos + range.end - 1;
+    let first = (a.start_pos + range.start + 1).saturating_sub(a.window);
+    let mut window = std::mem::take(&mut scratch.window);
+    window.clear();
+    for p in first..=last {
+        if p < a.start_pos {
+            pool::push_row(&a.ring, p, &mut window);
+        } else {
+            let r = a.rows.start + (p - a.start_pos);
+            window.extend_from_slice(&a.kv.0[r * hd..(r + 1) * hd]);
+        }
+    }
+    for (k, i) in range.enumerate() {
+        let pos = a.start_pos + i;
+        let from = (pos + 1).saturating_sub(a.window) - first;
+        let keys = &window[from * hd..(pos + 1 - first) * hd];
+        attend_query(
+            a,
+            i,
+            &mut o[k * width..(k + 1) * width],
+            split,
+            scratch,
+            keys,
+        );
+    }
+    scratch.window = window;
+}
+
+/// A query's compressed rows, in index order (after its window keys).
+fn compressed_keys(a: &AttentionArgs<'_, CpuBackend>, i: usize) -> Vec<usize> {
+    let Some(comp) = &a.compressed else {
+        return Vec::new();
+    };
+    match a.selection {
+        Some((sel, k)) => sel.0[i * k..(i + 1) * k]
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as usize)
+            .collect(),
+        None => (0..visible_rows(a.start_pos + i, a.ratio, comp.count)).collect(),
+    }
+}
+
+/// Keys `range` of a query's list (its `window` rows, then its `compressed` rows): their
+/// scores, and per head their max, sum and weighted rows. A part inside the window reads the
+/// window's rows where they are; `keys` and `scores` are scratch space.
 #[allow(clippy::too_many_arguments)]
 fn attend_part(
     a: &AttentionArgs<'_, CpuBackend>,
     i: usize,
-    part: &[Key],
+    window: &[f32],
+    compressed: &[usize],
+    range: Range<usize>,
     keys: &mut Vec<f32>,
     scores: &mut Vec<f32>,
-    max: &mut [f32],
-    sum: &mut [f32],
-    out: &mut [f32],
+    (max, sum, out): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
     let (heads, hd) = (a.heads, a.head_dim);
     let width = heads * hd;
-    let kv = &a.kv.0;
-    keys.clear();
-    for key in part {
-        match *key {
-            Key::Ring(p) => pool::push_row(&a.ring, p, keys),
-            Key::New(r) => keys.extend_from_slice(&kv[r * hd..(r + 1) * hd]),
-            Key::Compressed(s) => {
-                let comp = a.compressed.as_ref().expect("compressed keys have rows");
-                pool::push_row(comp, s, keys)
-            }
+    let wn = window.len() / hd;
+    let rows: &[f32] = if range.end <= wn {
+        &window[range.start * hd..range.end * hd]
+    } else {
+        keys.clear();
+        if range.start < wn {
+            keys.extend_from_slice(&window[range.start * hd..]);
         }
-    }
-    let n = part.len();
+        let comp = a.compressed.as_ref().expect("compressed keys have rows");
+        for &s in &compressed[range.start.max(wn) - wn..range.end - wn] {
+            pool::push_row(comp, s, keys);
+        }
+        keys
+    };
+    let n = range.len();
     let r = a.rows.start + i;
     scores.clear();
     scores.resize(heads * n, 0.0);
@@ -257,7 +300,7 @@ fn attend_part(
         &a.q.0[r * width..(r + 1) * width],
         heads,
         hd,
-        keys,
+        rows,
         n,
         scores,
     );
@@ -272,32 +315,37 @@ fn attend_part(
         }
         (max[h], sum[h]) = (m, l);
     }
-    gemv::attention_values(scores, heads, n, keys, hd, out);
+    gemv::attention_values(scores, heads, n, rows, hd, out);
 }
 
+/// One query: `window` holds its window keys in position order (contiguous), its compressed
+/// rows follow; parts of [`PART`] keys, merged in order.
 fn attend_query(
     a: &AttentionArgs<'_, CpuBackend>,
     i: usize,
     o: &mut [f32],
     split: bool,
     scratch: &mut Scratch,
+    window: &[f32],
 ) {
     let (heads, hd) = (a.heads, a.head_dim);
     let width = heads * hd;
-    let keys = keys_of(a, i);
-    if keys.is_empty() {
+    let compressed = compressed_keys(a, i);
+    let n_keys = window.len() / hd + compressed.len();
+    if n_keys == 0 {
         o.fill(0.0);
         return;
     }
-    let n_parts = keys.len().div_ceil(PART);
+    let n_parts = n_keys.div_ceil(PART);
     // Every value of these is written below before it is read: no zeroing between queries.
     let Scratch {
         max: maxes,
         sum: sums,
         out: outs,
-        keys: part_keys,
+        keys,
         scores,
         weights,
+        ..
     } = scratch;
     for (v, len) in [
         (&mut *maxes, heads),
@@ -308,22 +356,26 @@ fn attend_query(
             v.resize(n_parts * len, 0.0);
         }
     }
-    let each = keys
-        .chunks(PART)
-        .zip(maxes.chunks_mut(heads))
+    let range = |p: usize| p * PART..((p + 1) * PART).min(n_keys);
+    let each = maxes
+        .chunks_mut(heads)
         .zip(sums.chunks_mut(heads))
-        .zip(outs.chunks_mut(width));
+        .zip(outs.chunks_mut(width))
+        .take(n_parts)
+        .enumerate();
     if split {
         // Each part on whichever worker takes it, with its own keys and scores.
         each.collect::<Vec<_>>()
             .into_par_iter()
-            .for_each(|(((part, max), sum), out)| {
+            .for_each(|(p, ((max, sum), out))| {
                 let (mut k, mut s) = (Vec::new(), Vec::new());
-                attend_part(a, i, part, &mut k, &mut s, max, sum, out);
+                let to = (max, sum, out);
+                attend_part(a, i, window, &compressed, range(p), &mut k, &mut s, to);
             });
     } else {
-        for (((part, max), sum), out) in each {
-            attend_part(a, i, part, part_keys, scores, max, sum, out);
+        for (p, ((max, sum), out)) in each {
+            let to = (max, sum, out);
+            attend_part(a, i, window, &compressed, range(p), keys, scores, to);
         }
     }
     // Softmax per head over every part's keys, with the sink logit in the denominator only.
@@ -367,8 +419,8 @@ mod tests {
             .collect()
     }
 
-    /// A query's keys in parts, computed one part after another and on two threads at once,
-    /// give the same bits, and both match a plain softmax over every key (in f64) with the
+    /// A query's keys in parts, computed one part after another within a tile of queries and
+    /// alone on two threads at once, give the same bits, and both match a plain softmax over every key (in f64) with the
     /// sinks in the denominator.
     #[test]
     fn parts_on_any_number_of_threads_give_the_same_bits_as_one_softmax() {
@@ -433,12 +485,14 @@ mod tests {
             head_dim: hd,
             scale: 0.125,
         };
-        // One worker's scratch serves every query in turn, as in a prefill.
-        let mut reused = Scratch::default();
+        // The whole chunk as one tile, one worker's scratch for every query (a prefill), and
+        // each query alone with its parts on two threads (a decode step).
+        let mut all = vec![0.0; new * heads * hd];
+        attend_tile(&args, 0..new, &mut all, false, &mut Scratch::default());
         for i in 0..new {
-            let (mut one, mut two) = (vec![0.0; heads * hd], vec![0.0; heads * hd]);
-            attend_query(&args, i, &mut one, false, &mut reused);
-            cpu.run(|| attend_query(&args, i, &mut two, true, &mut Scratch::default()));
+            let one = &all[i * heads * hd..(i + 1) * heads * hd];
+            let mut two = vec![0.0; heads * hd];
+            cpu.run(|| attend_tile(&args, i..i + 1, &mut two, true, &mut Scratch::default()));
             assert_eq!(
                 one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 two.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
