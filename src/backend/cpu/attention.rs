@@ -143,8 +143,10 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
 /// Keys per part of one query's attention. Each part's softmax is taken on its own and the
 /// parts are merged in order (flash-decoding), so a query's output does not depend on how many
 /// threads computed its parts: a decode step (one query, its parts on every worker) and a
-/// prefill (many queries, each one's parts in turn) give the same bits for the same keys, as a
-/// prefix-cache hit and a scratch run must. A multiple of 4 (the score kernel's key quads).
+/// prefill (many queries, each one's parts in turn) give the same bits for the same keys. (A
+/// prefix-cache hit can still differ from a scratch run by rounding elsewhere: a chunk of up
+/// to 16 tokens runs its projections as matrix-vector products, a longer one as GEMMs.) A
+/// multiple of 4 (the score kernel's key quads).
 const PART: usize = 32;
 
 /// Consecutive queries of one sequence that share one gathered window: each query's window
