@@ -115,6 +115,24 @@ impl RowCodec {
         }
     }
 
+    /// Appends a stored row's `width` values to `out`: f32 rows as they are read (a gather of
+    /// cold window rows would otherwise write each row twice: zeroes, then the values), other
+    /// formats decoded into the appended space.
+    #[inline]
+    pub fn decode_append(self, bytes: &[u8], width: usize, out: &mut Vec<f32>) {
+        if self == Self::F32 {
+            out.extend(
+                bytes[..4 * width]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+            return;
+        }
+        let start = out.len();
+        out.resize(start + width, 0.0);
+        self.decode(bytes, &mut out[start..]);
+    }
+
     /// Decodes a stored row into `out` (its width).
     pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
         let width = out.len();

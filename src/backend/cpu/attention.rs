@@ -359,23 +359,26 @@ fn attend_query(
         }
     }
     let range = |p: usize| p * PART..((p + 1) * PART).min(n_keys);
-    let each = maxes
-        .chunks_mut(heads)
-        .zip(sums.chunks_mut(heads))
-        .zip(outs.chunks_mut(width))
-        .take(n_parts)
-        .enumerate();
+    let (maxes, sums) = (&mut maxes[..n_parts * heads], &mut sums[..n_parts * heads]);
+    let outs = &mut outs[..n_parts * width];
     if split {
         // Each part on whichever worker takes it, with its own keys and scores.
-        each.collect::<Vec<_>>()
-            .into_par_iter()
+        maxes
+            .par_chunks_mut(heads)
+            .zip(sums.par_chunks_mut(heads))
+            .zip(outs.par_chunks_mut(width))
+            .enumerate()
             .for_each(|(p, ((max, sum), out))| {
                 let (mut k, mut s) = (Vec::new(), Vec::new());
                 let to = (max, sum, out);
                 attend_part(a, i, window, &compressed, range(p), &mut k, &mut s, to);
             });
     } else {
-        for (p, ((max, sum), out)) in each {
+        let each = maxes
+            .chunks_mut(heads)
+            .zip(sums.chunks_mut(heads))
+            .zip(outs.chunks_mut(width));
+        for (p, ((max, sum), out)) in each.enumerate() {
             let to = (max, sum, out);
             attend_part(a, i, window, &compressed, range(p), keys, scores, to);
         }
@@ -422,8 +425,8 @@ mod tests {
     }
 
     /// A query's keys in parts, computed one part after another within a tile of queries and
-    /// alone on two threads at once, give the same bits, and both match a plain softmax over every key (in f64) with the
-    /// sinks in the denominator.
+    /// alone on two threads at once, give the same bits, and both match a plain softmax over
+    /// every key (in f64) with the sinks in the denominator.
     #[test]
     fn parts_on_any_number_of_threads_give_the_same_bits_as_one_softmax() {
         let cpu = CpuBackend::new(2).unwrap();
