@@ -7,6 +7,7 @@ mod gemm;
 mod gemv;
 mod hc;
 mod hot;
+mod huge_pages;
 mod moe;
 mod ops;
 mod pool;
@@ -80,6 +81,17 @@ impl CpuMatrix {
 }
 
 impl MatrixData {
+    /// Puts the weights on huge pages where the kernel can (see `huge_pages`).
+    fn advise_huge_pages(&self) {
+        match self {
+            MatrixData::F32(v) => huge_pages::advise(v),
+            MatrixData::Bf16(v) => huge_pages::advise(v),
+            MatrixData::Native(n) => n.for_each_buffer(huge_pages::advise),
+            // Each part was advised when it was made.
+            MatrixData::Stacked(_) => {}
+        }
+    }
+
     /// Row `r` of a `cols`-wide matrix as f32 into `out[..cols]`.
     fn row_into(&self, cols: usize, r: usize, out: &mut [f32]) {
         match self {
@@ -375,6 +387,7 @@ impl Backend for CpuBackend {
                 None => MatrixData::F32(weight.to_f32()),
             },
         };
+        data.advise_huge_pages();
         Ok(CpuMatrix { rows, cols, data })
     }
 

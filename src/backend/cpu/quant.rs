@@ -101,6 +101,24 @@ impl Native {
         }
     }
 
+    /// Calls `f` on each buffer this matrix holds (values, then scales).
+    pub(crate) fn for_each_buffer(&self, mut f: impl FnMut(&[u8])) {
+        match self {
+            Native::Fp8 {
+                values, exponents, ..
+            } => {
+                f(values);
+                f(exponents);
+            }
+            Native::Fp4 {
+                packed, exponents, ..
+            } => {
+                f(packed);
+                f(exponents);
+            }
+        }
+    }
+
     pub(crate) fn name(&self) -> &'static str {
         match self {
             Native::Fp8 { .. } => "fp8_e4m3",
