@@ -208,7 +208,8 @@ struct Scratch {
 }
 
 /// Queries `range` of one sequence (consecutive positions) into `o` (`[range.len(), heads ·
-/// head_dim]`), with their window rows gathered once.
+/// head_dim]`). Their window rows are read where they are when the ring stores f32 (at most
+/// two runs of ring rows, then the new rows); otherwise they are decoded once for the tile.
 fn attend_tile(
     a: &AttentionArgs<'_, CpuBackend>,
     range: Range<usize>,
@@ -223,30 +224,49 @@ fn attend_tile(
     }
     let last = a.start_pos + range.end - 1;
     let first = (a.start_pos + range.start + 1).saturating_sub(a.window);
+    let new_rows = |from: usize, to: usize| {
+        let r = |p: usize| a.rows.start + (p - a.start_pos);
+        &a.kv.0[r(from) * hd..r(to) * hd]
+    };
+    if let Some((ring, ring_rows)) = pool::f32_ring(&a.ring) {
+        for (k, i) in range.enumerate() {
+            let pos = a.start_pos + i;
+            let from = (pos + 1).saturating_sub(a.window);
+            let mut runs = ring_runs(ring, ring_rows, hd, from..a.start_pos);
+            runs.push(new_rows(from.max(a.start_pos), pos + 1));
+            let o = &mut o[k * width..(k + 1) * width];
+            attend_query(a, i, o, split, scratch, &runs);
+        }
+        return;
+    }
     let mut window = std::mem::take(&mut scratch.window);
     window.clear();
-    for p in first..=last {
-        if p < a.start_pos {
-            pool::push_row(&a.ring, p, &mut window);
-        } else {
-            let r = a.rows.start + (p - a.start_pos);
-            window.extend_from_slice(&a.kv.0[r * hd..(r + 1) * hd]);
-        }
+    for p in first..a.start_pos.min(last + 1) {
+        pool::push_row(&a.ring, p, &mut window);
     }
+    window.extend_from_slice(new_rows(first.max(a.start_pos), last + 1));
     for (k, i) in range.enumerate() {
         let pos = a.start_pos + i;
         let from = (pos + 1).saturating_sub(a.window) - first;
         let keys = &window[from * hd..(pos + 1 - first) * hd];
-        attend_query(
-            a,
-            i,
-            &mut o[k * width..(k + 1) * width],
-            split,
-            scratch,
-            keys,
-        );
+        let o = &mut o[k * width..(k + 1) * width];
+        attend_query(a, i, o, split, scratch, &[keys]);
     }
     scratch.window = window;
+}
+
+/// Positions `range` of a ring of `ring_rows` f32 rows (`ring`, `width` values each) as at
+/// most two runs of rows in position order (the second where the ring wraps).
+fn ring_runs(ring: &[f32], ring_rows: usize, width: usize, range: Range<usize>) -> Vec<&[f32]> {
+    let mut runs = Vec::with_capacity(3);
+    let mut p = range.start;
+    while p < range.end {
+        let slot = p % ring_rows;
+        let n = (ring_rows - slot).min(range.end - p);
+        runs.push(&ring[slot * width..(slot + n) * width]);
+        p += n;
+    }
+    runs
 }
 
 /// A query's compressed rows, in index order (after its window keys).
@@ -264,14 +284,14 @@ fn compressed_keys(a: &AttentionArgs<'_, CpuBackend>, i: usize) -> Vec<usize> {
     }
 }
 
-/// Keys `range` of a query's list (its `window` rows, then its `compressed` rows): their
-/// scores, and per head their max, sum and weighted rows. A part inside the window reads the
-/// window's rows where they are; `keys` and `scores` are scratch space.
+/// Keys `range` of a query's list (its `window` rows, runs of rows in position order, then
+/// its `compressed` rows): their scores, and per head their max, sum and weighted rows. A part
+/// inside one run reads its rows where they are; `keys` and `scores` are scratch space.
 #[allow(clippy::too_many_arguments)]
 fn attend_part(
     a: &AttentionArgs<'_, CpuBackend>,
     i: usize,
-    window: &[f32],
+    window: &[&[f32]],
     compressed: &[usize],
     range: Range<usize>,
     keys: &mut Vec<f32>,
@@ -280,19 +300,38 @@ fn attend_part(
 ) {
     let (heads, hd) = (a.heads, a.head_dim);
     let width = heads * hd;
-    let wn = window.len() / hd;
-    let rows: &[f32] = if range.end <= wn {
-        &window[range.start * hd..range.end * hd]
-    } else {
-        keys.clear();
-        if range.start < wn {
-            keys.extend_from_slice(&window[range.start * hd..]);
+    let mut in_place = None;
+    let mut at = 0;
+    for run in window {
+        let n = run.len() / hd;
+        if at <= range.start && range.end <= at + n {
+            in_place = Some(&run[(range.start - at) * hd..(range.end - at) * hd]);
+            break;
         }
-        let comp = a.compressed.as_ref().expect("compressed keys have rows");
-        for &s in &compressed[range.start.max(wn) - wn..range.end - wn] {
-            pool::push_row(comp, s, keys);
+        at += n;
+    }
+    let rows: &[f32] = match in_place {
+        Some(rows) => rows,
+        None => {
+            keys.clear();
+            let mut at = 0;
+            for run in window {
+                let n = run.len() / hd;
+                let (lo, hi) = (range.start.max(at), range.end.min(at + n));
+                if lo < hi {
+                    keys.extend_from_slice(&run[(lo - at) * hd..(hi - at) * hd]);
+                }
+                at += n;
+            }
+            let wn = at;
+            if range.end > wn {
+                let comp = a.compressed.as_ref().expect("compressed keys have rows");
+                for &s in &compressed[range.start.max(wn) - wn..range.end - wn] {
+                    pool::push_row(comp, s, keys);
+                }
+            }
+            keys
         }
-        keys
     };
     let n = range.len();
     let r = a.rows.start + i;
@@ -320,7 +359,7 @@ fn attend_part(
     gemv::attention_values(scores, heads, n, rows, hd, out);
 }
 
-/// One query: `window` holds its window keys in position order (contiguous), its compressed
+/// One query: `window` holds its window keys in position order (runs of rows), its compressed
 /// rows follow; parts of [`PART`] keys, merged in order.
 fn attend_query(
     a: &AttentionArgs<'_, CpuBackend>,
@@ -328,12 +367,12 @@ fn attend_query(
     o: &mut [f32],
     split: bool,
     scratch: &mut Scratch,
-    window: &[f32],
+    window: &[&[f32]],
 ) {
     let (heads, hd) = (a.heads, a.head_dim);
     let width = heads * hd;
     let compressed = compressed_keys(a, i);
-    let n_keys = window.len() / hd + compressed.len();
+    let n_keys = window.iter().map(|r| r.len()).sum::<usize>() / hd + compressed.len();
     if n_keys == 0 {
         o.fill(0.0);
         return;
@@ -426,26 +465,40 @@ mod tests {
 
     /// A query's keys in parts, computed one part after another within a tile of queries and
     /// alone on two threads at once, give the same bits, and both match a plain softmax over
-    /// every key (in f64) with the sinks in the denominator.
+    /// every key (in f64) with the sinks in the denominator. The window ring is read in place
+    /// (f32 rows, wrapping around the ring) and decoded (bf16 rows holding the same values):
+    /// the same bits again.
     #[test]
     fn parts_on_any_number_of_threads_give_the_same_bits_as_one_softmax() {
         let cpu = CpuBackend::new(2).unwrap();
         let (heads, hd, window) = (8, 64, 128);
         let (start_pos, new, ring_rows, n_comp, k) = (200, 3, 128, 50, 24);
         let row_bytes = RowCodec::F32.row_bytes(hd);
-        let ring_values = values(1, ring_rows * hd);
-        let mut ring_buf = cpu.alloc(ring_rows * row_bytes).unwrap();
-        cpu.write_bytes(&mut ring_buf, 0, bytemuck::cast_slice(&ring_values))
-            .unwrap();
+        // Values bf16 holds exactly, so a bf16 ring stores the same keys.
+        let ring_values: Vec<f32> = values(1, ring_rows * hd)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let ring_in = |codec: RowCodec| {
+            let rb = codec.row_bytes(hd);
+            let mut bytes = vec![0u8; ring_rows * rb];
+            for (row, out) in ring_values.chunks(hd).zip(bytes.chunks_mut(rb)) {
+                codec.encode(row, out);
+            }
+            let mut buf = cpu.alloc(bytes.len()).unwrap();
+            cpu.write_bytes(&mut buf, 0, &bytes).unwrap();
+            buf
+        };
+        let (ring_f32, ring_bf16) = (ring_in(RowCodec::F32), ring_in(RowCodec::Bf16));
         let comp_values = values(2, n_comp * hd);
         let mut comp_buf = cpu.alloc(n_comp * row_bytes).unwrap();
         cpu.write_bytes(&mut comp_buf, 0, bytemuck::cast_slice(&comp_values))
             .unwrap();
-        let layout = |rows| RowLayout {
+        let layout = |rows, codec: RowCodec| RowLayout {
             offset: 0,
-            row_bytes,
+            row_bytes: codec.row_bytes(hd),
             width: hd,
-            codec: RowCodec::F32,
+            codec,
             placement: Placement::Ring { rows },
         };
         let q = CpuTensor(
@@ -467,20 +520,20 @@ mod tests {
             })
             .collect();
         let sel = CpuIndex(sel);
-        let args = AttentionArgs {
+        let args = |ring_buf, codec| AttentionArgs {
             q: &q,
             kv: &kv,
             rows: 0..new,
             start_pos,
             ring: Rows {
-                buffer: &ring_buf,
-                layout: layout(ring_rows),
+                buffer: ring_buf,
+                layout: layout(ring_rows, codec),
                 count: start_pos,
             },
             window,
             compressed: Some(Rows {
                 buffer: &comp_buf,
-                layout: layout(n_comp),
+                layout: layout(n_comp, RowCodec::F32),
                 count: n_comp,
             }),
             ratio: 4,
@@ -490,19 +543,43 @@ mod tests {
             head_dim: hd,
             scale: 0.125,
         };
+        let (in_place, decoded) = (
+            args(&ring_f32, RowCodec::F32),
+            args(&ring_bf16, RowCodec::Bf16),
+        );
+        assert!(
+            pool::f32_ring(&in_place.ring).is_some() && pool::f32_ring(&decoded.ring).is_none()
+        );
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         // The whole chunk as one tile, one worker's scratch for every query (a prefill), and
         // each query alone with its parts on two threads (a decode step).
         let mut all = vec![0.0; new * heads * hd];
-        attend_tile(&args, 0..new, &mut all, false, &mut Scratch::default());
+        attend_tile(&in_place, 0..new, &mut all, false, &mut Scratch::default());
+        let mut all_decoded = vec![0.0; new * heads * hd];
+        attend_tile(
+            &decoded,
+            0..new,
+            &mut all_decoded,
+            false,
+            &mut Scratch::default(),
+        );
+        assert_eq!(
+            bits(&all),
+            bits(&all_decoded),
+            "ring read in place vs decoded"
+        );
         for i in 0..new {
             let one = &all[i * heads * hd..(i + 1) * heads * hd];
-            let mut two = vec![0.0; heads * hd];
-            cpu.run(|| attend_tile(&args, i..i + 1, &mut two, true, &mut Scratch::default()));
-            assert_eq!(
-                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                two.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "query {i}: the parts' thread count changed the bits"
-            );
+            for a in [&in_place, &decoded] {
+                let mut two = vec![0.0; heads * hd];
+                cpu.run(|| attend_tile(a, i..i + 1, &mut two, true, &mut Scratch::default()));
+                assert_eq!(
+                    bits(one),
+                    bits(&two),
+                    "query {i} ({:?} ring): the parts' thread count changed the bits",
+                    a.ring.layout.codec
+                );
+            }
             // The reference: every key in order, one softmax per head in f64.
             let pos = start_pos + i;
             let mut keys: Vec<&[f32]> = Vec::new();

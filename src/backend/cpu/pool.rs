@@ -7,8 +7,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{RowLayout, Rows};
+use crate::backend::{Placement, RowLayout, Rows};
 use crate::error::{Error, ErrorKind, Result};
+use crate::formats::rows::RowCodec;
 
 /// Pool bytes are viewed as f32 in place. 16 is also the most the system allocator's
 /// `calloc` path takes: a larger alignment makes `alloc_zeroed` write every byte, while
@@ -239,6 +240,23 @@ pub(super) fn push_row(rows: &Rows<'_, super::CpuBackend>, r: usize, out: &mut V
     let at = l.row_offset(r);
     l.codec
         .decode_append(rows.buffer.range(at, l.row_bytes), l.width, out);
+}
+
+/// A ring of f32 rows as the values it holds, where they are (`[ring rows, width]` in slot
+/// order), and its row count; `None` for any other format or placement (decode those rows).
+pub(super) fn f32_ring<'a>(rows: &Rows<'a, super::CpuBackend>) -> Option<(&'a [f32], usize)> {
+    let l = &rows.layout;
+    let Placement::Ring { rows: n } = l.placement else {
+        return None;
+    };
+    // Stored f32 rows are little-endian bytes: the same values in place only on such targets.
+    if l.codec != RowCodec::F32 || l.row_bytes != 4 * l.width || cfg!(target_endian = "big") {
+        return None;
+    }
+    let buffer: &'a CpuBuffer = rows.buffer;
+    bytemuck::try_cast_slice(buffer.range(l.offset, n * l.row_bytes))
+        .ok()
+        .map(|v| (v, n))
 }
 
 /// Decodes rows `range` into a contiguous `[range.len(), width]` block.
