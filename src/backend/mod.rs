@@ -471,6 +471,24 @@ pub trait Backend: Send + Sync + 'static {
         hc: usize,
         dim: usize,
     ) -> Result<Self::Tensor>;
+    /// [`Self::hc_post`], then [`Self::hc_pre`] of the next block (`next`) on its result:
+    /// the new streams and their mix. `x` is consumed: a backend may write the new streams
+    /// over it, and do both in one pass over the streams.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_post_pre(
+        &self,
+        out: &Self::Tensor,
+        x: Self::Tensor,
+        mix: &HcMix<Self>,
+        rows: usize,
+        hc: usize,
+        dim: usize,
+        next: &HcParams<'_, Self>,
+    ) -> Result<(Self::Tensor, HcMix<Self>)> {
+        let streams = self.hc_post(out, &x, mix, rows, hc, dim)?;
+        let mix = self.hc_pre(&streams, rows, next)?;
+        Ok((streams, mix))
+    }
     /// The final collapse (no Sinkhorn): `Σ_i (sigmoid(mix_i·scale + base_i) + eps) · x[i]`.
     fn hc_head(
         &self,

@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::diagnose::{Site, Watch};
 use super::{Attention, Block, Hc, Model, Moe, Router};
 use crate::backend::{
-    AttentionArgs, Backend, CompressArgs, HcParams, IndexerArgs, RouteArgs, RouteKind,
+    AttentionArgs, Backend, CompressArgs, HcMix, HcParams, IndexerArgs, RouteArgs, RouteKind,
 };
 use crate::config::params::NumericsMode;
 use crate::config::AttentionKind;
@@ -126,8 +126,13 @@ impl<B: Backend> Model<B> {
         let x = b.embed(&self.embed, &step.tokens)?;
         watch.rows(b, &x, |_| Site::outside("embedding", &["embed.weight"]))?;
         let mut streams = b.hc_expand(&x, n, c.hc_mult, d)?;
+        // Each block's FFN residual also makes the next block's attention mix (one pass over
+        // the streams where the backend fuses them: `hc_post_pre`).
+        let mut mix = None;
         for (l, block) in self.blocks.iter().enumerate() {
-            streams = self.block(l, block, &streams, &step, &segments, kv, chunks, watch)?;
+            let next = self.blocks.get(l + 1);
+            let io = (streams, mix.take(), next);
+            (streams, mix) = self.block(l, block, io, &step, &segments, kv, chunks, watch)?;
         }
         let h = b.hc_head(&streams, n, &self.hc(&self.hc_head))?;
         watch.rows(b, &h, |_| {
@@ -190,17 +195,20 @@ impl<B: Backend> Model<B> {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// Block `l` on `streams`: its output streams and, given the next block, that block's
+    /// attention mix of them. `mix` is this block's attention mix when the block before made
+    /// it.
     fn block(
         &self,
         l: usize,
         block: &Block<B>,
-        streams: &B::Tensor,
+        (streams, mix, next): (B::Tensor, Option<HcMix<B>>, Option<&Block<B>>),
         step: &StepIndex<B>,
         segments: &[Segment<B>],
         kv: &mut KvPools<B>,
         chunks: &mut [Chunk<'_>],
         watch: &mut Watch,
-    ) -> Result<B::Tensor> {
+    ) -> Result<(B::Tensor, Option<HcMix<B>>)> {
         let c = &self.config;
         let b = self.backend();
         let (n, d, hc) = (step.rows, c.hidden_size, c.hc_mult);
@@ -209,7 +217,10 @@ impl<B: Backend> Model<B> {
         let site = |step, weights: &[&str]| Site::layer(l, kind, step, weights);
         const HC_ATTN: [&str; 3] = ["hc_attn_fn", "hc_attn_base", "hc_attn_scale"];
         const HC_FFN: [&str; 3] = ["hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"];
-        let mix = b.hc_pre(streams, n, &self.hc(&block.attn_hc))?;
+        let mix = match mix {
+            Some(mix) => mix,
+            None => b.hc_pre(&streams, n, &self.hc(&block.attn_hc))?,
+        };
         watch.rows(b, &mix.collapsed, |_| {
             site("attention hyper-connection mix", &HC_ATTN)
         })?;
@@ -226,22 +237,28 @@ impl<B: Backend> Model<B> {
             chunks,
             watch,
         )?;
-        let streams = b.hc_post(&a, streams, &mix, n, hc, d)?;
+        let (streams, mix) = b.hc_post_pre(&a, streams, &mix, n, hc, d, &self.hc(&block.ffn_hc))?;
         watch.rows(b, &streams, |_| {
             site("attention residual (hyper-connection post)", &HC_ATTN)
         })?;
-        let mix = b.hc_pre(&streams, n, &self.hc(&block.ffn_hc))?;
         watch.rows(b, &mix.collapsed, |_| {
             site("FFN hyper-connection mix", &HC_FFN)
         })?;
         let x = b.rms_norm(&mix.collapsed, n, d, Some(&block.ffn_norm), eps)?;
         watch.rows(b, &x, |_| site("FFN norm", &["ffn_norm.weight"]))?;
         let m = self.moe(l, kind, &block.ffn, &x, step, watch)?;
-        let out = b.hc_post(&m, &streams, &mix, n, hc, d)?;
+        let (out, next_mix) = match next {
+            Some(next) => {
+                let p = self.hc(&next.attn_hc);
+                let (out, mix) = b.hc_post_pre(&m, streams, &mix, n, hc, d, &p)?;
+                (out, Some(mix))
+            }
+            None => (b.hc_post(&m, &streams, &mix, n, hc, d)?, None),
+        };
         watch.rows(b, &out, |_| {
             site("FFN residual (hyper-connection post)", &HC_FFN)
         })?;
-        Ok(out)
+        Ok((out, next_mix))
     }
 
     #[allow(clippy::too_many_arguments)]

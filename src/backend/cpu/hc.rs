@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use super::ops::inv_rms;
-use super::{gemm, CpuBackend, CpuMatrix};
+use super::{gemm, gemv, CpuBackend, CpuMatrix};
 use crate::backend::{Backend, HcMix, HcParams};
 
 fn sigmoid(x: f32) -> f32 {
@@ -39,41 +39,195 @@ pub(super) fn pre(
     rows: usize,
     p: &HcParams<'_, CpuBackend>,
 ) -> HcMix<CpuBackend> {
-    let (hc, dim) = (p.hc, p.dim);
     let logits = mixes(x, rows, p);
-    let n_mix = (2 + hc) * hc;
-    let (base, scale) = (&p.base.0, &p.scale.0);
-    let mut pre = vec![0.0; rows * hc];
-    let mut post = vec![0.0; rows * hc];
-    let mut comb = vec![0.0; rows * hc * hc];
-    pre.par_chunks_mut(hc)
-        .zip(post.par_chunks_mut(hc))
-        .zip(comb.par_chunks_mut(hc * hc))
-        .zip(logits.par_chunks(n_mix))
-        .for_each(|(((pre, post), comb), mix)| {
-            for i in 0..hc {
-                pre[i] = sigmoid(mix[i] * scale[0] + base[i]) + p.hc_eps;
-                post[i] = 2.0 * sigmoid(mix[hc + i] * scale[1] + base[hc + i]);
-            }
-            for (c, (&m, &bias)) in comb
-                .iter_mut()
-                .zip(mix[2 * hc..].iter().zip(&base[2 * hc..]))
-            {
-                *c = m * scale[2] + bias;
-            }
-            sinkhorn(comb, hc, p.sinkhorn_iters, p.hc_eps);
-        });
-    let mut collapsed = vec![0.0; rows * dim];
-    collapsed
-        .par_chunks_mut(dim)
-        .zip(x.par_chunks(hc * dim))
-        .zip(pre.par_chunks(hc))
-        .for_each(|((out, streams), pre)| weighted_sum(out, streams, pre, dim));
-    HcMix {
-        collapsed: b.wrap(collapsed),
-        post: b.wrap(post),
-        comb: b.wrap(comb),
+    let mut mix = Mix::new(rows, p);
+    mix.rows_mut()
+        .zip(logits.par_chunks(n_mix(p)))
+        .zip(x.par_chunks(p.hc * p.dim))
+        .for_each(|((row, logits), streams)| row.finish(logits, streams, p));
+    mix.wrap(b)
+}
+
+/// Logits per row: `pre`, `post` and `comb` (`hc` + `hc` + `hc²`).
+fn n_mix(p: &HcParams<'_, CpuBackend>) -> usize {
+    (2 + p.hc) * p.hc
+}
+
+/// A mix being made: per row the collapsed input, `post` and `comb`.
+struct Mix {
+    collapsed: Vec<f32>,
+    post: Vec<f32>,
+    comb: Vec<f32>,
+    hc: usize,
+    dim: usize,
+}
+
+/// One row of a [`Mix`].
+struct MixRow<'a> {
+    collapsed: &'a mut [f32],
+    post: &'a mut [f32],
+    comb: &'a mut [f32],
+}
+
+impl Mix {
+    fn new(rows: usize, p: &HcParams<'_, CpuBackend>) -> Self {
+        let (hc, dim) = (p.hc, p.dim);
+        Mix {
+            collapsed: vec![0.0; rows * dim],
+            post: vec![0.0; rows * hc],
+            comb: vec![0.0; rows * hc * hc],
+            hc,
+            dim,
+        }
     }
+
+    /// The rows, in parallel.
+    fn rows_mut(&mut self) -> impl IndexedParallelIterator<Item = MixRow<'_>> {
+        let (hc, dim) = (self.hc, self.dim);
+        self.collapsed
+            .par_chunks_mut(dim)
+            .zip(self.post.par_chunks_mut(hc))
+            .zip(self.comb.par_chunks_mut(hc * hc))
+            .map(|((collapsed, post), comb)| MixRow {
+                collapsed,
+                post,
+                comb,
+            })
+    }
+
+    /// The rows in tiles of [`TILE`], each tile's rows in order.
+    fn tiles_mut(&mut self) -> impl Iterator<Item = Vec<MixRow<'_>>> {
+        let (hc, dim) = (self.hc, self.dim);
+        self.collapsed
+            .chunks_mut(TILE * dim)
+            .zip(self.post.chunks_mut(TILE * hc))
+            .zip(self.comb.chunks_mut(TILE * hc * hc))
+            .map(move |((collapsed, post), comb)| {
+                collapsed
+                    .chunks_mut(dim)
+                    .zip(post.chunks_mut(hc))
+                    .zip(comb.chunks_mut(hc * hc))
+                    .map(|((collapsed, post), comb)| MixRow {
+                        collapsed,
+                        post,
+                        comb,
+                    })
+                    .collect()
+            })
+    }
+
+    fn wrap(self, b: &CpuBackend) -> HcMix<CpuBackend> {
+        HcMix {
+            collapsed: b.wrap(self.collapsed),
+            post: b.wrap(self.post),
+            comb: b.wrap(self.comb),
+        }
+    }
+}
+
+impl MixRow<'_> {
+    /// From one row's logits (already times its streams' `inv_rms`): the `pre` weights (which
+    /// collapse `streams` into this row's input), `post`, and `comb` through Sinkhorn.
+    fn finish(self, logits: &[f32], streams: &[f32], p: &HcParams<'_, CpuBackend>) {
+        let hc = p.hc;
+        let (base, scale) = (&p.base.0, &p.scale.0);
+        // `hc` is 4 in the release: on the stack up to 16, else allocated.
+        let (mut small, mut large) = ([0.0f32; 16], Vec::new());
+        let pre = if hc <= small.len() {
+            &mut small[..hc]
+        } else {
+            large.resize(hc, 0.0);
+            &mut large[..]
+        };
+        for i in 0..hc {
+            pre[i] = sigmoid(logits[i] * scale[0] + base[i]) + p.hc_eps;
+            self.post[i] = 2.0 * sigmoid(logits[hc + i] * scale[1] + base[hc + i]);
+        }
+        for (c, (&m, &bias)) in self
+            .comb
+            .iter_mut()
+            .zip(logits[2 * hc..].iter().zip(&base[2 * hc..]))
+        {
+            *c = m * scale[2] + bias;
+        }
+        sinkhorn(self.comb, hc, p.sinkhorn_iters, p.hc_eps);
+        weighted_sum(self.collapsed, streams, pre, p.dim);
+    }
+}
+
+/// Rows per tile of [`post_pre`]: their streams (16 × 4 × 4096 f32 = 1 MiB at the release's
+/// width, 256 KiB at the bench model's) are still in cache for the mixes and the collapse.
+pub(super) const TILE: usize = 16;
+
+/// [`post`] then [`pre`] with the next block's parameters, in one pass over the streams: a
+/// tile of rows has its new streams written, then their mixing logits (a product with
+/// `fn`), RMS, Sinkhorn and collapse computed while those streams are in cache. Apart, the
+/// two read the `hc·dim`-wide streams four times from memory (post's output, the product,
+/// the RMS, the collapse). The new streams are the same bits, written over the old ones
+/// (`x`); the logits are the product of the same values in tiles instead of in one call
+/// (rounding may differ, as between a decode step and a prefill).
+pub(super) fn post_pre(
+    b: &CpuBackend,
+    out: &[f32],
+    mut x: Vec<f32>,
+    prev: &HcMix<CpuBackend>,
+    rows: usize,
+    p: &HcParams<'_, CpuBackend>,
+) -> (Vec<f32>, HcMix<CpuBackend>) {
+    let (hc, dim) = (p.hc, p.dim);
+    let width = hc * dim;
+    let f: &CpuMatrix = p.fn_;
+    let nm = n_mix(p);
+    let mut mix = Mix::new(rows, p);
+    let tiles: Vec<_> = x
+        .chunks_mut(TILE * width)
+        .zip(mix.tiles_mut())
+        .enumerate()
+        .collect();
+    tiles.into_par_iter().for_each(|(t, (y, tile_rows))| {
+        let r0 = t * TILE;
+        let n = y.len() / width;
+        // Each row's new streams replace its old ones (they are the old streams' only use):
+        // no fresh 8 MB output to fault in per call.
+        let mut row = vec![0.0; width];
+        for (i, y) in y.chunks_mut(width).enumerate() {
+            let r = r0 + i;
+            post_row(
+                &mut row,
+                y,
+                &out[r * dim..(r + 1) * dim],
+                &prev.post.0[r * hc..(r + 1) * hc],
+                &prev.comb.0[r * hc * hc..(r + 1) * hc * hc],
+                hc,
+                dim,
+            );
+            y.copy_from_slice(&row);
+        }
+        let y: &[f32] = y;
+        let mut logits = vec![0.0; n * nm];
+        match f.f32_values() {
+            // The tile's rows against every row of `fn`, four by four (each load of `fn`
+            // serves four rows of the tile), on this thread.
+            Some(w) => gemv::attention_scores(y, n, width, w, f.rows, &mut logits),
+            None => {
+                let at = |stride| gemm::Strided {
+                    offset: 0,
+                    row_stride: stride,
+                };
+                gemm::gemm_into(y, at(width), n, f, 0..f.rows, &mut logits, at(f.rows));
+            }
+        }
+        for ((row, logits), streams) in tile_rows
+            .into_iter()
+            .zip(logits.chunks_mut(nm))
+            .zip(y.chunks(width))
+        {
+            let r = inv_rms(streams, p.norm_eps);
+            logits.iter_mut().for_each(|m| *m *= r);
+            row.finish(logits, streams, p);
+        }
+    });
+    (x, mix.wrap(b))
 }
 
 /// `out = Σ_i w[i] · streams[i]`.
@@ -131,16 +285,48 @@ pub(super) fn post(
                 .par_chunks(hc)
                 .zip(mix.comb.0.par_chunks(hc * hc)),
         )
-        .for_each(|(((y, x), o), (post, comb))| {
-            for (k, yk) in y.chunks_mut(dim).enumerate() {
-                yk.iter_mut().zip(o).for_each(|(v, &ov)| *v = post[k] * ov);
-                for (j, xj) in x.chunks(dim).enumerate() {
-                    let c = comb[j * hc + k];
-                    yk.iter_mut().zip(xj).for_each(|(v, &xv)| *v += c * xv);
-                }
-            }
-        });
+        .for_each(|(((y, x), o), (post, comb))| post_row(y, x, o, post, comb, hc, dim));
     y
+}
+
+/// One row's new streams: `y[k] = post[k] · o + Σ_j comb[j, k] · x[j]`, summed in that order
+/// (`j` ascending, each term rounded then added).
+fn post_row(
+    y: &mut [f32],
+    x: &[f32],
+    o: &[f32],
+    post: &[f32],
+    comb: &[f32],
+    hc: usize,
+    dim: usize,
+) {
+    if hc == 4 {
+        // The release's four streams: all four outputs of a column from one read of its five
+        // inputs (one pass that vectorises, instead of a pass per term).
+        let (x0, rest) = x[..4 * dim].split_at(dim);
+        let (x1, rest) = rest.split_at(dim);
+        let (x2, x3) = rest.split_at(dim);
+        let (y0, rest) = y[..4 * dim].split_at_mut(dim);
+        let (y1, rest) = rest.split_at_mut(dim);
+        let (y2, y3) = rest.split_at_mut(dim);
+        let o = &o[..dim];
+        let c = |j: usize, k: usize| comb[j * 4 + k];
+        for i in 0..dim {
+            let (a, b, cc, d, v) = (x0[i], x1[i], x2[i], x3[i], o[i]);
+            y0[i] = post[0] * v + c(0, 0) * a + c(1, 0) * b + c(2, 0) * cc + c(3, 0) * d;
+            y1[i] = post[1] * v + c(0, 1) * a + c(1, 1) * b + c(2, 1) * cc + c(3, 1) * d;
+            y2[i] = post[2] * v + c(0, 2) * a + c(1, 2) * b + c(2, 2) * cc + c(3, 2) * d;
+            y3[i] = post[3] * v + c(0, 3) * a + c(1, 3) * b + c(2, 3) * cc + c(3, 3) * d;
+        }
+        return;
+    }
+    for (k, yk) in y.chunks_mut(dim).enumerate() {
+        yk.iter_mut().zip(o).for_each(|(v, &ov)| *v = post[k] * ov);
+        for (j, xj) in x.chunks(dim).enumerate() {
+            let c = comb[j * hc + k];
+            yk.iter_mut().zip(xj).for_each(|(v, &xv)| *v += c * xv);
+        }
+    }
 }
 
 pub(super) fn head(x: &[f32], rows: usize, p: &HcParams<'_, CpuBackend>) -> Vec<f32> {
@@ -176,7 +362,84 @@ pub(super) fn expand(
 
 #[cfg(test)]
 mod tests {
-    use super::sinkhorn;
+    use super::*;
+    use crate::backend::cpu::CpuTensor;
+    use crate::backend::{Precision, WeightData, WeightFormat};
+
+    /// Deterministic values in [-1, 1).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 23) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The fused post + pre (tiles of rows, new streams over the old) gives the same streams,
+    /// bit for bit, as `post`, and the mix `pre` makes of them (to rounding: the logits are
+    /// summed in another order), for the release's four streams and for three; with partial
+    /// tiles; and on a backend with one thread.
+    #[test]
+    fn post_then_pre_fused_matches_the_two_apart() {
+        for (hc, dim, rows, threads) in [(4, 64, 40, 2), (4, 32, 69, 2), (3, 48, 50, 1)] {
+            let cpu = CpuBackend::new(threads).unwrap();
+            let width = hc * dim;
+            let n_mix = (2 + hc) * hc;
+            let fn_values: Vec<u8> = values(1, n_mix * width)
+                .iter()
+                .flat_map(|v| (v * 0.2).to_le_bytes())
+                .collect();
+            let fn_ = cpu
+                .matrix(
+                    &WeightData::whole(WeightFormat::F32, &fn_values, vec![], n_mix, width),
+                    Precision::F32,
+                )
+                .unwrap();
+            let base = CpuTensor(values(2, n_mix));
+            let scale = CpuTensor(vec![0.7, 1.3, 0.9]);
+            let p = HcParams {
+                fn_: &fn_,
+                base: &base,
+                scale: &scale,
+                hc,
+                dim,
+                sinkhorn_iters: 20,
+                hc_eps: 1e-6,
+                norm_eps: 1e-6,
+            };
+            let x = values(3, rows * width);
+            let out = values(4, rows * dim);
+            // The previous block's mix: any post weights and a doubly stochastic comb.
+            let prev = cpu.run(|| pre(&cpu, &values(5, rows * width), rows, &p));
+            let apart_streams = cpu.run(|| post(&out, &x, &prev, hc, dim));
+            let apart = cpu.run(|| pre(&cpu, &apart_streams, rows, &p));
+            let (fused_streams, fused) =
+                cpu.run(|| post_pre(&cpu, &out, x.clone(), &prev, rows, &p));
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&fused_streams),
+                bits(&apart_streams),
+                "hc {hc} rows {rows}"
+            );
+            for (name, a, f) in [
+                ("collapsed", &apart.collapsed, &fused.collapsed),
+                ("post", &apart.post, &fused.post),
+                ("comb", &apart.comb, &fused.comb),
+            ] {
+                assert_eq!(a.0.len(), f.0.len());
+                for (i, (a, f)) in a.0.iter().zip(&f.0).enumerate() {
+                    assert!(
+                        (a - f).abs() <= 1e-5 * (1.0 + a.abs()),
+                        "hc {hc} rows {rows} {name}[{i}]: {f} vs {a}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn sinkhorn_gives_a_nearly_doubly_stochastic_matrix() {

@@ -80,6 +80,16 @@ impl CpuMatrix {
     }
 }
 
+impl CpuMatrix {
+    /// The values, row-major, where the matrix is stored as f32.
+    fn f32_values(&self) -> Option<&[f32]> {
+        match &self.data {
+            MatrixData::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
 impl MatrixData {
     /// Puts the weights on huge pages where the kernel can (see `huge_pages`).
     fn advise_huge_pages(&self) {
@@ -571,6 +581,28 @@ impl Backend for CpuBackend {
         dim: usize,
     ) -> Result<CpuTensor> {
         Ok(self.run(|| CpuTensor(hc::post(&out.0, &x.0, mix, hc, dim))))
+    }
+
+    fn hc_post_pre(
+        &self,
+        out: &CpuTensor,
+        x: CpuTensor,
+        mix: &HcMix<Self>,
+        rows: usize,
+        hc: usize,
+        dim: usize,
+        next: &HcParams<'_, Self>,
+    ) -> Result<(CpuTensor, HcMix<Self>)> {
+        debug_assert_eq!((next.hc, next.dim), (hc, dim));
+        // Fewer rows than a tile per worker (decode): apart, where each product splits over
+        // the workers instead.
+        if rows < hc::TILE * rayon::current_num_threads().max(2) {
+            let streams = self.hc_post(out, &x, mix, rows, hc, dim)?;
+            let mix = self.hc_pre(&streams, rows, next)?;
+            return Ok((streams, mix));
+        }
+        let (streams, mix) = self.run(|| hc::post_pre(self, &out.0, x.0, mix, rows, next));
+        Ok((CpuTensor(streams), mix))
     }
 
     fn hc_head(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> Result<CpuTensor> {
