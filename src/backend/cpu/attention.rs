@@ -450,18 +450,7 @@ mod tests {
     use crate::backend::{Backend, Placement, RowLayout, Rows};
     use crate::formats::rows::RowCodec;
 
-    /// Deterministic values in [-1, 1).
-    fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 23) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::backend::cpu::test_data::values;
 
     /// A query's keys in parts, computed one part after another within a tile of queries and
     /// alone on two threads at once, give the same bits, and both match a plain softmax over

@@ -366,18 +366,7 @@ mod tests {
     use crate::backend::cpu::CpuTensor;
     use crate::backend::{Precision, WeightData, WeightFormat};
 
-    /// Deterministic values in [-1, 1).
-    fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 23) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::backend::cpu::test_data::values;
 
     /// The fused post + pre (tiles of rows, new streams over the old) gives the same streams,
     /// bit for bit, as `post`, and the mix `pre` makes of them (to rounding: the logits are

@@ -12,6 +12,8 @@ mod moe;
 mod ops;
 mod pool;
 mod quant;
+#[cfg(test)]
+mod test_data;
 
 use std::mem::ManuallyDrop;
 use std::ops::Range;
