@@ -139,8 +139,11 @@ pub(super) fn take_rows(x: &[f32], cols: usize, rows: &[usize]) -> Vec<f32> {
     out
 }
 
+/// `v` rounded to bf16, in memory marked for huge pages (a weight matrix).
 pub(super) fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
+    let mut out = super::huge_pages::reserve(v.len());
+    out.extend(v.iter().map(|&x| bf16::from_f32(x)));
+    out
 }
 
 #[cfg(test)]

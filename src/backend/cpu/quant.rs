@@ -39,7 +39,7 @@ impl Native {
         match first {
             WeightFormat::Fp8E4m3 { block } if block[1] > 0 && block[0] > 0 => {
                 let nb = cols.div_ceil(block[1]);
-                let mut values = Vec::with_capacity(weight.rows() * cols);
+                let mut values = super::huge_pages::reserve(weight.rows() * cols);
                 let mut exponents = Vec::with_capacity(weight.rows() * nb);
                 for p in &weight.parts {
                     let WeightFormat::Fp8E4m3 { block: b } = p.format else {
@@ -66,7 +66,7 @@ impl Native {
             }
             WeightFormat::Fp4E2m1 { block } if block > 0 && block % 2 == 0 => {
                 let nb = cols.div_ceil(block);
-                let mut packed = Vec::with_capacity(weight.rows() * cols / 2);
+                let mut packed = super::huge_pages::reserve(weight.rows() * cols / 2);
                 let mut exponents = Vec::with_capacity(weight.rows() * nb);
                 for p in &weight.parts {
                     if p.format != first {
