@@ -194,10 +194,10 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     /// Block `l` on `streams`: its output streams and, given the next block, that block's
     /// attention mix of them. `mix` is this block's attention mix when the block before made
     /// it.
+    #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
         l: usize,

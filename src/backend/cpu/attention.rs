@@ -222,8 +222,6 @@ fn attend_tile(
     if range.is_empty() {
         return;
     }
-    let last = a.start_pos + range.end - 1;
-    let first = (a.start_pos + range.start + 1).saturating_sub(a.window);
     let new_rows = |from: usize, to: usize| {
         let r = |p: usize| a.rows.start + (p - a.start_pos);
         &a.kv.0[r(from) * hd..r(to) * hd]
@@ -239,6 +237,9 @@ fn attend_tile(
         }
         return;
     }
+    // The tile's window, decoded once: from its first query's first key to its last query.
+    let last = a.start_pos + range.end - 1;
+    let first = (a.start_pos + range.start + 1).saturating_sub(a.window);
     let mut window = std::mem::take(&mut scratch.window);
     window.clear();
     for p in first..a.start_pos.min(last + 1) {

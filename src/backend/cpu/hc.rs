@@ -131,16 +131,7 @@ impl MixRow<'_> {
     fn finish(self, logits: &[f32], streams: &[f32], p: &HcParams<'_, CpuBackend>) {
         let hc = p.hc;
         let (base, scale) = (&p.base.0, &p.scale.0);
-        // `hc` is 4 in the release: on the stack up to 16, else allocated.
-        let (mut small, mut large) = ([0.0f32; 16], Vec::new());
-        let pre = if hc <= small.len() {
-            &mut small[..hc]
-        } else {
-            large.resize(hc, 0.0);
-            &mut large[..]
-        };
         for i in 0..hc {
-            pre[i] = sigmoid(logits[i] * scale[0] + base[i]) + p.hc_eps;
             self.post[i] = 2.0 * sigmoid(logits[hc + i] * scale[1] + base[hc + i]);
         }
         for (c, (&m, &bias)) in self
@@ -151,8 +142,16 @@ impl MixRow<'_> {
             *c = m * scale[2] + bias;
         }
         sinkhorn(self.comb, hc, p.sinkhorn_iters, p.hc_eps);
-        weighted_sum(self.collapsed, streams, pre, p.dim);
+        weighted_sum(self.collapsed, streams, &pre_weights(logits, p), p.dim);
     }
+}
+
+/// The weights that collapse a row's streams into one input, from its logits' first `hc`:
+/// `sigmoid(logit · scale + base) + eps`.
+fn pre_weights(logits: &[f32], p: &HcParams<'_, CpuBackend>) -> Vec<f32> {
+    (0..p.hc)
+        .map(|i| sigmoid(logits[i] * p.scale.0[0] + p.base.0[i]) + p.hc_eps)
+        .collect()
 }
 
 /// Rows per tile of [`post_pre`]: their streams (16 × 4 × 4096 f32 = 1 MiB at the release's
@@ -336,12 +335,7 @@ pub(super) fn head(x: &[f32], rows: usize, p: &HcParams<'_, CpuBackend>) -> Vec<
     out.par_chunks_mut(dim)
         .zip(x.par_chunks(hc * dim))
         .zip(logits.par_chunks(hc))
-        .for_each(|((out, streams), mix)| {
-            let w: Vec<f32> = (0..hc)
-                .map(|i| sigmoid(mix[i] * p.scale.0[0] + p.base.0[i]) + p.hc_eps)
-                .collect();
-            weighted_sum(out, streams, &w, dim);
-        });
+        .for_each(|((out, streams), mix)| weighted_sum(out, streams, &pre_weights(mix, p), dim));
     out
 }
 

@@ -56,6 +56,14 @@ enum MatrixData {
 }
 
 impl CpuMatrix {
+    /// The values, row-major, where the matrix is stored as f32.
+    fn f32_values(&self) -> Option<&[f32]> {
+        match &self.data {
+            MatrixData::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
     /// For a stacked matrix, calls `f(part, its rows, destination)` for each part overlapping
     /// `w_rows` (rows local to the part, the destination moved to the part's first column)
     /// and returns `true`; `false` for any other matrix.
@@ -79,16 +87,6 @@ impl CpuMatrix {
             }
         }
         true
-    }
-}
-
-impl CpuMatrix {
-    /// The values, row-major, where the matrix is stored as f32.
-    fn f32_values(&self) -> Option<&[f32]> {
-        match &self.data {
-            MatrixData::F32(v) => Some(v),
-            _ => None,
-        }
     }
 }
 
