@@ -536,6 +536,13 @@ pub(super) fn gemv_into(
                 MatrixData::Native(_) if !fused && !paired => vec![0.0f32; 4 * k],
                 _ => Vec::new(),
             };
+            // The inputs as the fused kernels take them, made once for the block's rows.
+            let fused_inputs: Vec<std::borrow::Cow<'_, [f32]>> = match &w.data {
+                MatrixData::Native(q) if fused => {
+                    inputs.iter().map(|x| q.fused_input(k, x)).collect()
+                }
+                _ => Vec::new(),
+            };
             if let (MatrixData::Native(q), true) = (&w.data, paired) {
                 // Every row but an odd last one (decoded below).
                 let even = start + (end - start) / 2 * 2;
@@ -580,7 +587,7 @@ pub(super) fn gemv_into(
                 // A native matrix with fewer than four inputs: decoded in registers per input
                 // (the decoded quad above serves four or more).
                 if let (MatrixData::Native(q), true, 4) = (&w.data, fused, take) {
-                    for (ri, xi) in inputs.iter().enumerate() {
+                    for (ri, xi) in fused_inputs.iter().enumerate() {
                         let d = q.dot4(k, j, xi).expect("a fused kernel (`fuses`)");
                         for (t, &value) in d.iter().enumerate() {
                             out[(j - start + t) * rows + ri] = value;

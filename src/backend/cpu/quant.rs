@@ -5,6 +5,8 @@
 //! (FP8) or an eighth (FP4) of the f32 bytes. Decoding is exact: every FP8/FP4 value times
 //! its power-of-two scale is an f32.
 
+use std::borrow::Cow;
+
 use crate::backend::weights::{WeightData, WeightFormat};
 use crate::formats::{e4m3_decode, E2M1};
 
@@ -205,9 +207,22 @@ impl Native {
         false
     }
 
-    /// Dot products of `x` (`cols` wide) with rows `j..j + 4`, decoding in registers (no
-    /// buffer): `None` where no fused kernel applies (no AVX-512, a block or width not a
-    /// multiple of the vector), and the caller decodes rows instead.
+    /// An input (`cols` wide) as [`Self::dot4`] takes it: FP4's kernel takes each 32 values
+    /// split into their even and odd elements (once per input, for every row it meets).
+    pub(crate) fn fused_input<'x>(&self, cols: usize, x: &'x [f32]) -> Cow<'x, [f32]> {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, Native::Fp4 { .. }) && self.fuses(cols) && x.len() == cols {
+            // SAFETY: AVX-512F detected (`fuses`); `cols` is a multiple of 32 (`fuses`).
+            return Cow::Owned(unsafe { x86::split_even_odd(x) });
+        }
+        let _ = cols;
+        Cow::Borrowed(x)
+    }
+
+    /// Dot products of an input (`cols` wide, as [`Self::fused_input`] made it) with rows
+    /// `j..j + 4`, decoding in registers (no buffer): `None` where no fused kernel applies
+    /// (no AVX-512, a block or width not a multiple of the vector), and the caller decodes
+    /// rows instead.
     pub(crate) fn dot4(&self, cols: usize, j: usize, x: &[f32]) -> Option<[f32; 4]> {
         #[cfg(target_arch = "x86_64")]
         if x86::has_avx512() && x.len() == cols {
@@ -239,7 +254,8 @@ impl Native {
                     let nb = cols.div_ceil(*block);
                     let rows = packed.get(j * cols / 2..(j + 4) * cols / 2)?;
                     let exps = exponents.get(j * nb..(j + 4) * nb)?;
-                    // SAFETY: as above, with packed rows of `cols / 2` bytes.
+                    // SAFETY: as above, with packed rows of `cols / 2` bytes; `x` split by
+                    // `fused_input`.
                     return Some(unsafe { x86::dot4_fp4_avx512(x, rows, exps, *block) });
                 }
                 _ => {}
@@ -617,31 +633,55 @@ mod x86 {
         (lo, hi)
     }
 
-    /// The 32 values at `p` as their even and odd elements (the order in which 16 packed FP4
-    /// bytes' low and high nibbles decode).
+    /// `x` (a multiple of 32 long) with each 32 values as their 16 even elements then their
+    /// 16 odd ones: the order in which 16 packed FP4 bytes' low and high nibbles decode. The
+    /// FP4 kernels take their input so, split once for every row it meets (`vpermt2ps`
+    /// twice per 32 columns, which the kernels would otherwise pay for every four rows).
+    ///
+    /// # Safety
+    /// AVX-512F available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn split_even_odd(x: &[f32]) -> Vec<f32> {
+        assert!(x.len().is_multiple_of(32));
+        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let mut out = vec![0f32; x.len()];
+        for (src, dst) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+            // SAFETY: both chunks are 32 f32s.
+            unsafe {
+                let (x0, x1) = (
+                    _mm512_loadu_ps(src.as_ptr()),
+                    _mm512_loadu_ps(src.as_ptr().add(16)),
+                );
+                _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_permutex2var_ps(x0, evens, x1));
+                _mm512_storeu_ps(
+                    dst.as_mut_ptr().add(16),
+                    _mm512_permutex2var_ps(x0, odds, x1),
+                );
+            }
+        }
+        out
+    }
+
+    /// The even and odd elements of 32 values of an input split by [`split_even_odd`].
     ///
     /// # Safety
     /// AVX-512F available; 32 readable f32s at `p`.
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn even_odd(p: *const f32) -> (__m512, __m512) {
-        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         // SAFETY: the caller guarantees 32 readable f32s at `p`.
-        let (x0, x1) = unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) };
-        (
-            _mm512_permutex2var_ps(x0, evens, x1),
-            _mm512_permutex2var_ps(x0, odds, x1),
-        )
+        unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) }
     }
 
     /// Dot products of `x` with four FP4 rows decoded in registers. The low nibbles of 16
-    /// bytes are 16 even elements, the high ones the odd: `x` is split the same way
-    /// (`vpermt2ps`), so no decoded value needs reordering.
+    /// bytes are 16 even elements, the high ones the odd: `x` comes split the same way
+    /// ([`split_even_odd`]), so no decoded value needs reordering.
     ///
     /// # Safety
-    /// AVX-512F available; `rows` holds 4 packed rows of `x.len() / 2` bytes (`x.len()` a
-    /// multiple of 32), `exps` 4 rows of `x.len().div_ceil(block)`, `block` a multiple of 32.
+    /// AVX-512F available; `x` split by [`split_even_odd`]; `rows` holds 4 packed rows of
+    /// `x.len() / 2` bytes (`x.len()` a multiple of 32), `exps` 4 rows of
+    /// `x.len().div_ceil(block)`, `block` a multiple of 32.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot4_fp4_avx512(x: &[f32], rows: &[u8], exps: &[u8], block: usize) -> [f32; 4] {
         let k = x.len();
@@ -683,13 +723,14 @@ mod x86 {
 
     /// [`dot4_fp4_avx512`] for the official format's 32-wide scale blocks, where a block is
     /// one step of 32 columns: the scales of 16 blocks at a time are made in one vector (the
-    /// e8m0 byte shifted into an f32's exponent field is 2^(e − 127)) and each step picks its
-    /// lane, instead of a scalar load, conversion and broadcast per row per step; each step's
+    /// e8m0 byte shifted into an f32's exponent field is 2^(e − 127)) and stored, and each
+    /// step broadcasts its own from memory (a load, where picking a vector's lane took a
+    /// shuffle: the kernel is bound by shuffles, 4 a row a step with the decode); each step's
     /// even and odd products are summed and scaled into the row's accumulator at once.
     ///
     /// # Safety
-    /// AVX-512F available; `x.len()` a multiple of 32, `rows` 4 packed rows of `x.len() / 2`
-    /// bytes, `exps` 4 rows of `x.len() / 32`.
+    /// AVX-512F available; `x` split by [`split_even_odd`], its length a multiple of 32;
+    /// `rows` 4 packed rows of `x.len() / 2` bytes, `exps` 4 rows of `x.len() / 32`.
     #[target_feature(enable = "avx512f")]
     unsafe fn dot4_fp4_block32(x: &[f32], rows: &[u8], exps: &[u8]) -> [f32; 4] {
         let k = x.len();
@@ -704,25 +745,29 @@ mod x86 {
         let mut b = 0;
         while b < nb {
             let n = (nb - b).min(16);
-            let mut scales = [_mm512_setzero_ps(); 4];
+            let mut scales = [[0f32; 16]; 4];
             for (r, s) in scales.iter_mut().enumerate() {
                 let mut e = [0u8; 16];
                 e[..n].copy_from_slice(&exps[r * nb + b..r * nb + b + n]);
-                // SAFETY: `e` is 16 bytes.
-                let v = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(e.as_ptr().cast()) });
-                *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 23));
+                // SAFETY: `e` is 16 bytes, `s` 16 f32s.
+                unsafe {
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(e.as_ptr().cast()));
+                    let v = _mm512_castsi512_ps(_mm512_slli_epi32(v, 23));
+                    _mm512_storeu_ps(s.as_mut_ptr(), v);
+                }
             }
+            // `j` is the step's column block and its scale's index in every row's 16.
+            #[allow(clippy::needless_range_loop)]
             for j in 0..n {
                 let c = (b + j) * 32;
                 prefetch_lines::<1>(ahead, 2 * c);
-                let lane = _mm512_set1_epi32(j as i32);
                 // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2].
                 unsafe {
                     let (xe, xo) = even_odd(x.as_ptr().add(c));
                     for (r, a) in acc.iter_mut().enumerate() {
                         let (lo, hi) = fp4x32(rows.as_ptr().add(r * half + c / 2), table);
                         let t = _mm512_fmadd_ps(lo, xe, _mm512_mul_ps(hi, xo));
-                        *a = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(lane, scales[r]), *a);
+                        *a = _mm512_fmadd_ps(t, _mm512_set1_ps(scales[r][j]), *a);
                     }
                 }
             }
