@@ -30,13 +30,15 @@ impl<B: Backend> Worker<B> {
             }
             Control::FlushCache(tier, reply) => {
                 self.cache.flush(tier);
+                // Gauges before the reply: a caller that reads the metrics once the flush
+                // returned sees what it freed (published after, they raced the caller).
+                self.publish();
                 let pools = self.cache.pools();
                 let _ = reply.send(PoolUsage {
                     pages: pools.page_allocator().used_count(),
                     slots: pools.slot_allocator().used_count(),
                     snapshots: pools.snapshot_allocator().used_count(),
                 });
-                self.publish();
             }
         }
     }
