@@ -17,7 +17,11 @@ impl<B: Backend> Worker<B> {
                 let _ = done.send(());
             }
             Control::Score(tokens, reply) => {
-                let _ = reply.send(self.exec.score(&mut self.cache, &tokens));
+                let scores = self.exec.score(&mut self.cache, &tokens);
+                // It may have evicted cached prefixes to make room: gauges before the answer,
+                // as for a flush.
+                self.publish();
+                let _ = reply.send(scores);
             }
             #[cfg(test)]
             Control::Panic(message) => panic!("{message}"),
