@@ -53,6 +53,15 @@ fn decode(extra: Value) -> Engine {
     engine_with(doc)
 }
 
+/// A decode that, over UCX, takes states by RMA even over UCX's tcp transport (puts emulated
+/// with messages: the only RMA these machines have), so the RMA path is what runs.
+fn rma_decode(extra: Value) -> Engine {
+    let mut doc = common::pd_doc("decode", TRANSPORT);
+    merge(&mut doc, extra);
+    merge(&mut doc, json!({"pd": {"ucx_rma_emulated": true}}));
+    engine_with(doc)
+}
+
 /// Runs `s` through the pair (room `room`) and returns the prefill's and the decode's events.
 fn through(p: &Engine, d: &Engine, s: &RequestSpec, room: u64) -> (Vec<Event>, Vec<Event>) {
     let endpoint = p.pd_endpoint().unwrap();
@@ -70,7 +79,7 @@ fn a_prefill_decode_pair_is_bit_equal_to_a_unified_engine() {
     let chunked = json!({"scheduler": {"chunked_prefill_tokens": 64}});
     let unified = engine_with(chunked.clone());
     let p = prefill(chunked.clone());
-    let d = decode(chunked);
+    let d = rma_decode(chunked);
     // Prompt lengths: 1, inside the SWA window, around the 128-token page and compression
     // group, two pages, and past them.
     let mut room = 0;
@@ -514,7 +523,7 @@ fn complete_pages_go_out_while_the_prompt_computes() {
     let chunked = json!({"scheduler": {"chunked_prefill_tokens": 64}});
     let unified = engine_with(chunked.clone());
     let p = prefill(chunked.clone());
-    let d = decode(chunked);
+    let d = rma_decode(chunked);
     let endpoint = p.pd_endpoint().unwrap();
     for (room, sampled) in [(1, false), (2, true)] {
         // A prompt of its own per room: a prefix-cache hit would leave nothing to overlap.

@@ -5,7 +5,9 @@
 //! rooms bit-equal to a unified engine; a lost message stalls the link until the peer is
 //! declared dead and every room ends `peer_dead` on both sides; a byte flipped in an RMA
 //! write fails that room with `checksum` on both sides while the next room lands. Pools end
-//! empty on both sides every time. UCX runs on its tcp transport (`UCX_TLS=tcp`).
+//! empty on both sides every time. UCX runs on its tcp transport (`UCX_TLS=tcp`), whose puts
+//! UCX emulates with messages: a decode then takes states as active messages unless
+//! `pd.ucx_rma_emulated` forces RMA (the tests of RMA writes set it).
 //!
 //! After changing the example, run `cargo build --example pd_node` first (a plain `cargo
 //! test` does).
@@ -24,6 +26,13 @@ fn ucx(extra: Value) -> Value {
         &mut doc,
         json!({"pd": {"transport": "ucx", "listen": "ucx://127.0.0.1:0"}}),
     );
+    doc
+}
+
+/// [`ucx`] with RMA over UCX's tcp transport (emulated puts) forced.
+fn ucx_rma(extra: Value) -> Value {
+    let mut doc = ucx(extra);
+    merge(&mut doc, json!({"pd": {"ucx_rma_emulated": true}}));
     doc
 }
 
@@ -66,7 +75,7 @@ fn messages_delayed_and_reordered_at_random_still_give_bit_equal_rooms() {
         "decode",
         "decode",
         "delay_ms=4,seed=8",
-        ucx(json!({})),
+        ucx_rma(json!({})),
         Some(&peer),
     );
     rooms_match(&mut p, &mut d, &ids, &lens, 10, &want);
@@ -114,7 +123,7 @@ fn a_byte_flipped_in_an_rma_write_fails_that_room_with_checksum_on_both_sides() 
     // The prefill's first RMA write (room 1's first bytes) carries a flipped byte.
     let mut p = start("prefill", "prefill", "flip_put=1", ucx(json!({})), None);
     let peer = p.endpoint.clone();
-    let mut d = start("decode", "decode", "", ucx(json!({})), Some(&peer));
+    let mut d = start("decode", "decode", "", ucx_rma(json!({})), Some(&peer));
     p.submit(1, 6, &ids[..150]);
     d.submit(1, 6, &ids[..150]);
     d.wait_ends(&[1], Duration::from_secs(20));
@@ -144,6 +153,35 @@ fn a_byte_flipped_in_an_rma_write_fails_that_room_with_checksum_on_both_sides() 
     }
     assert_eq!(d.usage(), (0, 0), "the decode's pools");
     assert_eq!(p.usage(), (0, 0), "the prefill's pools");
+    d.quit();
+    p.quit();
+}
+
+/// Over UCX's tcp transport a put is emulated: the target's worker answers each one, and
+/// libucp 1.13 aborts the target's process when that answer cannot go back to an origin
+/// whose endpoint failed (a prefill that died mid-transfer). So by default a decode checks
+/// its endpoint's lanes and takes states as active messages where no lane does RMA: nothing
+/// is written by RMA, the rooms are bit-equal, and the decode says why in its log.
+#[test]
+fn over_tcp_a_decode_takes_states_as_messages_not_emulated_puts() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ids = common::ids("flash-like");
+    let lens = [40usize, 300];
+    let want = unified_tokens(common::pd_node::base(), &ids, &lens, 6);
+    let mut p = start("prefill", "prefill", "", ucx(json!({})), None);
+    let peer = p.endpoint.clone();
+    let env = [("UCX_TLS", "tcp"), ("PD_NODE_LOG", "info")];
+    let mut d = Node::start_in(None, &env, "decode", "decode", ucx(json!({})), Some(&peer));
+    rooms_match(&mut p, &mut d, &ids, &lens, 6, &want);
+    let (pm, dm) = (p.metrics(), d.metrics());
+    assert_eq!((pm["failures"], dm["failures"]), (0, 0));
+    assert!(dm["bytes"] > 0);
+    assert_eq!((pm["rma_bytes"], dm["rma_bytes"]), (0, 0), "no RMA write");
+    assert!(
+        logged(&d, "has no RMA lane (its transports: ") && logged(&d, "tcp/"),
+        "{:?}",
+        d.seen
+    );
     d.quit();
     p.quit();
 }

@@ -27,12 +27,13 @@ pub fn engine(
         "admission": {"max_queued_requests": max_queued, "queue_timeout_ms": 0},
     });
     if role != "unified" {
-        // `ucx-am`: UCX with state bytes as active messages (`pd.ucx_rma = false`).
+        // `ucx-am`: UCX with state bytes as active messages (`pd.ucx_rma = false`); `ucx`:
+        // by RMA, even where UCX emulates puts with messages (its tcp transport).
         let (transport, rma) = match transport {
             "ucx-am" => ("ucx", false),
             t => (t, true),
         };
-        doc["pd"] = json!({"transport": transport, "ucx_rma": rma,
+        doc["pd"] = json!({"transport": transport, "ucx_rma": rma, "ucx_rma_emulated": rma,
                            "listen": format!("{transport}://127.0.0.1:0")});
     }
     Engine::create(Params::from_value(&doc).expect("valid params")).expect("engine")

@@ -208,6 +208,7 @@ fn start<B: Backend>(
                     }
                     _ => Vec::new(),
                 },
+                rma_emulated: p.ucx_rma_emulated,
             };
             let sink: Arc<dyn pd::Sink> = shared.clone();
             Some(Arc::new(Node::start(cfg, sink)?))

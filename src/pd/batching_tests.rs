@@ -73,6 +73,7 @@ fn config(side: Side) -> Config {
         max_rooms: 16,
         layout: fingerprint(),
         rma_regions: Vec::new(),
+        rma_emulated: false,
     }
 }
 

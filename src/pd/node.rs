@@ -9,7 +9,7 @@
 //! the bytes moving and the decode importing. A peer silent for `heartbeat_misses` intervals is
 //! dead and every room on it fails.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -98,6 +98,11 @@ pub struct Config {
     /// and prefills write states straight into it by RMA. It must stay allocated until
     /// [`Node::shutdown`] returns.
     pub rma_regions: Vec<crate::kv::PoolRegion>,
+    /// Decode: RMA also over endpoints whose puts UCX emulates with messages (its tcp
+    /// transport). Off by default: UCX 1.13 aborts the target's process when such a put's
+    /// answer cannot go back to an origin that failed (see `ucx::lanes`). For tests of the
+    /// RMA protocol on machines without RMA hardware.
+    pub rma_emulated: bool,
 }
 
 /// Counters, histograms and gauges for the metrics.
@@ -252,6 +257,9 @@ struct Table {
     /// Prefill: the memory each UCX decode registered (its HELLO's `rma_keys`), by link:
     /// a claim's spans must lie inside it.
     peer_regions: HashMap<u64, Vec<(u64, u64)>>,
+    /// Decode: UCX links whose endpoint has no RMA lane (its puts would be emulated with
+    /// messages, see `ucx::lanes`): their claims go without `rma_spans`, the state as DATA.
+    no_rma: HashSet<u64>,
     next_link: u64,
     stats: PdStats,
 }
@@ -1307,6 +1315,12 @@ impl Inner {
             return;
         };
         r.link = Some(link.id);
+        if r.by_rma && t.no_rma.contains(&link.id) {
+            r.by_rma = false;
+            if let Some(c) = r.claim.as_mut() {
+                c.rma_spans.clear();
+            }
+        }
         let Some(claim) = &r.claim else {
             return;
         };
@@ -1681,6 +1695,15 @@ impl Inner {
         });
         match added {
             Some((link, handler)) => {
+                if !c.rma_lane && !self.rma_keys.is_empty() && !self.cfg.rma_emulated {
+                    log::info!(
+                        "PD: the UCX endpoint to the prefill {peer} has no RMA lane (its \
+                         transports: {}): UCX would emulate puts with messages, so states \
+                         come as active messages (pd.ucx_rma_emulated = true forces RMA)",
+                        c.transports.join(", ")
+                    );
+                    self.table().no_rma.insert(link.id);
+                }
                 port.bind(c.conn, link.clone(), handler);
                 Ok(link)
             }
@@ -1755,6 +1778,7 @@ impl Inner {
             let mut t = self.table();
             t.links.remove(&link.id);
             t.peer_regions.remove(&link.id);
+            t.no_rma.remove(&link.id);
             if t.by_peer.get(&link.peer) == Some(&link.id) {
                 t.by_peer.remove(&link.peer);
             }

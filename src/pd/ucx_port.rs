@@ -72,6 +72,10 @@ pub struct Accepted {
 pub struct Connected {
     pub conn: u64,
     pub answer: Frame,
+    /// Whether the endpoint's puts travel on a real RMA lane (not emulated with active
+    /// messages: see [`super::ucx::lanes`]), and its lanes' transports, as UCX describes them.
+    pub rma_lane: bool,
+    pub transports: Vec<String>,
 }
 
 enum Cmd {
@@ -1163,7 +1167,19 @@ impl Thread<'_> {
                 else {
                     unreachable!("matched above")
                 };
-                if reply.send(Ok(Connected { conn: id, answer })).is_err() {
+                // The answer came over the endpoint: its wire-up is done, its lanes final.
+                let described = c.ep.describe().unwrap_or_else(|e| {
+                    log::warn!("PD: cannot describe a UCX endpoint: {e}");
+                    String::new()
+                });
+                log::debug!("PD: UCX endpoint {id}:\n{described}");
+                let connected = Connected {
+                    conn: id,
+                    answer,
+                    rma_lane: ucx::lanes::has_rma_lane(&described),
+                    transports: ucx::lanes::transports(&described),
+                };
+                if reply.send(Ok(connected)).is_err() {
                     self.remove(id, false);
                 }
             }

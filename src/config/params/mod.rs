@@ -257,6 +257,8 @@ pub struct PdParams {
     /// With the ucx transport: a decode with host-memory pools registers them and prefills
     /// write states into them by RMA; false: state bytes go as active messages.
     pub ucx_rma: bool,
+    /// With `ucx_rma`: RMA also over UCX transports that emulate puts with messages (tcp).
+    pub ucx_rma_emulated: bool,
     pub bootstrap_timeout_ms: u32,
     /// One deadline from claim to done: waiting for data and transferring.
     pub transfer_timeout_ms: u32,

@@ -244,6 +244,7 @@ pub const KEYS: &[KeySpec] = &[
     key("pd.transport", Kind::Choice(&["tcp", "ucx"]), "\"tcp\""),
     key("pd.ucx_library", Kind::Text { nullable: true }, "null"),
     key("pd.ucx_rma", Kind::Bool, "true"),
+    key("pd.ucx_rma_emulated", Kind::Bool, "false"),
     key("pd.bootstrap_timeout_ms", int(1, U32), "30000").unit("ms"),
     key("pd.transfer_timeout_ms", int(1, U32), "30000").unit("ms"),
     key("pd.heartbeat_interval_ms", int(1, U32), "1000").unit("ms"),

@@ -186,6 +186,37 @@ impl Endpoint {
         Request::start(core, p, "ucp_ep_flush_nbx", None)
     }
 
+    /// UCX's own description of the endpoint's configuration (`ucp_ep_print_info`, what
+    /// `ucx_info -e` prints): its lanes, their transports, and the RMA protocols per lane.
+    pub fn describe(&self) -> Result<String, String> {
+        let mut buf: *mut libc::c_char = std::ptr::null_mut();
+        let mut len: libc::size_t = 0;
+        // SAFETY: both out-pointers live across the call; the stream is closed below.
+        let stream = unsafe { libc::open_memstream(&mut buf, &mut len) };
+        if stream.is_null() {
+            return Err(format!(
+                "open_memstream: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        // SAFETY: live endpoint; `stream` is open until the fclose below.
+        unsafe { (self.inner.core.ctx.api.ucp_ep_print_info)(self.inner.h, stream) };
+        // SAFETY: `stream` is open and closed once; after fclose `buf` holds `len` bytes (and
+        // a NUL) that we own and free once.
+        let text = unsafe {
+            libc::fclose(stream);
+            if buf.is_null() {
+                String::new()
+            } else {
+                let bytes = std::slice::from_raw_parts(buf.cast::<u8>(), len);
+                let text = String::from_utf8_lossy(bytes).into_owned();
+                libc::free(buf.cast());
+                text
+            }
+        };
+        Ok(text)
+    }
+
     /// Unpacks a peer's packed remote key (its [`super::Registered::rkey`]) for puts on this
     /// endpoint.
     pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey, String> {

@@ -9,6 +9,7 @@
 
 mod context;
 mod endpoint;
+pub mod lanes;
 mod request;
 mod sockaddr;
 pub mod sys;

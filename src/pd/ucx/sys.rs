@@ -321,6 +321,7 @@ api! {
     ucp_rkey_buffer_release: fn(*mut c_void);
     ucp_ep_rkey_unpack: fn(Handle, *const c_void, *mut Handle) -> Status;
     ucp_rkey_destroy: fn(Handle);
+    ucp_ep_print_info: fn(Handle, *mut libc::FILE);
     ucp_request_check_status: fn(*mut c_void) -> Status;
     ucp_request_free: fn(*mut c_void);
     ucp_request_cancel: fn(Handle, *mut c_void);
