@@ -11,7 +11,8 @@
 //!
 //! `wire`: frames; `room`: room states and failure reasons; `link`: one connection's reader
 //! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines;
-//! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory.
+//! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory;
+//! `wake`: the listener's wait, which a shutdown ends.
 
 #[cfg(test)]
 mod batching_tests;
@@ -31,6 +32,7 @@ mod test_rooms;
 pub mod ucx;
 pub mod ucx_faults;
 pub mod ucx_port;
+mod wake;
 pub mod wire;
 
 pub use buffers::{StateBuf, StateBuffers};

@@ -306,6 +306,8 @@ struct Inner {
     buffers: StateBuffers,
     /// Rooms landed or acknowledged while more of a TCP stream was already in (`deferred`).
     deferred: Mutex<Deferred>,
+    /// Ends the TCP listener's wait at shutdown (`None` with UCX, which has no listener).
+    accept_wake: Option<super::wake::Wake>,
 }
 
 /// The node an engine in a PD role owns. [`Node::shutdown`] stops every thread.
@@ -447,6 +449,8 @@ impl Node {
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::internal(format!("the PD listener: {e}")))?;
+        let accept_wake = super::wake::Wake::new()
+            .map_err(|e| Error::internal(format!("the PD listener's wake-up (eventfd): {e}")))?;
         let inner = Arc::new(Inner {
             cfg,
             endpoint,
@@ -460,6 +464,7 @@ impl Node {
             rma_keys: Vec::new(),
             buffers: StateBuffers::new(),
             deferred: Mutex::new(Deferred::default()),
+            accept_wake: Some(accept_wake),
         });
         let spawn_err =
             |e: std::io::Error| Error::internal(format!("cannot start a PD thread: {e}"));
@@ -546,6 +551,7 @@ impl Node {
             rma_keys,
             buffers: StateBuffers::new(),
             deferred: Mutex::new(Deferred::default()),
+            accept_wake: None,
         });
         let _ = acceptor.0.set(Arc::downgrade(&inner));
         let node = Node {
@@ -999,6 +1005,9 @@ impl Node {
         if let Some(port) = &inner.ucx {
             port.stop();
         }
+        if let Some(wake) = &inner.accept_wake {
+            wake.wake();
+        }
         inner.tick.notify_all();
         loop {
             let batch: Vec<JoinHandle<()>> = inner.threads().drain(..).collect();
@@ -1405,7 +1414,14 @@ impl Inner {
 
     fn accept_loop(self: Arc<Self>, listener: TcpListener) {
         crate::threads::mark_internal();
+        let Some(wake) = self.accept_wake.as_ref() else {
+            return; // A UCX node: it has no TCP listener.
+        };
         while !self.closing.load(Ordering::SeqCst) {
+            // Asleep until a peer connects or the node shuts down (`Node::shutdown` wakes it).
+            if !wake.readable(&listener) {
+                continue;
+            }
             match listener.accept() {
                 Ok((stream, addr)) => {
                     let me = self.clone();
@@ -1416,10 +1432,11 @@ impl Inner {
                         Err(e) => log::warn!("PD: cannot take a connection from {addr}: {e}"),
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
+                // The peer gave up between the wake-up and the accept.
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) => {
+                    // Out of descriptors, say: the connection stays queued, so waiting again at
+                    // once would spin.
                     log::warn!("PD: accept failed: {e}");
                     std::thread::sleep(Duration::from_millis(10));
                 }
