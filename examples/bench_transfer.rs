@@ -279,7 +279,24 @@ fn collect(engine: &Engine, ttft: &Mutex<Vec<f64>>, ended: &AtomicUsize, errors:
     }
 }
 
+const USAGE: &str = "
+bench_transfer: PD room transfer throughput against raw TCP loopback, then TTFT under overload
+in PD mode against a unified engine (`make bench-transfer`; the file's header says how).
+
+  --rooms N              rooms per round (32)
+  --prompt N             tokens of the transferred prompt (8000)
+  --short-prompt N       the short prompt of the per-room split (1024)
+  --rounds N             rounds of part 1 (15)
+  --transfer-only 1      part 1 alone (for profiling the transfer path)
+  --prefault 0|1         pools resident from the start (1)
+  --seconds S            length of each overload run (10)
+  --factor F             offered load against the measured sustainable rate (10)
+  --overload-prompt N    prompt tokens of an overload request (512)
+  --overload-max-new N   new tokens of an overload request (16)
+";
+
 fn main() {
+    agentic::help(USAGE);
     let rooms = agentic::arg("--rooms", 32.0) as usize;
     let long = agentic::arg("--prompt", 8000.0) as usize;
     let short = agentic::arg("--short-prompt", 1024.0) as usize;

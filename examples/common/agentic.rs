@@ -73,14 +73,33 @@ impl Workload {
     }
 }
 
-/// `--name value` from the command line, or `default`.
+/// `--name value` from the command line, or `default`. A flag without a number after it ends
+/// the program with a message (rather than running with the default unnoticed).
 pub fn arg(name: &str, default: f64) -> f64 {
     let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    let Some(i) = args.iter().position(|a| a == name) else {
+        return default;
+    };
+    match args.get(i + 1).map(|v| (v, v.parse::<f64>())) {
+        Some((_, Ok(v))) => v,
+        Some((v, Err(_))) => {
+            eprintln!("{name} {v}: not a number (default {default})");
+            std::process::exit(2)
+        }
+        None => {
+            eprintln!("{name} needs a number after it (default {default})");
+            std::process::exit(2)
+        }
+    }
+}
+
+/// With `--help` or `-h` on the command line: prints `text` and exits.
+#[allow(dead_code)] // the demo and bench_prefix take no flags of their own
+pub fn help(text: &str) {
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{}", text.trim());
+        std::process::exit(0);
+    }
 }
 
 /// Where the built-in tiny checkpoint is kept: $DSV4_DEMO_MODEL_DIR, else
