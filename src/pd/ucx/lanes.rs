@@ -8,11 +8,22 @@
 //! from `ucp_put_handler`): a decode would die with its prefill. So a decode offers its
 //! memory for RMA only over endpoints with a real RMA lane.
 
-/// Whether `ucp_ep_print_info`'s text lists a put protocol on some lane (`put[N]: ...`).
-/// UCX prints these only for the endpoint's RMA lanes; an endpoint whose puts are emulated
-/// by active messages has none.
+/// UCX transports that write a peer's memory themselves (InfiniBand/RoCE reliable and
+/// dynamically connected, shared memory, cross-memory attach, GPU IPC).
+const RMA_TRANSPORTS: &[&str] = &[
+    "rc", "rc_verbs", "rc_mlx5", "dc", "dc_mlx5", "cma", "knem", "xpmem", "sysv", "posix", "self",
+    "cuda_ipc", "rocm_ipc",
+];
+
+/// Whether the endpoint described by `ucp_ep_print_info`'s text has a real RMA lane: a put
+/// protocol listed on some lane (`put[N]: ...`, which UCX 1.13 prints only for RMA lanes;
+/// an endpoint whose puts are emulated by active messages has none), or, should a later
+/// UCX print its protocols otherwise, a lane on a transport from [`RMA_TRANSPORTS`].
 pub fn has_rma_lane(description: &str) -> bool {
-    description.lines().any(|line| {
+    transports(description).iter().any(|t| {
+        let name = t.split_once('/').map_or(t.as_str(), |(n, _)| n);
+        RMA_TRANSPORTS.contains(&name)
+    }) || description.lines().any(|line| {
         let line = line.trim_start_matches('#').trim_start();
         line.strip_prefix("put[").is_some_and(|rest| {
             rest.split_once("]:").is_some_and(|(lane, _)| {
@@ -74,6 +85,13 @@ mod tests {
                   #   rma_bw: mds [1] rndv_rkey_size 10\n";
         assert!(!has_rma_lane(cm));
         assert_eq!(transports(cm), ["cm rdmacm", "tcp/lo.0", "tcp/eth0.0"]);
+        // An RDMA lane counts even where no put protocol is printed; ud alone does not.
+        let rc = "#   lane[0]: cm rdmacm\n\
+                  #   lane[1]:  3:rc_mlx5/mlx5_0:1 md[2] -> md[2]/ib/sysdev[255] rma_bw#0 am\n";
+        assert!(has_rma_lane(rc));
+        assert_eq!(transports(rc), ["cm rdmacm", "rc_mlx5/mlx5_0:1"]);
+        let ud = "#   lane[0]:  3:ud_mlx5/mlx5_0:1 md[2] -> md[2]/ib/sysdev[255] am wireup\n";
+        assert!(!has_rma_lane(ud));
         assert_eq!(
             transports(SHARED_MEMORY),
             ["self/memory0.0", "sysv/memory.0", "posix/memory.0"]
