@@ -167,3 +167,29 @@ fn pre_touch(ptr: NonNull<u8>, len: usize, threads: usize) {
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether every page of `mem` is resident, as the kernel says (`mincore`).
+    fn resident(mem: &HostMemory) -> bool {
+        let page = 4096;
+        let mut pages = vec![0u8; mem.len().div_ceil(page)];
+        // SAFETY: the mapping's page-aligned start and length; `pages` holds one byte a page.
+        let rc = unsafe { libc::mincore(mem.ptr.as_ptr().cast(), mem.len(), pages.as_mut_ptr()) };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        pages.iter().all(|&p| p & 1 == 1)
+    }
+
+    #[test]
+    fn host_memory_is_resident_zeroed_and_writable_from_the_start() {
+        let bytes = (24 << 20) + 100; // not a whole number of pages or chunks
+        let (mut mem, report) = HostMemory::allocate(bytes, None, 3).unwrap();
+        assert_eq!((mem.len(), report.bytes), (bytes, bytes));
+        assert!(resident(&mem), "pages left to fault in later");
+        assert!(mem.range(0, bytes).iter().all(|&b| b == 0));
+        mem.range_mut(bytes - 7, 7).copy_from_slice(b"hicache");
+        assert_eq!(mem.range(bytes - 7, 7), b"hicache");
+    }
+}
