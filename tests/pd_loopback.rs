@@ -53,13 +53,10 @@ fn decode(extra: Value) -> Engine {
     engine_with(doc)
 }
 
-/// A decode that, over UCX, takes states by RMA even over UCX's tcp transport (puts emulated
-/// with messages: the only RMA these machines have), so the RMA path is what runs.
+/// A decode that takes states by RMA over UCX, emulated puts included
+/// ([`common::with_emulated_rma`]).
 fn rma_decode(extra: Value) -> Engine {
-    let mut doc = common::pd_doc("decode", TRANSPORT);
-    merge(&mut doc, extra);
-    merge(&mut doc, json!({"pd": {"ucx_rma_emulated": true}}));
-    engine_with(doc)
+    decode(common::with_emulated_rma(extra))
 }
 
 /// Runs `s` through the pair (room `room`) and returns the prefill's and the decode's events.

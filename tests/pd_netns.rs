@@ -226,8 +226,7 @@ fn a_pair_on_two_hosts_is_bit_equal_to_a_unified_engine_and_counts_its_transfers
     let want = unified_tokens(common::pd_node::base(), &ids, &lens, max_new);
     let hosts = Hosts::new(&format!("eq{}", &TRANSPORT[..1]));
     // Over UCX the decode takes the states by RMA, emulated over UCX's tcp transport here.
-    let mut rma = common::pd_node::base();
-    common::requests::merge(&mut rma, json!({"pd": {"ucx_rma_emulated": true}}));
+    let rma = common::with_emulated_rma(common::pd_node::base());
     let (mut p, mut d) = hosts.pair(TRANSPORT, common::pd_node::base(), rma);
     rooms_match(&mut p, &mut d, &ids, &lens, max_new, &want);
     let n = lens.len() as u64;

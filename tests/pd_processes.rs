@@ -296,8 +296,7 @@ fn aborting_on_the_decode_while_claimed_fails_the_room_on_the_prefill() {
     let mut p = Node::start("prefill", "prefill", abort_params(), None);
     let peer = p.endpoint.clone();
     // Over UCX by RMA (emulated over UCX's tcp transport here): the hold below is RMA's.
-    let mut rma = abort_params();
-    merge(&mut rma, json!({"pd": {"ucx_rma_emulated": true}}));
+    let rma = common::with_emulated_rma(abort_params());
     let mut d = Node::start("decode", "decode", rma, Some(&peer));
     let prompt = &ids[..300];
     claim_early(&mut p, &mut d, &[(1, prompt)], (9, &ids[..5]));

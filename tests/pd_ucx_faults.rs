@@ -31,9 +31,7 @@ fn ucx(extra: Value) -> Value {
 
 /// [`ucx`] with RMA over UCX's tcp transport (emulated puts) forced.
 fn ucx_rma(extra: Value) -> Value {
-    let mut doc = ucx(extra);
-    merge(&mut doc, json!({"pd": {"ucx_rma_emulated": true}}));
-    doc
+    common::with_emulated_rma(ucx(extra))
 }
 
 /// The environment of an engine process injecting `faults`.

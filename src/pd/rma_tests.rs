@@ -68,6 +68,18 @@ fn in_own_process(name: &str, body: fn()) {
     panic!("{name}: libucp aborted its process three times in a row");
 }
 
+/// `#[test] fn $name() $body`, run in a process of its own ([`in_own_process`]).
+macro_rules! own_process_test {
+    ($(#[$attr:meta])* fn $name:ident() $body:block) => {
+        $(#[$attr])*
+        #[test]
+        fn $name() {
+            fn here() $body
+            in_own_process(stringify!($name), here);
+        }
+    };
+}
+
 /// A state big enough to be mid-transfer for tens of milliseconds.
 const STATE: usize = 96 << 20;
 
@@ -219,15 +231,8 @@ fn writing_started(pool: &[u8], decode: &Inbox) -> bool {
     true
 }
 
-#[test]
+own_process_test! {
 fn a_state_written_by_rma_lands_whole_and_is_delivered_without_a_copy() {
-    in_own_process(
-        "a_state_written_by_rma_lands_whole_and_is_delivered_without_a_copy",
-        a_state_written_by_rma_lands_whole_and_is_delivered_without_a_copy_here,
-    );
-}
-
-fn a_state_written_by_rma_lands_whole_and_is_delivered_without_a_copy_here() {
     let state = pattern(3 << 20);
     let mut pool = vec![0u8; state.len()];
     let p = pair(&mut pool, Duration::from_secs(30));
@@ -265,18 +270,12 @@ fn a_state_written_by_rma_lands_whole_and_is_delivered_without_a_copy_here() {
     p.decode.shutdown();
     p.prefill.shutdown();
 }
-
-/// RMA writes are not messages: a transfer longer than the decode's dead interval (here
-/// 100 ms: heartbeats every 20 ms, 5 missed) still has the prefill's heartbeats reach it.
-#[test]
-fn a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive() {
-    in_own_process(
-        "a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive",
-        a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive_here,
-    );
 }
 
-fn a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive_here() {
+own_process_test! {
+/// RMA writes are not messages: a transfer longer than the decode's dead interval (here
+/// 200 ms: heartbeats every 40 ms, 5 missed) still has the prefill's heartbeats reach it.
+fn a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive() {
     // 192 MiB (~0.5 s here) against a 200 ms dead interval: a 100 ms one was missed on a
     // loaded 2-core CI machine by scheduling alone (the decode's thread ran late), which is
     // not what this checks.
@@ -308,18 +307,12 @@ fn a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive_here() {
     p.decode.shutdown();
     p.prefill.shutdown();
 }
-
-/// A room whose destination a prefill may still be writing is not reused: a new request in
-/// it is refused (naming why) until the destination is back, then taken.
-#[test]
-fn a_room_is_not_reused_while_its_destination_is_still_being_released() {
-    in_own_process(
-        "a_room_is_not_reused_while_its_destination_is_still_being_released",
-        a_room_is_not_reused_while_its_destination_is_still_being_released_here,
-    );
 }
 
-fn a_room_is_not_reused_while_its_destination_is_still_being_released_here() {
+own_process_test! {
+/// A room whose destination a prefill may still be writing is not reused: a new request in
+/// it is refused (naming why) until the destination is back, then taken.
+fn a_room_is_not_reused_while_its_destination_is_still_being_released() {
     let state = pattern(STATE);
     let mut pool = vec![0u8; STATE];
     let p = pair(&mut pool, Duration::from_secs(30));
@@ -345,18 +338,12 @@ fn a_room_is_not_reused_while_its_destination_is_still_being_released_here() {
     p.decode.shutdown();
     p.prefill.shutdown();
 }
-
-/// A claim naming memory outside what the decode registered fails that room on both sides
-/// (`mismatch`), not the link: the next room on it lands.
-#[test]
-fn a_claim_outside_the_registered_memory_fails_its_room_not_the_link() {
-    in_own_process(
-        "a_claim_outside_the_registered_memory_fails_its_room_not_the_link",
-        a_claim_outside_the_registered_memory_fails_its_room_not_the_link_here,
-    );
 }
 
-fn a_claim_outside_the_registered_memory_fails_its_room_not_the_link_here() {
+own_process_test! {
+/// A claim naming memory outside what the decode registered fails that room on both sides
+/// (`mismatch`), not the link: the next room on it lands.
+fn a_claim_outside_the_registered_memory_fails_its_room_not_the_link() {
     let state = pattern(64 << 10);
     let mut pool = vec![0u8; state.len()];
     let mut elsewhere = vec![0u8; state.len()];
@@ -388,6 +375,7 @@ fn a_claim_outside_the_registered_memory_fails_its_room_not_the_link_here() {
     assert!(snapshot(&pool) == state);
     p.decode.shutdown();
     p.prefill.shutdown();
+}
 }
 
 /// How the decode's side of a room ends while the prefill is writing it.
@@ -496,50 +484,26 @@ fn no_late_write_lands_after_the_destination_is_handed_back(ending: Ending) {
     );
 }
 
-#[test]
+own_process_test! {
 fn no_late_write_lands_after_a_decode_abort() {
-    in_own_process(
-        "no_late_write_lands_after_a_decode_abort",
-        no_late_write_lands_after_a_decode_abort_here,
-    );
-}
-
-fn no_late_write_lands_after_a_decode_abort_here() {
     no_late_write_lands_after_the_destination_is_handed_back(Ending::DecodeAborts);
 }
-
-#[test]
-fn no_late_write_lands_after_a_decode_timeout() {
-    in_own_process(
-        "no_late_write_lands_after_a_decode_timeout",
-        no_late_write_lands_after_a_decode_timeout_here,
-    );
 }
 
-fn no_late_write_lands_after_a_decode_timeout_here() {
+own_process_test! {
+fn no_late_write_lands_after_a_decode_timeout() {
     no_late_write_lands_after_the_destination_is_handed_back(Ending::DecodeTimesOut);
 }
-
-#[test]
-fn no_late_write_lands_after_a_prefill_abort() {
-    in_own_process(
-        "no_late_write_lands_after_a_prefill_abort",
-        no_late_write_lands_after_a_prefill_abort_here,
-    );
 }
 
-fn no_late_write_lands_after_a_prefill_abort_here() {
+own_process_test! {
+fn no_late_write_lands_after_a_prefill_abort() {
     no_late_write_lands_after_the_destination_is_handed_back(Ending::PrefillAborts);
 }
-
-#[test]
-fn no_late_write_lands_after_a_prefill_shutdown() {
-    in_own_process(
-        "no_late_write_lands_after_a_prefill_shutdown",
-        no_late_write_lands_after_a_prefill_shutdown_here,
-    );
 }
 
-fn no_late_write_lands_after_a_prefill_shutdown_here() {
+own_process_test! {
+fn no_late_write_lands_after_a_prefill_shutdown() {
     no_late_write_lands_after_the_destination_is_handed_back(Ending::PrefillShutsDown);
+}
 }

@@ -214,6 +214,17 @@ pub fn pd_doc(role: &str, transport: &str) -> Value {
     json!({"role": role, "pd": {"transport": transport, "listen": format!("{transport}://127.0.0.1:0")}})
 }
 
+/// `doc` with `pd.ucx_rma_emulated` set: over UCX a decode takes states by RMA even where UCX
+/// emulates puts with messages (its tcp transport: the only RMA these machines have), so the
+/// RMA path is what runs. Ignored over TCP.
+pub fn with_emulated_rma(mut doc: Value) -> Value {
+    requests::merge(
+        &mut doc,
+        serde_json::json!({"pd": {"ucx_rma_emulated": true}}),
+    );
+    doc
+}
+
 /// The enclosed items (helpers and tests) once per PD transport: in module `tcp` and in module
 /// `ucx`, each with `TRANSPORT` ("tcp" or "ucx") in scope. UCX runs on its tcp, self and
 /// shared-memory transports here (no RDMA on these machines): `UCX_TLS` unset lets UCX pick
