@@ -20,6 +20,9 @@
 //!    admission bound (they refuse at once instead of queueing without bound). Admitted TTFT
 //!    p50/p99 and the refusals of both.
 //!
+//! Part 1 also prints the CPU a round takes, all threads together and thread by thread (the
+//! kernel's schedstat): what a PD round adds to raw TCP's two threads.
+//!
 //! Last line: `ratios transfer_vs_tcp=… ttft_p99_pd_vs_unified=…` (goal: transfer ≥ 0.8).
 //!
 //! Both engines run with `kv.prefault` (`--prefault 0`: lazily mapped pools, whose first
@@ -38,6 +41,7 @@ mod pd;
 #[path = "common/rooms.rs"]
 mod rooms;
 
+use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -162,6 +166,50 @@ fn raw_tcp(rooms: usize, mem: &mut RawMemory, ack: bool) -> f64 {
 fn cpu_seconds() -> f64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// CPU nanoseconds each live thread of this process has run, by thread id with its name (the
+/// kernel's schedstat, in nanoseconds where getrusage counts ticks); None where the kernel has
+/// no schedstat.
+fn thread_cpu() -> Option<HashMap<u64, (String, u64)>> {
+    let mut threads = HashMap::new();
+    for entry in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Ok(tid) = entry.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        // A thread that ended between the listing and the reads is left out.
+        let (Ok(name), Ok(stat)) = (
+            std::fs::read_to_string(entry.path().join("comm")),
+            std::fs::read_to_string(entry.path().join("schedstat")),
+        ) else {
+            continue;
+        };
+        let ns = stat.split_whitespace().next()?.parse().ok()?;
+        threads.insert(tid, (name.trim().to_string(), ns));
+    }
+    Some(threads)
+}
+
+/// Adds each thread's CPU between two `thread_cpu` readings to `by_name` (threads of one name
+/// together, with how many there were).
+fn add_thread_cpu(
+    by_name: &mut BTreeMap<String, (usize, u64)>,
+    before: &HashMap<u64, (String, u64)>,
+    after: &HashMap<u64, (String, u64)>,
+) {
+    for (tid, (name, ns)) in after {
+        let spent = ns.saturating_sub(before.get(tid).map_or(0, |b| b.1));
+        let e = by_name.entry(name.clone()).or_default();
+        e.1 += spent;
+    }
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for (name, _) in after.values() {
+        *counts.entry(name).or_default() += 1;
+    }
+    for (name, n) in counts {
+        let e = by_name.entry(name.to_string()).or_default();
+        e.0 = e.0.max(n);
+    }
 }
 
 /// Seconds one room's bytes spend in the per-byte work the decode adds to the socket read
@@ -354,12 +402,22 @@ fn main() {
     // Each side's fastest round: the two at their least disturbed.
     let (mut fastest_pd, mut fastest_raw) = (f64::INFINITY, f64::INFINITY);
     let (mut cpu_batch, mut cpu_raw) = (Vec::new(), Vec::new());
+    // The PD rounds' CPU by thread name (None: no schedstat here).
+    let mut by_thread = Some(BTreeMap::new());
     let mut d_batch = KvTransfer::default();
     for _ in 0..rounds {
         let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
+        let threads_before = thread_cpu();
         let c0 = cpu_seconds();
         let (wall, d) = at_once(&pair, &long_prompt, &ids, &peer);
         let c1 = cpu_seconds();
+        by_thread = match (by_thread, threads_before, thread_cpu()) {
+            (Some(mut acc), Some(before), Some(after)) => {
+                add_thread_cpu(&mut acc, &before, &after);
+                Some(acc)
+            }
+            _ => None,
+        };
         let raw = raw_tcp(rooms, &mut mem, false);
         cpu_batch.push(c1 - c0);
         cpu_raw.push(cpu_seconds() - c1);
@@ -466,6 +524,32 @@ fn main() {
         1e3 * cpu_tcp,
         cpu_pd / cpu_tcp
     );
+    // Where the PD round's CPU goes: the socket readers carry the same copies as raw TCP's two
+    // threads; the rest is what the rooms add (engine threads, control frames, the events).
+    match by_thread {
+        Some(acc) => {
+            let mut parts: Vec<_> = acc.into_iter().filter(|(_, (_, ns))| *ns > 0).collect();
+            parts.sort_by_key(|(_, (_, ns))| std::cmp::Reverse(*ns));
+            let list: Vec<String> = parts
+                .iter()
+                .map(|(name, (n, ns))| {
+                    let ms = *ns as f64 / 1e6 / rounds as f64;
+                    if *n > 1 {
+                        format!("{name} ×{n} {ms:.2}")
+                    } else {
+                        format!("{name} {ms:.2}")
+                    }
+                })
+                .collect();
+            println!(
+                "  PD CPU a round by thread (mean ms; both engines' threads of a name together): {}",
+                list.join(", ")
+            );
+        }
+        None => {
+            println!("  PD CPU a round by thread: not shown (no /proc/self/task/*/schedstat here)")
+        }
+    }
     println!("  one room at a time (claim → landed: a claim round trip and an engine wake-up per room that a stream does not pay):");
     println!(
         "    decode  claim → landed {:8.2} ms per room  {:7.3} GB/s",
