@@ -5,7 +5,11 @@
 //!
 //!     cargo run --release --example bench_forward -- [--model fixture|large] [--threads N]
 //!         [--weights f32|bf16|native|auto] [--kv f32|bf16|fp8] [--phase prefill|decode1|decode8]
-//!         [--bandwidth] [--json]
+//!         [--bandwidth] [--json] [--op-times]
+//!
+//! `--op-times` also prints, for one prefill and for the b1 decode steps, the wall time of
+//! each backend op on the step's thread (products by shape and storage), per step and as a
+//! share of the step: what the step spends its time on, waits for parts included.
 //!
 //! `--model large-fp8` is the large model written as an official FP8/FP4 checkpoint (the same
 //! weights rounded), `large-fp8-deq` its dequantised f32 copy (what transformers loads).
@@ -14,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use dsv4::backend::cpu::CpuBackend;
+use dsv4::backend::cpu::{record_op_times, take_op_times, CpuBackend};
 use dsv4::config::params::Params;
 use dsv4::config::params::WeightDtype;
 use dsv4::config::tensors::{checkpoint_tensors, Storage};
@@ -368,6 +372,29 @@ fn kernel_rates(backend: &CpuBackend) -> Vec<(&'static str, f64)> {
         .collect()
 }
 
+/// The op times recorded over `seconds` of wall time in `per` steps: each op's calls and
+/// milliseconds per step and its share of the step (stderr, so `--json` stays one line).
+fn print_op_times(what: &str, seconds: f64, per: usize) {
+    let ops = take_op_times();
+    let in_ops: f64 = ops.iter().map(|o| o.seconds).sum();
+    let ms = |s: f64| 1e3 * s / per as f64;
+    eprintln!(
+        "op times, {what}: {:.3} ms, of which ops {:.3} ms ({:.1} %; the rest is between ops)",
+        ms(seconds),
+        ms(in_ops),
+        100.0 * in_ops / seconds
+    );
+    for o in &ops {
+        eprintln!(
+            "  {:<44} {:>6.1} calls {:>8.3} ms {:>5.1} %",
+            o.op,
+            o.calls as f64 / per as f64,
+            ms(o.seconds),
+            100.0 * o.seconds / seconds
+        );
+    }
+}
+
 /// Read bandwidth of this machine with `threads` threads: a plain sum over a buffer far larger
 /// than the caches (best of 3), bytes per second.
 fn read_bandwidth(threads: usize) -> f64 {
@@ -422,6 +449,24 @@ impl Bench {
             .unwrap();
     }
 
+    /// Seconds of one full prefill with the backend's op times recorded, after one not
+    /// recorded (the first pays the page faults of fresh intermediate tensors, which the
+    /// best-of-5 rate does not see).
+    fn recorded_prefill(&mut self) -> f64 {
+        let ids = self.tokens(1, self.prompt);
+        let mut seq = self.kv.open().unwrap();
+        self.prefill(&mut seq, &ids);
+        self.kv.close(seq);
+        let mut seq = self.kv.open().unwrap();
+        record_op_times(true);
+        let t = Instant::now();
+        self.prefill(&mut seq, &ids);
+        let seconds = t.elapsed().as_secs_f64();
+        record_op_times(false);
+        self.kv.close(seq);
+        seconds
+    }
+
     /// Prompt tokens per second of one full prefill (best of 5).
     fn prefill_rate(&mut self) -> f64 {
         let ids = self.tokens(1, self.prompt);
@@ -440,6 +485,12 @@ impl Bench {
     /// Generated tokens per second with `batch` sequences decoding together, from the median
     /// step time (robust to a noisy machine).
     fn decode_rate(&mut self, batch: usize) -> f64 {
+        self.decode_steps(batch, false).0
+    }
+
+    /// `decode_rate`, and the steps' total seconds; with `record`, the backend's op times are
+    /// recorded over the steps alone (not the prompts' prefills).
+    fn decode_steps(&mut self, batch: usize, record: bool) -> (f64, f64) {
         let mut seqs: Vec<SeqKv> = (0..batch).map(|_| self.kv.open().unwrap()).collect();
         for (i, seq) in seqs.iter_mut().enumerate() {
             let ids = self.tokens(10 + i as u64, self.prompt);
@@ -449,6 +500,7 @@ impl Bench {
             .map(|i| self.tokens(100 + i as u64, self.steps))
             .collect();
         let mut times = Vec::with_capacity(self.steps);
+        record_op_times(record);
         for step in 0..self.steps {
             let mut chunks: Vec<Chunk<'_>> = seqs
                 .iter_mut()
@@ -463,11 +515,13 @@ impl Bench {
             self.model.forward(&mut self.kv, &mut chunks).unwrap();
             times.push(t.elapsed().as_secs_f64());
         }
+        record_op_times(false);
         for seq in seqs {
             self.kv.close(seq);
         }
+        let total = times.iter().sum();
         times.sort_by(f64::total_cmp);
-        batch as f64 / times[times.len() / 2]
+        (batch as f64 / times[times.len() / 2], total)
     }
 }
 
@@ -554,6 +608,12 @@ fn main() {
     } else {
         0.0
     };
+    if args.iter().any(|a| a == "--op-times") {
+        let seconds = bench.recorded_prefill();
+        print_op_times(&format!("one {prompt}-token prefill"), seconds, 1);
+        let (_, seconds) = bench.decode_steps(1, true);
+        print_op_times("decode b1, per step", seconds, bench.steps);
+    }
     // Measured after the model runs, with the same thread count.
     let bandwidth = if args.iter().any(|a| a == "--bandwidth") {
         read_bandwidth(threads)

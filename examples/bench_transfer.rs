@@ -528,7 +528,11 @@ fn main() {
     // threads; the rest is what the rooms add (engine threads, control frames, the events).
     match by_thread {
         Some(acc) => {
-            let mut parts: Vec<_> = acc.into_iter().filter(|(_, (_, ns))| *ns > 0).collect();
+            // Threads under 5 µs a round (the idle compute pools) are left out.
+            let mut parts: Vec<_> = acc
+                .into_iter()
+                .filter(|(_, (_, ns))| *ns >= 5_000 * rounds as u64)
+                .collect();
             parts.sort_by_key(|(_, (_, ns))| std::cmp::Reverse(*ns));
             let list: Vec<String> = parts
                 .iter()

@@ -9,6 +9,7 @@ mod hc;
 mod hot;
 mod huge_pages;
 mod moe;
+mod op_times;
 mod ops;
 mod pool;
 mod quant;
@@ -30,6 +31,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
+pub use op_times::{record_op_times, take_op_times, OpTime};
 pub use pool::CpuBuffer;
 
 /// f32 values in host memory.
@@ -56,6 +58,19 @@ enum MatrixData {
 }
 
 impl CpuMatrix {
+    /// How it is stored, for op labels: `fp8`, `bf16`, parts joined with `+`.
+    fn storage(&self) -> String {
+        match &self.data {
+            MatrixData::F32(_) => "f32".into(),
+            MatrixData::Bf16(_) => "bf16".into(),
+            MatrixData::Native(n) => n.name().into(),
+            MatrixData::Stacked(parts) => {
+                let names: Vec<String> = parts.iter().map(|(_, m)| m.storage()).collect();
+                names.join("+")
+            }
+        }
+    }
+
     /// The values, row-major, where the matrix is stored as f32.
     fn f32_values(&self) -> Option<&[f32]> {
         match &self.data {
@@ -323,15 +338,18 @@ impl Backend for CpuBackend {
         x: &CpuTensor,
         rows: Range<usize>,
     ) -> Result<()> {
+        let _t = op_times::op("write_rows");
         pool::write_rows(dst, layout, first, &x.0, rows);
         Ok(())
     }
 
     fn read_rows(&self, rows: &Rows<'_, Self>, range: Range<usize>) -> Result<CpuTensor> {
+        let _t = op_times::op("read_rows");
         Ok(CpuTensor(pool::gather(rows, range)))
     }
 
     fn codec_round_trip(&self, x: &mut CpuTensor, width: usize, codec: RowCodec) -> Result<()> {
+        let _t = op_times::op("codec_round_trip");
         use rayon::prelude::*;
         if codec == RowCodec::F32 {
             return Ok(());
@@ -439,10 +457,14 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&self, table: &CpuMatrix, ids: &CpuIndex) -> Result<CpuTensor> {
+        let _t = op_times::op("embed");
         Ok(self.run(|| CpuTensor(ops::embed(table, &ids.0))))
     }
 
     fn matmul(&self, x: &CpuTensor, rows: usize, w: &CpuMatrix) -> Result<CpuTensor> {
+        let _t = op_times::op_with(|| {
+            format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage())
+        });
         let mut out = vec![0.0; rows * w.rows];
         let at = |stride| gemm::Strided {
             offset: 0,
@@ -459,6 +481,7 @@ impl Backend for CpuBackend {
         w: &CpuMatrix,
         groups: usize,
     ) -> Result<CpuTensor> {
+        let _t = op_times::op("matmul_grouped");
         let (in_g, out_g) = (w.cols, w.rows / groups);
         let mut out = vec![0.0; rows * w.rows];
         self.run(|| {
@@ -491,6 +514,7 @@ impl Backend for CpuBackend {
         weight: Option<&CpuTensor>,
         eps: f32,
     ) -> Result<CpuTensor> {
+        let _t = op_times::op("rms_norm");
         debug_assert_eq!(x.0.len(), vectors * dim);
         Ok(self.run(|| {
             CpuTensor(ops::rms_norm(
@@ -511,16 +535,19 @@ impl Backend for CpuBackend {
         positions: &CpuIndex,
         inverse: bool,
     ) -> Result<()> {
+        let _t = op_times::op("rope_apply");
         self.run(|| ops::rope(&mut x.0, heads, head_dim, &rope.0, &positions.0, inverse));
         Ok(())
     }
 
     fn add_assign(&self, a: &mut CpuTensor, b: &CpuTensor) -> Result<()> {
+        let _t = op_times::op("add_assign");
         a.0.iter_mut().zip(&b.0).for_each(|(x, y)| *x += y);
         Ok(())
     }
 
     fn split(&self, x: &CpuTensor, rows: usize, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+        let _t = op_times::op("split");
         let total: usize = widths.iter().sum();
         debug_assert_eq!(x.0.len(), rows * total);
         let mut parts: Vec<Vec<f32>> = widths
@@ -538,6 +565,7 @@ impl Backend for CpuBackend {
     }
 
     fn take_rows(&self, x: &CpuTensor, cols: usize, rows: &[usize]) -> Result<CpuTensor> {
+        let _t = op_times::op("take_rows");
         Ok(CpuTensor(ops::take_rows(&x.0, cols, rows)))
     }
 
@@ -548,6 +576,7 @@ impl Backend for CpuBackend {
         inter: usize,
         limit: f32,
     ) -> Result<CpuTensor> {
+        let _t = op_times::op("swiglu");
         Ok(self.run(|| CpuTensor(ops::swiglu(&gate_up.0, inter, limit))))
     }
 
@@ -558,16 +587,19 @@ impl Backend for CpuBackend {
         channels: usize,
         block: usize,
     ) -> Result<()> {
+        let _t = op_times::op("fp8_round_trip");
         self.run(|| ops::fp8_round_trip(&mut x.0, width, channels, block));
         Ok(())
     }
 
     fn hadamard_fp4_round_trip(&self, x: &mut CpuTensor, dim: usize, block: usize) -> Result<()> {
+        let _t = op_times::op("hadamard_fp4_round_trip");
         self.run(|| ops::hadamard_fp4_round_trip(&mut x.0, dim, block));
         Ok(())
     }
 
     fn hc_pre(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> Result<HcMix<Self>> {
+        let _t = op_times::op("hc_pre");
         Ok(self.run(|| hc::pre(self, &x.0, rows, p)))
     }
 
@@ -580,6 +612,7 @@ impl Backend for CpuBackend {
         hc: usize,
         dim: usize,
     ) -> Result<CpuTensor> {
+        let _t = op_times::op("hc_post");
         Ok(self.run(|| CpuTensor(hc::post(&out.0, &x.0, mix, hc, dim))))
     }
 
@@ -593,6 +626,7 @@ impl Backend for CpuBackend {
         dim: usize,
         next: &HcParams<'_, Self>,
     ) -> Result<(CpuTensor, HcMix<Self>)> {
+        let _t = op_times::op("hc_post_pre");
         debug_assert_eq!((next.hc, next.dim), (hc, dim));
         // Fewer rows than a tile per worker (decode): apart, where each product splits over
         // the workers instead.
@@ -606,10 +640,12 @@ impl Backend for CpuBackend {
     }
 
     fn hc_head(&self, x: &CpuTensor, rows: usize, p: &HcParams<'_, Self>) -> Result<CpuTensor> {
+        let _t = op_times::op("hc_head");
         Ok(self.run(|| CpuTensor(hc::head(&x.0, rows, p))))
     }
 
     fn hc_expand(&self, x: &CpuTensor, _rows: usize, hc: usize, dim: usize) -> Result<CpuTensor> {
+        let _t = op_times::op("hc_expand");
         Ok(hc::expand(self, &x.0, hc, dim))
     }
 
@@ -619,6 +655,7 @@ impl Backend for CpuBackend {
         frontier: usize,
         args: &CompressArgs<'_, Self>,
     ) -> Result<(CpuTensor, usize)> {
+        let _t = op_times::op("compress");
         let coff = if args.overlap { 2 } else { 1 };
         let len = coff * args.ratio * 2 * coff * args.width * 4;
         let values: &mut [f32] = bytemuck::cast_slice_mut(state.range_mut(frontier, len));
@@ -627,6 +664,7 @@ impl Backend for CpuBackend {
     }
 
     fn indexer_top_k(&self, seqs: &[IndexerArgs<'_, Self>]) -> Result<Vec<(CpuIndex, usize)>> {
+        let _t = op_times::op("indexer_top_k");
         use rayon::prelude::*;
         Ok(self.run(|| {
             seqs.par_iter()
@@ -639,11 +677,13 @@ impl Backend for CpuBackend {
     }
 
     fn attention(&self, seqs: &[AttentionArgs<'_, Self>], out: &mut CpuTensor) -> Result<()> {
+        let _t = op_times::op("attention");
         self.run(|| attention::attention(seqs, out));
         Ok(())
     }
 
     fn route(&self, args: &RouteArgs<'_, Self>) -> Result<Routing<Self>> {
+        let _t = op_times::op("route");
         moe::route(self, args)
     }
 
@@ -656,6 +696,7 @@ impl Backend for CpuBackend {
         inter: usize,
         limit: f32,
     ) -> Result<CpuTensor> {
+        let _t = op_times::op("moe");
         Ok(self.run(|| CpuTensor(moe::moe(&x.0, rows, routing, experts, inter, limit))))
     }
 }
