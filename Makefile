@@ -102,10 +102,18 @@ kernels-check: venv
 	DSV4_NVRTC_PATH="$$lib" $(CARGO) run --quiet --example kernels_check -- sm_90 sm_100
 
 # `cargo test` builds the examples before any test runs: tests/pd_processes.rs runs pd_node.
+# Test binaries whose tests put several UCX engines in one process run one test per process
+# (scripts/test_isolated.sh: libucs < 1.17 can abort a process with several UCX workers).
+ISOLATED_TESTS := pd_loopback pd_many_engines
+OTHER_TESTS    := $(filter-out $(ISOLATED_TESTS),$(basename $(notdir $(wildcard tests/*.rs))))
+
+# The library's tests include the header freshness test (include/dsv4.h vs src/ffi).
 test-rust: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
-	$(CARGO) test   # includes the header freshness test (include/dsv4.h vs src/ffi)
+	$(CARGO) test --lib --bins --examples $(addprefix --test ,$(OTHER_TESTS))
+	$(CARGO) test --doc
+	CARGO="$(CARGO)" ./scripts/test_isolated.sh $(ISOLATED_TESTS)
 
 # A prefill and a decode process on two "hosts": network namespaces joined by a veth pair
 # (tests/pd_netns.rs). Needs root to make the namespaces and fails, never skips, without it;
