@@ -101,7 +101,8 @@ kernels-check: venv
 	fi; \
 	DSV4_NVRTC_PATH="$$lib" $(CARGO) run --quiet --example kernels_check -- sm_90 sm_100
 
-# `cargo test` builds the examples before any test runs: tests/pd_processes.rs runs pd_node.
+# The examples are built first (as a plain `cargo test` does; `--examples` would build them as
+# test harnesses instead): tests/pd_processes.rs runs target/debug/examples/pd_node.
 # Test binaries whose tests put several UCX engines in one process run one test per process
 # (scripts/test_isolated.sh: libucs < 1.17 can abort a process with several UCX workers).
 ISOLATED_TESTS := pd_loopback pd_many_engines
@@ -111,7 +112,8 @@ OTHER_TESTS    := $(filter-out $(ISOLATED_TESTS),$(basename $(notdir $(wildcard 
 test-rust: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
-	$(CARGO) test --lib --bins --examples $(addprefix --test ,$(OTHER_TESTS))
+	$(CARGO) build --examples
+	$(CARGO) test --lib --bins $(addprefix --test ,$(OTHER_TESTS))
 	$(CARGO) test --doc
 	CARGO="$(CARGO)" ./scripts/test_isolated.sh $(ISOLATED_TESTS)
 
