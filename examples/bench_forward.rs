@@ -385,8 +385,18 @@ fn print_op_times(what: &str, seconds: f64, per: usize) {
         100.0 * in_ops / seconds
     );
     for o in &ops {
+        // Products: weight bytes read and FLOPs per second of their own time.
+        let rates = if o.bytes > 0 {
+            format!(
+                " {:>6.1} GB/s {:>6.1} GFLOP/s",
+                o.bytes as f64 / o.seconds / 1e9,
+                o.flops as f64 / o.seconds / 1e9
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "  {:<44} {:>6.1} calls {:>8.3} ms {:>5.1} %",
+            "  {:<48} {:>6.1} calls {:>8.3} ms {:>5.1} %{rates}",
             o.op,
             o.calls as f64 / per as f64,
             ms(o.seconds),

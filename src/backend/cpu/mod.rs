@@ -243,6 +243,12 @@ impl CpuBackend {
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
     }
+
+    /// A product's weight bytes read and FLOPs with `rows` inputs (for `op_times`).
+    fn product_work(&self, rows: usize, w: &CpuMatrix) -> (u64, u64) {
+        let flops = 2 * rows * w.rows * w.cols;
+        (Backend::matrix_bytes(self, w) as u64, flops as u64)
+    }
 }
 
 impl Drop for CpuBackend {
@@ -462,9 +468,10 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, rows: usize, w: &CpuMatrix) -> Result<CpuTensor> {
-        let _t = op_times::op_with(|| {
-            format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage())
-        });
+        let _t = op_times::product(
+            || format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage()),
+            || self.product_work(rows, w),
+        );
         let mut out = vec![0.0; rows * w.rows];
         let at = |stride| gemm::Strided {
             offset: 0,
@@ -481,7 +488,16 @@ impl Backend for CpuBackend {
         w: &CpuMatrix,
         groups: usize,
     ) -> Result<CpuTensor> {
-        let _t = op_times::op("matmul_grouped");
+        let _t = op_times::product(
+            || {
+                let (cols, out) = (w.cols, w.rows);
+                format!(
+                    "matmul_grouped {rows} x {groups}x{cols} -> {out} {}",
+                    w.storage()
+                )
+            },
+            || self.product_work(rows, w),
+        );
         let (in_g, out_g) = (w.cols, w.rows / groups);
         let mut out = vec![0.0; rows * w.rows];
         self.run(|| {

@@ -11,7 +11,16 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 static ON: AtomicBool = AtomicBool::new(false);
-static TOTALS: Mutex<BTreeMap<String, (u64, f64)>> = Mutex::new(BTreeMap::new());
+static TOTALS: Mutex<BTreeMap<String, Total>> = Mutex::new(BTreeMap::new());
+
+/// One label's calls, seconds, weight bytes read and FLOPs.
+#[derive(Debug, Default, Clone, Copy)]
+struct Total {
+    calls: u64,
+    seconds: f64,
+    bytes: u64,
+    flops: u64,
+}
 
 thread_local! {
     /// Ops running on this thread: one op calling another (routing runs the gate product)
@@ -19,13 +28,16 @@ thread_local! {
     static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
-/// One op's calls and wall seconds since recording started.
+/// One op's calls and wall seconds since recording started; for products, the weight bytes
+/// they read and their FLOPs (0 for other ops).
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpTime {
     /// The op, products with their shape and storage: `matmul 1 x 1024 -> 2048 fp8`.
     pub op: String,
     pub calls: u64,
     pub seconds: f64,
+    pub bytes: u64,
+    pub flops: u64,
 }
 
 /// Starts (clearing what was recorded) or stops recording the ops' times, process-wide.
@@ -40,26 +52,37 @@ pub fn record_op_times(on: bool) {
 pub fn take_op_times() -> Vec<OpTime> {
     let mut v: Vec<OpTime> = std::mem::take(&mut *totals())
         .into_iter()
-        .map(|(op, (calls, seconds))| OpTime { op, calls, seconds })
+        .map(|(op, t)| OpTime {
+            op,
+            calls: t.calls,
+            seconds: t.seconds,
+            bytes: t.bytes,
+            flops: t.flops,
+        })
         .collect();
     v.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
     v
 }
 
-fn totals() -> std::sync::MutexGuard<'static, BTreeMap<String, (u64, f64)>> {
+fn totals() -> std::sync::MutexGuard<'static, BTreeMap<String, Total>> {
     TOTALS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Times the op it was made for until dropped (nothing when recording is off).
-pub(super) struct OpTimer(Option<(String, Instant)>);
+/// Times the op it was made for until dropped (nothing when recording is off): its label
+/// (empty inside another op), weight bytes and FLOPs, and its start.
+pub(super) struct OpTimer(Option<(String, u64, u64, Instant)>);
 
 /// A timer for an op named `name`.
 pub(super) fn op(name: &'static str) -> OpTimer {
-    op_with(|| name.to_string())
+    product(|| name.to_string(), || (0, 0))
 }
 
-/// A timer for an op whose label `label` makes (only called while recording).
-pub(super) fn op_with(label: impl FnOnce() -> String) -> OpTimer {
+/// A timer for an op whose label `label` makes, reading `work()` = (weight bytes, FLOPs)
+/// (both only called while recording).
+pub(super) fn product(
+    label: impl FnOnce() -> String,
+    work: impl FnOnce() -> (u64, u64),
+) -> OpTimer {
     if !ON.load(Ordering::Relaxed) {
         return OpTimer(None);
     }
@@ -67,15 +90,17 @@ pub(super) fn op_with(label: impl FnOnce() -> String) -> OpTimer {
         d.set(d.get() + 1);
         d.get() == 1
     });
-    OpTimer(Some((
-        if outer { label() } else { String::new() },
-        Instant::now(),
-    )))
+    let (label, (bytes, flops)) = if outer {
+        (label(), work())
+    } else {
+        (String::new(), (0, 0))
+    };
+    OpTimer(Some((label, bytes, flops, Instant::now())))
 }
 
 impl Drop for OpTimer {
     fn drop(&mut self) {
-        let Some((label, start)) = self.0.take() else {
+        let Some((label, bytes, flops, start)) = self.0.take() else {
             return;
         };
         let seconds = start.elapsed().as_secs_f64();
@@ -83,8 +108,10 @@ impl Drop for OpTimer {
         if !label.is_empty() {
             let mut t = totals();
             let e = t.entry(label).or_default();
-            e.0 += 1;
-            e.1 += seconds;
+            e.calls += 1;
+            e.seconds += seconds;
+            e.bytes += bytes;
+            e.flops += flops;
         }
     }
 }
@@ -93,9 +120,10 @@ impl Drop for OpTimer {
 mod tests {
     use super::*;
 
-    /// The label's entry, if recorded (other tests may record their own ops meanwhile).
+    /// The label's calls and seconds, if recorded (other tests may record their own ops
+    /// meanwhile).
     fn entry(label: &str) -> Option<(u64, f64)> {
-        totals().get(label).copied()
+        totals().get(label).map(|t| (t.calls, t.seconds))
     }
 
     #[test]
@@ -106,8 +134,8 @@ mod tests {
         assert_eq!(entry("op_times test: before"), None);
         record_op_times(true);
         for _ in 0..3 {
-            let _outer = op_with(|| "op_times test: outer".to_string());
-            let _inner = op("op_times test: inner");
+            let _outer = product(|| "op_times test: outer".to_string(), || (1000, 24));
+            let _inner = product(|| "op_times test: inner".to_string(), || (7, 7));
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         record_op_times(false);
@@ -119,8 +147,9 @@ mod tests {
         assert!(seconds >= 0.006, "{seconds}");
         assert_eq!(entry("op_times test: inner"), None);
         assert_eq!(entry("op_times test: after"), None);
-        assert!(take_op_times()
-            .iter()
-            .any(|t| t.op == "op_times test: outer" && t.calls == 3));
+        // The outer op's work three times; the inner's counted nowhere.
+        assert!(take_op_times().iter().any(
+            |t| t.op == "op_times test: outer" && (t.calls, t.bytes, t.flops) == (3, 3000, 72)
+        ));
     }
 }
