@@ -17,7 +17,10 @@ cargo=${CARGO:-cargo}
 failed=0
 for bin in "$@"; do
     "$cargo" test -q --test "$bin" --no-run
-    mapfile -t tests < <("$cargo" test -q --test "$bin" -- --list 2>/dev/null | sed -n 's/: test$//p')
+    # The binary's tests less its ignored ones (those run only when asked for, as with cargo).
+    mapfile -t ignored < <("$cargo" test -q --test "$bin" -- --list --ignored 2>/dev/null | sed -n 's/: test$//p')
+    mapfile -t tests < <("$cargo" test -q --test "$bin" -- --list 2>/dev/null | sed -n 's/: test$//p' |
+        grep -vxF -f <(printf '%s\n' "${ignored[@]}" ""))
     if [ "${#tests[@]}" -eq 0 ]; then
         echo "test_isolated: $bin lists no tests" >&2
         exit 1
