@@ -68,9 +68,20 @@ fn totals() -> std::sync::MutexGuard<'static, BTreeMap<String, Total>> {
     TOTALS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Times the op it was made for until dropped (nothing when recording is off): its label
-/// (empty inside another op), weight bytes and FLOPs, and its start.
-pub(super) struct OpTimer(Option<(String, u64, u64, Instant)>);
+/// Times the op it was made for until dropped (nothing when recording is off). Only the
+/// outermost op of a thread keeps what it records; an inner one only holds its depth.
+pub(super) struct OpTimer {
+    counted: bool,
+    outer: Option<Outer>,
+}
+
+/// What the outermost op of a thread records: its label, weight bytes, FLOPs and start.
+struct Outer {
+    label: String,
+    bytes: u64,
+    flops: u64,
+    start: Instant,
+}
 
 /// A timer for an op named `name`.
 pub(super) fn op(name: &'static str) -> OpTimer {
@@ -84,34 +95,43 @@ pub(super) fn product(
     work: impl FnOnce() -> (u64, u64),
 ) -> OpTimer {
     if !ON.load(Ordering::Relaxed) {
-        return OpTimer(None);
+        return OpTimer {
+            counted: false,
+            outer: None,
+        };
     }
-    let outer = DEPTH.with(|d| {
+    let depth = DEPTH.with(|d| {
         d.set(d.get() + 1);
-        d.get() == 1
+        d.get()
     });
-    let (label, (bytes, flops)) = if outer {
-        (label(), work())
-    } else {
-        (String::new(), (0, 0))
-    };
-    OpTimer(Some((label, bytes, flops, Instant::now())))
+    let outer = (depth == 1).then(|| {
+        let (bytes, flops) = work();
+        Outer {
+            label: label(),
+            bytes,
+            flops,
+            start: Instant::now(),
+        }
+    });
+    OpTimer {
+        counted: true,
+        outer,
+    }
 }
 
 impl Drop for OpTimer {
     fn drop(&mut self) {
-        let Some((label, bytes, flops, start)) = self.0.take() else {
-            return;
-        };
-        let seconds = start.elapsed().as_secs_f64();
-        DEPTH.with(|d| d.set(d.get() - 1));
-        if !label.is_empty() {
+        if self.counted {
+            DEPTH.with(|d| d.set(d.get() - 1));
+        }
+        if let Some(o) = self.outer.take() {
+            let seconds = o.start.elapsed().as_secs_f64();
             let mut t = totals();
-            let e = t.entry(label).or_default();
+            let e = t.entry(o.label).or_default();
             e.calls += 1;
             e.seconds += seconds;
-            e.bytes += bytes;
-            e.flops += flops;
+            e.bytes += o.bytes;
+            e.flops += o.flops;
         }
     }
 }
