@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{gemm, gemv, pool, CpuBackend, CpuTensor};
+use super::{gemm, gemv, pool, recycle, CpuBackend, CpuTensor};
 use crate::backend::{AttentionArgs, CompressArgs, IndexerArgs};
 
 /// Advances a frontier by the new tokens and pools every window they close.
@@ -109,7 +109,7 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
     let (heads, dim) = (a.heads, a.dim);
     // Every (query, head) against every key in one product: [n_new·heads, n_keys].
     let q_rows = &a.q.0[a.rows.start * heads * dim..a.rows.end * heads * dim];
-    let mut dots = vec![0.0f32; n_new * heads * n_keys];
+    let mut dots = recycle::zeroed(n_new * heads * n_keys);
     let keys = pool::gather(&a.keys, 0..n_keys);
     gemm::product(q_rows, n_new * heads, dim, &keys, n_keys, &mut dots);
     let w = &a.weights.0;
@@ -137,6 +137,8 @@ pub(super) fn indexer_top_k(a: &IndexerArgs<'_, CpuBackend>) -> (Vec<i32>, usize
             *slot = s as i32;
         }
     });
+    recycle::give(dots);
+    recycle::give(keys);
     (out, k)
 }
 

@@ -144,6 +144,7 @@ pub(super) fn gemm_into(
                 Parallelism::None,
             );
         }
+        super::recycle::give(rhs);
     });
 }
 
@@ -153,7 +154,7 @@ pub(super) fn gemm_into(
 fn widen_transposed(w: &CpuMatrix, rows: Range<usize>, k: usize) -> Vec<f32> {
     const TILE: usize = 16;
     let n = rows.len();
-    let mut out = vec![0.0f32; k * n];
+    let mut out = super::recycle::zeroed(k * n);
     let mut tile = vec![0.0f32; TILE * k];
     for j0 in (0..n).step_by(TILE) {
         let take = (n - j0).min(TILE);

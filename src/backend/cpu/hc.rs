@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use super::ops::inv_rms;
-use super::{gemm, gemv, CpuBackend, CpuMatrix};
+use super::{gemm, gemv, recycle, CpuBackend, CpuMatrix};
 use crate::backend::{Backend, HcMix, HcParams};
 
 fn sigmoid(x: f32) -> f32 {
@@ -73,7 +73,7 @@ impl Mix {
     fn new(rows: usize, p: &HcParams<'_, CpuBackend>) -> Self {
         let (hc, dim) = (p.hc, p.dim);
         Mix {
-            collapsed: vec![0.0; rows * dim],
+            collapsed: recycle::zeroed(rows * dim),
             post: vec![0.0; rows * hc],
             comb: vec![0.0; rows * hc * hc],
             hc,
@@ -274,7 +274,7 @@ pub(super) fn post(
     hc: usize,
     dim: usize,
 ) -> Vec<f32> {
-    let mut y = vec![0.0; x.len()];
+    let mut y = recycle::zeroed(x.len());
     y.par_chunks_mut(hc * dim)
         .zip(x.par_chunks(hc * dim))
         .zip(out.par_chunks(dim))
@@ -331,7 +331,7 @@ fn post_row(
 pub(super) fn head(x: &[f32], rows: usize, p: &HcParams<'_, CpuBackend>) -> Vec<f32> {
     let (hc, dim) = (p.hc, p.dim);
     let logits = mixes(x, rows, p);
-    let mut out = vec![0.0; rows * dim];
+    let mut out = recycle::zeroed(rows * dim);
     out.par_chunks_mut(dim)
         .zip(x.par_chunks(hc * dim))
         .zip(logits.par_chunks(hc))
@@ -345,7 +345,7 @@ pub(super) fn expand(
     hc: usize,
     dim: usize,
 ) -> <CpuBackend as Backend>::Tensor {
-    let mut out = Vec::with_capacity(x.len() * hc);
+    let mut out = recycle::with_capacity(x.len() * hc);
     for row in x.chunks(dim) {
         for _ in 0..hc {
             out.extend_from_slice(row);

@@ -13,6 +13,7 @@ mod op_times;
 mod ops;
 mod pool;
 mod quant;
+mod recycle;
 #[cfg(test)]
 mod test_data;
 
@@ -37,6 +38,20 @@ pub use pool::CpuBuffer;
 /// f32 values in host memory.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CpuTensor(pub(crate) Vec<f32>);
+
+impl CpuTensor {
+    /// Its values, taken out (a tensor that drops hands them to `recycle` instead).
+    fn into_vec(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.0)
+    }
+}
+
+/// A large tensor's buffer goes back to `recycle` for the next op (pages kept resident).
+impl Drop for CpuTensor {
+    fn drop(&mut self) {
+        recycle::give(std::mem::take(&mut self.0));
+    }
+}
 
 /// A weight matrix `[rows, cols]`, row-major.
 #[derive(Debug, Clone)]
@@ -374,11 +389,11 @@ impl Backend for CpuBackend {
     }
 
     fn tensor(&self, data: &[f32]) -> Result<CpuTensor> {
-        Ok(CpuTensor(data.to_vec()))
+        Ok(CpuTensor(recycle::copied(data)))
     }
 
     fn zeros(&self, len: usize) -> Result<CpuTensor> {
-        Ok(CpuTensor(vec![0.0; len]))
+        Ok(CpuTensor(recycle::zeroed(len)))
     }
 
     fn len(&self, t: &CpuTensor) -> usize {
@@ -472,7 +487,7 @@ impl Backend for CpuBackend {
             || format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage()),
             || self.product_work(rows, w),
         );
-        let mut out = vec![0.0; rows * w.rows];
+        let mut out = recycle::zeroed(rows * w.rows);
         let at = |stride| gemm::Strided {
             offset: 0,
             row_stride: stride,
@@ -499,7 +514,7 @@ impl Backend for CpuBackend {
             || self.product_work(rows, w),
         );
         let (in_g, out_g) = (w.cols, w.rows / groups);
-        let mut out = vec![0.0; rows * w.rows];
+        let mut out = recycle::zeroed(rows * w.rows);
         self.run(|| {
             for g in 0..groups {
                 gemm::gemm_into(
@@ -568,7 +583,7 @@ impl Backend for CpuBackend {
         debug_assert_eq!(x.0.len(), rows * total);
         let mut parts: Vec<Vec<f32>> = widths
             .iter()
-            .map(|w| Vec::with_capacity(rows * w))
+            .map(|w| recycle::with_capacity(rows * w))
             .collect();
         for row in x.0.chunks(total.max(1)) {
             let mut at = 0;
@@ -651,7 +666,7 @@ impl Backend for CpuBackend {
             let mix = self.hc_pre(&streams, rows, next)?;
             return Ok((streams, mix));
         }
-        let (streams, mix) = self.run(|| hc::post_pre(self, &out.0, x.0, mix, rows, next));
+        let (streams, mix) = self.run(|| hc::post_pre(self, &out.0, x.into_vec(), mix, rows, next));
         Ok((CpuTensor(streams), mix))
     }
 

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::gemm::{gemm_into, Strided};
 use super::ops::swiglu_row;
-use super::{CpuBackend, CpuMatrix};
+use super::{recycle, CpuBackend, CpuMatrix};
 use crate::backend::{Expert, RouteArgs, RouteKind, Routing, Scoring};
 use crate::error::{Error, Result};
 
@@ -102,7 +102,7 @@ pub(super) fn moe(
             contributions[t * k + slot] = Some(&out[n * dim..(n + 1) * dim]);
         }
     }
-    let mut y = vec![0.0f32; rows * dim];
+    let mut y = recycle::zeroed(rows * dim);
     let weights = &routing.weights.0;
     y.par_chunks_mut(dim).enumerate().for_each(|(t, yt)| {
         for slot in 0..k {
@@ -112,6 +112,8 @@ pub(super) fn moe(
             }
         }
     });
+    drop(contributions);
+    outputs.into_iter().for_each(|(_, out)| recycle::give(out));
     y
 }
 
@@ -124,22 +126,25 @@ fn expert_forward(
     limit: f32,
 ) -> Vec<f32> {
     let n = tokens.len();
-    let mut xe = Vec::with_capacity(n * dim);
+    let mut xe = recycle::with_capacity(n * dim);
     for &(t, _) in tokens {
         xe.extend_from_slice(&x[t * dim..(t + 1) * dim]);
     }
     let w13: &CpuMatrix = &expert.w13;
-    let mut h = vec![0.0; n * 2 * inter];
+    let mut h = recycle::zeroed(n * 2 * inter);
     let at = |stride| Strided {
         offset: 0,
         row_stride: stride,
     };
     gemm_into(&xe, at(dim), n, w13, 0..2 * inter, &mut h, at(2 * inter));
-    let mut act = vec![0.0; n * inter];
+    let mut act = recycle::zeroed(n * inter);
     for (o, hr) in act.chunks_mut(inter).zip(h.chunks(2 * inter)) {
         swiglu_row(&hr[..inter], &hr[inter..], limit, o);
     }
-    let mut out = vec![0.0; n * dim];
+    recycle::give(h);
+    recycle::give(xe);
+    let mut out = recycle::zeroed(n * dim);
     gemm_into(&act, at(inter), n, &expert.w2, 0..dim, &mut out, at(dim));
+    recycle::give(act);
     out
 }

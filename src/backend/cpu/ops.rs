@@ -3,14 +3,14 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::CpuMatrix;
+use super::{recycle, CpuMatrix};
 
 /// Rows below this many values are processed without splitting across threads.
 const PAR_MIN: usize = 1 << 14;
 
 pub(super) fn embed(table: &CpuMatrix, ids: &[i32]) -> Vec<f32> {
     let d = table.cols;
-    let mut out = vec![0.0; ids.len() * d];
+    let mut out = recycle::zeroed(ids.len() * d);
     out.par_chunks_mut(d)
         .zip(ids)
         .for_each(|(row, &id)| table.data.row_into(d, id as usize, row));
@@ -41,7 +41,7 @@ pub(super) fn inv_rms(x: &[f32], eps: f32) -> f32 {
 
 pub(super) fn rms_norm(x: &[f32], dim: usize, weight: Option<&[f32]>, eps: f32) -> Vec<f32> {
     // Written once from `x` (not copied, then scaled in place: one pass over the output less).
-    let mut out = vec![0.0; x.len()];
+    let mut out = recycle::zeroed(x.len());
     let norm = |(o, v): (&mut [f32], &[f32])| {
         let r = inv_rms(v, eps);
         match weight {
@@ -97,7 +97,7 @@ pub(super) fn rope(
 
 pub(super) fn swiglu(gate_up: &[f32], inter: usize, limit: f32) -> Vec<f32> {
     let rows = gate_up.len() / (2 * inter);
-    let mut out = vec![0.0; rows * inter];
+    let mut out = recycle::zeroed(rows * inter);
     out.par_chunks_mut(inter.max(1))
         .zip(gate_up.par_chunks(2 * inter.max(1)))
         .for_each(|(o, gu)| swiglu_row(&gu[..inter], &gu[inter..], limit, o));
@@ -132,7 +132,7 @@ pub(super) fn hadamard_fp4_round_trip(x: &mut [f32], dim: usize, block: usize) {
 }
 
 pub(super) fn take_rows(x: &[f32], cols: usize, rows: &[usize]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.len() * cols);
+    let mut out = recycle::with_capacity(rows.len() * cols);
     for &r in rows {
         out.extend_from_slice(&x[r * cols..(r + 1) * cols]);
     }

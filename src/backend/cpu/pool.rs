@@ -261,7 +261,7 @@ pub(super) fn f32_ring<'a>(rows: &Rows<'a, super::CpuBackend>) -> Option<(&'a [f
 
 /// Decodes rows `range` into a contiguous `[range.len(), width]` block.
 pub(super) fn gather(rows: &Rows<'_, super::CpuBackend>, range: Range<usize>) -> Vec<f32> {
-    let mut out = Vec::with_capacity(range.len() * rows.layout.width);
+    let mut out = super::recycle::with_capacity(range.len() * rows.layout.width);
     for r in range {
         push_row(rows, r, &mut out);
     }

@@ -1,0 +1,187 @@
+//! Large f32 buffers of the CPU backend kept for reuse, so a step's big intermediate tensors
+//! land in pages that are already resident.
+//!
+//! Why: glibc serves an allocation above its mmap threshold (at most 32 MiB, and every one
+//! above 64 MiB from a thread's arena) with a fresh mapping, and gives the top of a thread
+//! arena's heap back to the kernel when it is freed; either way the next allocation of that
+//! size faults its pages in again, 4 KiB at a time. A 512-token prefill of the bench's large
+//! model allocates hundreds of MiB of such tensors (product outputs, split parts, widened
+//! weight blocks, the indexer's scores) and paid ~35 thousand page faults a prefill for them
+//! (`perf stat -e page-faults`: 250 against 80 thousand for six prefills); keeping them here
+//! made the prefill ~8 % faster (docs/model.md §4.2, stop 43). A buffer comes back when its
+//! tensor drops (or its op is done with it) and goes to the next op needing about that size.
+//!
+//! Only buffers of at least [`MIN_BYTES`] are kept (malloc serves smaller ones from its
+//! heap without faults), at most [`MAX_IDLE_BYTES`] of them idle at once (the rest are
+//! freed as before), and a request takes a buffer at most twice its size, so a small tensor
+//! never pins a huge buffer.
+
+use std::sync::Mutex;
+
+/// Buffers smaller than this go back to malloc.
+pub const MIN_BYTES: usize = 1 << 20;
+/// Idle bytes kept at most; a buffer handed back beyond it is freed.
+pub const MAX_IDLE_BYTES: usize = 1 << 30;
+
+const F32: usize = std::mem::size_of::<f32>();
+
+struct Idle {
+    /// Kept buffers, any order (a step holds a few dozen sizes at most).
+    buffers: Vec<Vec<f32>>,
+    /// Sum of their capacities, in bytes.
+    bytes: usize,
+}
+
+/// A set of kept buffers; the backend's tensors use the process's one ([`zeroed`], [`give`]).
+pub struct Recycler {
+    idle: Mutex<Idle>,
+    max_idle_bytes: usize,
+}
+
+static POOL: Recycler = Recycler::new(MAX_IDLE_BYTES);
+
+impl Recycler {
+    pub const fn new(max_idle_bytes: usize) -> Self {
+        Recycler {
+            idle: Mutex::new(Idle {
+                buffers: Vec::new(),
+                bytes: 0,
+            }),
+            max_idle_bytes,
+        }
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Idle> {
+        // A panic while holding the lock leaves the list consistent (push/swap_remove only).
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A kept buffer whose capacity is in `[len, 2 len]`, the smallest such; empty.
+    fn reuse(&self, len: usize) -> Option<Vec<f32>> {
+        if len * F32 < MIN_BYTES {
+            return None;
+        }
+        let mut idle = self.idle();
+        let at = idle
+            .buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len && b.capacity() / 2 <= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i)?;
+        let mut buffer = idle.buffers.swap_remove(at);
+        idle.bytes -= buffer.capacity() * F32;
+        buffer.clear();
+        Some(buffer)
+    }
+
+    /// `len` zeros (what `vec![0.0; len]` gives), in a kept buffer when one fits.
+    pub fn zeroed(&self, len: usize) -> Vec<f32> {
+        match self.reuse(len) {
+            Some(mut buffer) => {
+                buffer.resize(len, 0.0);
+                buffer
+            }
+            None => vec![0.0; len],
+        }
+    }
+
+    /// An empty vector with room for `len` values (what `Vec::with_capacity(len)` gives), in
+    /// a kept buffer when one fits.
+    pub fn with_capacity(&self, len: usize) -> Vec<f32> {
+        self.reuse(len).unwrap_or_else(|| Vec::with_capacity(len))
+    }
+
+    /// Keeps `buffer` for reuse (a large one, while there is room), or frees it.
+    pub fn give(&self, buffer: Vec<f32>) {
+        let bytes = buffer.capacity() * F32;
+        if bytes < MIN_BYTES {
+            return;
+        }
+        let mut idle = self.idle();
+        if idle.bytes + bytes <= self.max_idle_bytes {
+            idle.bytes += bytes;
+            idle.buffers.push(buffer);
+            return;
+        }
+        drop(idle);
+        drop(buffer);
+    }
+
+    /// Idle buffers and their bytes.
+    #[cfg(test)]
+    pub fn idle_now(&self) -> (usize, usize) {
+        let idle = self.idle();
+        (idle.buffers.len(), idle.bytes)
+    }
+}
+
+/// `len` zeros, in one of the process's kept buffers when one fits.
+pub fn zeroed(len: usize) -> Vec<f32> {
+    POOL.zeroed(len)
+}
+
+/// An empty vector with room for `len` values, in a kept buffer when one fits.
+pub fn with_capacity(len: usize) -> Vec<f32> {
+    POOL.with_capacity(len)
+}
+
+/// `values` copied (what `values.to_vec()` gives), into a kept buffer when one fits.
+pub fn copied(values: &[f32]) -> Vec<f32> {
+    let mut out = with_capacity(values.len());
+    out.extend_from_slice(values);
+    out
+}
+
+/// Hands `buffer` to the process's kept buffers (a large one, while there is room), or frees it.
+pub fn give(buffer: Vec<f32>) {
+    POOL.give(buffer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_buffers_come_back_zeroed_and_small_ones_are_not_kept() {
+        let pool = Recycler::new(6 << 20);
+        let len = (3 << 20) / F32 + 7;
+        let mut a = pool.zeroed(len);
+        a.iter_mut().for_each(|x| *x = 5.0);
+        let ptr = a.as_ptr();
+        pool.give(a);
+        assert_eq!(pool.idle_now().0, 1);
+        let b = pool.zeroed(len - 3);
+        assert_eq!(b.as_ptr(), ptr, "the kept buffer is reused");
+        assert_eq!(b.len(), len - 3);
+        assert!(b.iter().all(|&x| x == 0.0), "a reused buffer is zeroed");
+        pool.give(b);
+        // A request of less than half its capacity does not take it.
+        let c = pool.zeroed(len / 2 - 1);
+        assert_ne!(c.as_ptr(), ptr);
+        let d = pool.with_capacity(len);
+        assert_eq!(d.as_ptr(), ptr);
+        assert!(d.is_empty() && d.capacity() >= len);
+        assert_eq!(pool.idle_now(), (0, 0));
+        // Small buffers are not kept; past the idle limit, buffers are freed.
+        pool.give(vec![0.0f32; 1000]);
+        assert_eq!(pool.idle_now(), (0, 0));
+        pool.give(c);
+        pool.give(d);
+        let kept = pool.idle_now();
+        assert_eq!(kept.0, 2);
+        pool.give(vec![0.0; len]);
+        assert_eq!(
+            pool.idle_now(),
+            kept,
+            "a third buffer would pass 6 MiB idle"
+        );
+    }
+
+    #[test]
+    fn copied_is_to_vec() {
+        let values: Vec<f32> = (0..(1 << 19)).map(|i| i as f32).collect();
+        assert_eq!(copied(&values), values);
+        assert_eq!(copied(&[1.0, 2.0]), vec![1.0, 2.0]);
+    }
+}
