@@ -154,7 +154,7 @@ pub(super) fn gemm_into(
 fn widen_transposed(w: &CpuMatrix, rows: Range<usize>, k: usize) -> Vec<f32> {
     const TILE: usize = 16;
     let n = rows.len();
-    let mut out = super::recycle::zeroed(k * n);
+    let mut out = super::recycle::overwritten(k * n);
     let mut tile = vec![0.0f32; TILE * k];
     for j0 in (0..n).step_by(TILE) {
         let take = (n - j0).min(TILE);
@@ -354,7 +354,10 @@ mod tests {
     /// × 16 columns) and the leftover rows and columns alike.
     #[test]
     fn widened_blocks_are_the_rows_transposed() {
-        for &(n, k) in &[(16, 16), (37, 53), (64, 130), (5, 16)] {
+        // The last is 1 MiB widened: its buffer comes from `recycle`, seeded here with NaNs
+        // (values a kept buffer may hold), all of which must be overwritten.
+        for &(n, k) in &[(16, 16), (37, 53), (64, 130), (5, 16), (256, 1024)] {
+            super::super::recycle::give(vec![f32::NAN; n * k]);
             let v: Vec<bf16> = values((n + 3) * k, 3)
                 .iter()
                 .map(|&v| bf16::from_f32(v))
@@ -393,7 +396,9 @@ mod tests {
                     cols: k,
                     data,
                 };
-                let mut y = vec![0.0; rows * out];
+                // NaNs where the product goes: it must assign every value (a product's output
+                // is a kept buffer's old values, `product_output`).
+                let mut y = vec![f32::NAN; rows * out];
                 let at = |stride| Strided {
                     offset: 0,
                     row_stride: stride,

@@ -39,6 +39,16 @@ pub use pool::CpuBuffer;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CpuTensor(pub(crate) Vec<f32>);
 
+/// A product's output: every value is written by the product (`gemm_into` assigns), so a
+/// kept buffer is not zeroed first; a matrix with no columns writes nothing (zeros).
+fn product_output(len: usize, w: &CpuMatrix) -> Vec<f32> {
+    if w.cols == 0 {
+        recycle::zeroed(len)
+    } else {
+        recycle::overwritten(len)
+    }
+}
+
 impl CpuTensor {
     /// Its values, taken out (a tensor that drops hands them to `recycle` instead).
     fn into_vec(mut self) -> Vec<f32> {
@@ -487,7 +497,7 @@ impl Backend for CpuBackend {
             || format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage()),
             || self.product_work(rows, w),
         );
-        let mut out = recycle::zeroed(rows * w.rows);
+        let mut out = product_output(rows * w.rows, w);
         let at = |stride| gemm::Strided {
             offset: 0,
             row_stride: stride,
@@ -514,7 +524,7 @@ impl Backend for CpuBackend {
             || self.product_work(rows, w),
         );
         let (in_g, out_g) = (w.cols, w.rows / groups);
-        let mut out = recycle::zeroed(rows * w.rows);
+        let mut out = product_output(rows * w.rows, w);
         self.run(|| {
             for g in 0..groups {
                 gemm::gemm_into(

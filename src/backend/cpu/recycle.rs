@@ -56,7 +56,8 @@ impl Recycler {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A kept buffer whose capacity is in `[len, 2 len]`, the smallest such; empty.
+    /// A kept buffer whose capacity is in `[len, 2 len]`, the smallest such, with the values
+    /// it held (callers clear or truncate it).
     fn reuse(&self, len: usize) -> Option<Vec<f32>> {
         if len * F32 < MIN_BYTES {
             return None;
@@ -69,9 +70,8 @@ impl Recycler {
             .filter(|(_, b)| b.capacity() >= len && b.capacity() / 2 <= len)
             .min_by_key(|(_, b)| b.capacity())
             .map(|(i, _)| i)?;
-        let mut buffer = idle.buffers.swap_remove(at);
+        let buffer = idle.buffers.swap_remove(at);
         idle.bytes -= buffer.capacity() * F32;
-        buffer.clear();
         Some(buffer)
     }
 
@@ -79,6 +79,20 @@ impl Recycler {
     pub fn zeroed(&self, len: usize) -> Vec<f32> {
         match self.reuse(len) {
             Some(mut buffer) => {
+                buffer.clear();
+                buffer.resize(len, 0.0);
+                buffer
+            }
+            None => vec![0.0; len],
+        }
+    }
+
+    /// `len` values for the caller to overwrite, every one: a kept buffer's earlier values
+    /// where it had them (no pass zeroing what is about to be written), zeros elsewhere.
+    pub fn overwritten(&self, len: usize) -> Vec<f32> {
+        match self.reuse(len) {
+            Some(mut buffer) => {
+                buffer.truncate(len);
                 buffer.resize(len, 0.0);
                 buffer
             }
@@ -89,7 +103,13 @@ impl Recycler {
     /// An empty vector with room for `len` values (what `Vec::with_capacity(len)` gives), in
     /// a kept buffer when one fits.
     pub fn with_capacity(&self, len: usize) -> Vec<f32> {
-        self.reuse(len).unwrap_or_else(|| Vec::with_capacity(len))
+        match self.reuse(len) {
+            Some(mut buffer) => {
+                buffer.clear();
+                buffer
+            }
+            None => Vec::with_capacity(len),
+        }
     }
 
     /// Keeps `buffer` for reuse (a large one, while there is room), or frees it.
@@ -119,6 +139,11 @@ impl Recycler {
 /// `len` zeros, in one of the process's kept buffers when one fits.
 pub fn zeroed(len: usize) -> Vec<f32> {
     POOL.zeroed(len)
+}
+
+/// `len` values for the caller to overwrite, every one (no zeroing pass over a kept buffer).
+pub fn overwritten(len: usize) -> Vec<f32> {
+    POOL.overwritten(len)
 }
 
 /// An empty vector with room for `len` values, in a kept buffer when one fits.
@@ -163,6 +188,15 @@ mod tests {
         assert_eq!(d.as_ptr(), ptr);
         assert!(d.is_empty() && d.capacity() >= len);
         assert_eq!(pool.idle_now(), (0, 0));
+        // `overwritten` leaves a kept buffer's values (the caller writes them all).
+        let mut e = d;
+        e.resize(len, 2.0);
+        pool.give(e);
+        let f = pool.overwritten(len - 1);
+        assert_eq!(f.as_ptr(), ptr);
+        assert_eq!(f.len(), len - 1);
+        assert!(f.iter().all(|&x| x == 2.0));
+        let d = f;
         // Small buffers are not kept; past the idle limit, buffers are freed.
         pool.give(vec![0.0f32; 1000]);
         assert_eq!(pool.idle_now(), (0, 0));
