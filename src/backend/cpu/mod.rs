@@ -39,6 +39,9 @@ pub use pool::CpuBuffer;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CpuTensor(pub(crate) Vec<f32>);
 
+/// Values below which `split` copies on the calling thread.
+const SPLIT_PAR_MIN: usize = 1 << 18;
+
 /// A product's output: every value is written by the product (`gemm_into` assigns), so a
 /// kept buffer is not zeroed first; a matrix with no columns writes nothing (zeros).
 fn product_output(len: usize, w: &CpuMatrix) -> Vec<f32> {
@@ -591,18 +594,41 @@ impl Backend for CpuBackend {
         let _t = op_times::op("split");
         let total: usize = widths.iter().sum();
         debug_assert_eq!(x.0.len(), rows * total);
-        let mut parts: Vec<Vec<f32>> = widths
-            .iter()
-            .map(|w| recycle::with_capacity(rows * w))
-            .collect();
-        for row in x.0.chunks(total.max(1)) {
-            let mut at = 0;
-            for (part, &w) in parts.iter_mut().zip(widths) {
-                part.extend_from_slice(&row[at..at + w]);
-                at += w;
+        if rows * total < SPLIT_PAR_MIN || total == 0 {
+            let mut parts: Vec<Vec<f32>> = widths
+                .iter()
+                .map(|w| recycle::with_capacity(rows * w))
+                .collect();
+            for row in x.0.chunks(total.max(1)) {
+                let mut at = 0;
+                for (part, &w) in parts.iter_mut().zip(widths) {
+                    part.extend_from_slice(&row[at..at + w]);
+                    at += w;
+                }
             }
+            return Ok(parts.into_iter().map(CpuTensor).collect());
         }
-        Ok(parts.into_iter().map(CpuTensor).collect())
+        // A prefill's fused projection (megabytes): each part's rows copied in parallel.
+        let starts = widths.iter().scan(0, |at, &w| {
+            *at += w;
+            Some(*at - w)
+        });
+        let mut parts: Vec<(Vec<f32>, usize, usize)> = widths
+            .iter()
+            .zip(starts)
+            .map(|(&w, at)| (recycle::overwritten(rows * w), at, w))
+            .collect();
+        self.run(|| {
+            use rayon::prelude::*;
+            parts.par_iter_mut().for_each(|(part, at, w)| {
+                if *w > 0 {
+                    part.par_chunks_mut(*w)
+                        .zip(x.0.par_chunks(total))
+                        .for_each(|(dst, row)| dst.copy_from_slice(&row[*at..*at + *w]));
+                }
+            })
+        });
+        Ok(parts.into_iter().map(|(p, _, _)| CpuTensor(p)).collect())
     }
 
     fn take_rows(&self, x: &CpuTensor, cols: usize, rows: &[usize]) -> Result<CpuTensor> {
@@ -739,5 +765,34 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         let _t = op_times::op("moe");
         Ok(self.run(|| CpuTensor(moe::moe(&x.0, rows, routing, experts, inter, limit))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each part is its columns of every row, on the serial path and the parallel one (a
+    /// prefill's fused projection), with a part of width 0 and kept buffers seeded with NaNs.
+    #[test]
+    fn split_parts_are_the_column_ranges() {
+        let cpu = CpuBackend::new(2).unwrap();
+        for (rows, widths) in [(3, vec![2, 0, 5]), (512, vec![448, 0, 1024, 64, 3])] {
+            let total: usize = widths.iter().sum();
+            let x: Vec<f32> = (0..rows * total).map(|i| i as f32).collect();
+            for &w in &widths {
+                recycle::give(vec![f32::NAN; rows * w]);
+            }
+            let parts = cpu.split(&CpuTensor(x.clone()), rows, &widths).unwrap();
+            let mut at = 0;
+            for (part, &w) in parts.iter().zip(&widths) {
+                let want: Vec<f32> = x
+                    .chunks(total)
+                    .flat_map(|row| row[at..at + w].iter().copied())
+                    .collect();
+                assert_eq!(part.0, want, "{rows} rows, part at {at} of width {w}");
+                at += w;
+            }
+        }
     }
 }
