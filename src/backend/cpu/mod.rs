@@ -3,6 +3,7 @@
 
 mod attention;
 mod copier;
+mod exp;
 mod gemm;
 mod gemv;
 mod hc;
