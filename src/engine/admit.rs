@@ -105,11 +105,13 @@ impl<B: Backend> Worker<B> {
                     } else {
                         self.rng.u64(..)
                     };
-                    Progress::new(
-                        Sampler::new(spec.sampling.clone(), seed),
-                        spec.prompt.clone(),
-                        0,
-                    )
+                    // Room for the tokens it will generate (up to 1024), so the first one
+                    // does not reallocate and copy the whole prompt.
+                    let mut tokens = Vec::with_capacity(
+                        spec.prompt.len() + (spec.max_new_tokens as usize).min(1024),
+                    );
+                    tokens.extend_from_slice(&spec.prompt);
+                    Progress::new(Sampler::new(spec.sampling.clone(), seed), tokens, 0)
                 }
             };
             if !p.counted {

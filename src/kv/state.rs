@@ -211,7 +211,15 @@ fn tagged_regions(
     pages: &[PageId],
     position: usize,
 ) -> Vec<(Region, Option<usize>)> {
-    let mut out = Vec::new();
+    // A page per pool for three paged pools, a partial page per layer, the rings and states:
+    // reserved at once (a long prompt's ~200 regions otherwise reallocate ~8 times).
+    let mut out = Vec::with_capacity(
+        3 * pages.len()
+            + 2 * layout.count(AttentionKind::Csa)
+            + layout.count(AttentionKind::Hca)
+            + layout.swa_layers()
+            + 4,
+    );
     let mut push_tagged = |pool, offset, len, page| {
         if len > 0 {
             out.push((
