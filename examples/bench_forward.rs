@@ -7,7 +7,7 @@
 //!         [--weights f32|bf16|native|auto] [--kv f32|bf16|fp8] [--phase prefill|decode1|decode8]
 //!         [--bandwidth] [--json] [--op-times]
 //!
-//! `--op-times` also prints, for one prefill and for the b1 decode steps, the wall time of
+//! `--op-times` also prints, for one prefill and for the b1 and b8 decode steps, the wall time of
 //! each backend op on the step's thread (products by shape and storage), per step and as a
 //! share of the step: what the step spends its time on, waits for parts included.
 //!
@@ -621,8 +621,10 @@ fn main() {
     if args.iter().any(|a| a == "--op-times") {
         let seconds = bench.recorded_prefill();
         print_op_times(&format!("one {prompt}-token prefill"), seconds, 1);
-        let (_, seconds) = bench.decode_steps(1, true);
-        print_op_times("decode b1, per step", seconds, bench.steps);
+        for batch in [1, 8] {
+            let (_, seconds) = bench.decode_steps(batch, true);
+            print_op_times(&format!("decode b{batch}, per step"), seconds, bench.steps);
+        }
     }
     // Measured after the model runs, with the same thread count.
     let bandwidth = if args.iter().any(|a| a == "--bandwidth") {
