@@ -19,13 +19,29 @@ const HUGE: usize = 2 << 20;
 /// An empty vector with room for `capacity` values whose memory is marked for huge pages
 /// before anything is written: the page faults that fill it then take 2 MiB pages directly
 /// (fewer faults than 4 KiB ones, and no copy later). For the large weight buffers.
+///
+/// The allocator may hand out memory it used before (a thread arena's heap keeps freed
+/// blocks), whose 4 KiB pages are still mapped: the advice would not change them. So the
+/// whole 2 MiB regions inside the buffer are first given back (`MADV_DONTNEED`): their next
+/// touch faults in fresh, huge pages. (The CPU backend keeps its large tensors for reuse,
+/// `recycle`, so less memory goes back to the kernel between loads and more is reused.)
 pub(super) fn reserve<T>(capacity: usize) -> Vec<T> {
     let v: Vec<T> = Vec::with_capacity(capacity);
-    mark(
-        v.as_ptr().cast(),
-        capacity * std::mem::size_of::<T>(),
-        &[libc::MADV_HUGEPAGE],
+    let bytes = capacity * std::mem::size_of::<T>();
+    let (start, end) = (
+        (v.as_ptr() as usize).next_multiple_of(HUGE),
+        (v.as_ptr() as usize + bytes) & !(HUGE - 1),
     );
+    if start < end {
+        // SAFETY: `start..end` lies inside the vector's allocation, which nothing else uses
+        // while it lives, and holds no value yet (length 0): discarding its pages loses
+        // nothing, and the next write faults in zeroed memory. Failure only leaves the pages
+        // as they were.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+        }
+    }
+    mark(v.as_ptr().cast(), bytes, &[libc::MADV_HUGEPAGE]);
     v
 }
 
