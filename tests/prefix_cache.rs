@@ -273,8 +273,12 @@ fn pro_like_hits_continue_exactly() {
 
 #[test]
 fn hits_are_exact_with_low_precision_rows_too() {
-    // With bf16 / fp8 rows a hit must still equal the same-precision scratch run: every key a
-    // step sees has been through the row format, wherever it came from.
+    // With bf16 / fp8 rows a hit must still equal the same schedule run from scratch at the
+    // same precision (every key a step sees has been through the row format, wherever it came
+    // from), and one full pass within the chunking bar of f32 rows. (Until stop 43 this
+    // compared the hit with one full pass at 1e-5: that passed by luck, as a last-bit change in
+    // attention moved it to 1e-4 — a chunked run and a full pass differ in the last bits, and
+    // a low-precision row format can turn that into a format step.)
     let m = model("flash-like");
     let ids = ids("flash-like");
     for (kv, index) in [("bf16", "bf16"), ("fp8", "fp4")] {
@@ -285,22 +289,25 @@ fn hits_are_exact_with_low_precision_rows_too() {
         prompt.extend_from_slice(&ids[10..40]);
         let hit = run(&m, &mut cache, None, &prompt, &[]);
         assert_eq!(hit.reused, 256);
+        let mut empty = PrefixCache::new(pools_with(&m, params.clone()), 128).unwrap();
+        let cold = run(&m, &mut empty, None, &prompt, &[]);
         let mut pools = pools_with(&m, params);
         let scratch = full(&m, &mut pools, &prompt);
         let vocab = m.config.vocab_size;
-        let worst = hit
-            .logits
-            .iter()
-            .map(|(&p, row)| max_diff(row, &scratch[p * vocab..(p + 1) * vocab]))
-            .fold(0.0, f32::max);
-        eprintln!("kv {kv} / indexer {index}: hit vs scratch {worst:.2e}");
-        assert!(worst <= 1e-5, "kv {kv} / indexer {index}: {worst}");
+        let (mut vs_cold, mut vs_full) = (0.0f32, 0.0f32);
+        for (&p, row) in &hit.logits {
+            vs_cold = vs_cold.max(max_diff(row, &cold.logits[&p]));
+            vs_full = vs_full.max(max_diff(row, &scratch[p * vocab..(p + 1) * vocab]));
+        }
+        eprintln!(
+            "kv {kv} / indexer {index}: hit vs the same schedule from scratch {vs_cold:.2e}, \
+             vs one full pass {vs_full:.2e}"
+        );
+        assert!(vs_cold <= 1e-5, "kv {kv} / indexer {index}: {vs_cold}");
+        assert!(vs_full <= 1e-4, "kv {kv} / indexer {index}: {vs_full}");
     }
 }
 
-/// A prefix several prompts share (a system prompt) gets a snapshot where they branch, even
-/// when no snapshot interval or prompt end falls there: the second prompt to branch off it
-/// captures one, and every later prompt resumes there.
 #[test]
 fn prompts_branching_off_a_shared_prefix_resume_at_the_branch() {
     let m = model("flash-like");

@@ -365,16 +365,10 @@ fn attend_part(
         let m = row
             .iter()
             .fold(f32::NEG_INFINITY, |m, &s| m.max(s * a.scale));
-        // glibc's `expf`, not `exp::exp_in_place`: with it (within 1 ulp, 2 % of a prefill
-        // faster) a prefix-cache hit with fp8 / fp4 rows differed from its scratch run by
-        // 3.7e-5 against 2.4e-6 (tests/prefix_cache.rs): a last-bit change in attention
-        // flips some row's rounding into the low-precision format on one side only.
-        let mut l = 0.0f32;
-        for s in row.iter_mut() {
-            *s = (*s * a.scale - m).exp();
-            l += *s;
-        }
-        (max[h], sum[h]) = (m, l);
+        row.iter_mut().for_each(|s| *s = *s * a.scale - m);
+        exp::exp_in_place(row);
+        // Summed in key order, as one running sum.
+        (max[h], sum[h]) = (m, row.iter().sum());
     }
     gemv::attention_values(scores, heads, n, rows, hd, out);
 }

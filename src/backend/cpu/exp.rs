@@ -1,9 +1,11 @@
-//! `exp` of many f32 values at once: the compressor's pooling weights (a weight per slot and
-//! channel, on the step's one thread) were glibc's scalar `expf`, one call each.
+//! `exp` of many f32 values at once: attention's softmax terms and the compressor's pooling
+//! weights (a weight per slot and channel, on the step's one thread), millions a prefill, were
+//! glibc's scalar `expf`, one call each.
 //!
 //! Every value goes through the same vector formula, a slice's last partial vector included
 //! (masked loads and stores), so a value's result does not depend on where it sits in the
-//! slice: a decode step's compressed row and a prefill's give the same bits.
+//! slice: a decode step's attention parts and compressed rows and a prefill's give the same
+//! bits.
 
 /// `v[i] = exp(v[i])`: with AVX-512 within 1 ulp of the exact value (tested against f64),
 /// else `f32::exp`. `-inf` gives 0, `+inf` infinity, NaN NaN.
