@@ -77,27 +77,28 @@ impl Recycler {
 
     /// `len` zeros (what `vec![0.0; len]` gives), in a kept buffer when one fits.
     pub fn zeroed(&self, len: usize) -> Vec<f32> {
-        match self.reuse(len) {
-            Some(mut buffer) => {
-                buffer.clear();
-                buffer.resize(len, 0.0);
-                buffer
-            }
-            None => vec![0.0; len],
-        }
+        self.sized(len, false)
     }
 
     /// `len` values for the caller to overwrite, every one: a kept buffer's earlier values
     /// where it had them (no pass zeroing what is about to be written), zeros elsewhere.
     pub fn overwritten(&self, len: usize) -> Vec<f32> {
-        match self.reuse(len) {
-            Some(mut buffer) => {
-                buffer.truncate(len);
-                buffer.resize(len, 0.0);
-                buffer
-            }
-            None => vec![0.0; len],
+        self.sized(len, true)
+    }
+
+    /// `len` values: a kept buffer's first ones where `keep` (zeros past what it held),
+    /// else zeros; a fresh zeroed allocation when no buffer fits.
+    fn sized(&self, len: usize, keep: bool) -> Vec<f32> {
+        let Some(mut buffer) = self.reuse(len) else {
+            return vec![0.0; len];
+        };
+        if keep {
+            buffer.truncate(len);
+        } else {
+            buffer.clear();
         }
+        buffer.resize(len, 0.0);
+        buffer
     }
 
     /// An empty vector with room for `len` values (what `Vec::with_capacity(len)` gives), in
