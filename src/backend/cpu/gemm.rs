@@ -356,6 +356,7 @@ mod tests {
     fn widened_blocks_are_the_rows_transposed() {
         // The last is 1 MiB widened: its buffer comes from `recycle`, seeded here with NaNs
         // (values a kept buffer may hold), all of which must be overwritten.
+        let _keeps_buffers = super::super::CpuBackend::new(1).unwrap();
         for &(n, k) in &[(16, 16), (37, 53), (64, 130), (5, 16), (256, 1024)] {
             super::super::recycle::give(vec![f32::NAN; n * k]);
             let v: Vec<bf16> = values((n + 3) * k, 3)

@@ -225,6 +225,7 @@ impl CpuBackend {
             })
             .build()
             .map_err(|e| Error::internal(format!("cannot start {threads} CPU threads: {e}")))?;
+        recycle::backend_opened();
         Ok(Self {
             pool: ManuallyDrop::new(pool),
             handles,
@@ -289,6 +290,7 @@ impl Drop for CpuBackend {
         if !on_pool_thread {
             self.join_threads();
         }
+        recycle::backend_closed();
     }
 }
 

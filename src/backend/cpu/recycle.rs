@@ -11,11 +11,16 @@
 //! made the prefill ~8 % faster (docs/model.md §4.2, stop 43). A buffer comes back when its
 //! tensor drops (or its op is done with it) and goes to the next op needing about that size.
 //!
+//! Buffers are kept only while a CPU backend lives: when the last one is dropped the idle
+//! buffers are freed, and a tensor dropped after that frees its own (a host that closes its
+//! engines gets the memory back).
+//!
 //! Only buffers of at least [`MIN_BYTES`] are kept (malloc serves smaller ones from its
 //! heap without faults), at most [`MAX_IDLE_BYTES`] of them idle at once (the rest are
 //! freed as before), and a request takes a buffer at most twice its size, so a small tensor
 //! never pins a huge buffer.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Buffers smaller than this go back to malloc.
@@ -25,6 +30,7 @@ pub const MAX_IDLE_BYTES: usize = 1 << 30;
 
 const F32: usize = std::mem::size_of::<f32>();
 
+#[derive(Default)]
 struct Idle {
     /// Kept buffers, any order (a step holds a few dozen sizes at most).
     buffers: Vec<Vec<f32>>,
@@ -36,6 +42,8 @@ struct Idle {
 pub struct Recycler {
     idle: Mutex<Idle>,
     max_idle_bytes: usize,
+    /// Backends alive: buffers are kept only while there is one.
+    backends: AtomicUsize,
 }
 
 static POOL: Recycler = Recycler::new(MAX_IDLE_BYTES);
@@ -48,6 +56,20 @@ impl Recycler {
                 bytes: 0,
             }),
             max_idle_bytes,
+            backends: AtomicUsize::new(0),
+        }
+    }
+
+    /// A backend that will use these buffers started.
+    pub fn opened(&self) {
+        self.backends.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A backend stopped; after the last one, the idle buffers are freed.
+    pub fn closed(&self) {
+        if self.backends.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let freed = std::mem::take(&mut *self.idle());
+            drop(freed);
         }
     }
 
@@ -116,7 +138,7 @@ impl Recycler {
     /// Keeps `buffer` for reuse (a large one, while there is room), or frees it.
     pub fn give(&self, buffer: Vec<f32>) {
         let bytes = buffer.capacity() * F32;
-        if bytes < MIN_BYTES {
+        if bytes < MIN_BYTES || self.backends.load(Ordering::SeqCst) == 0 {
             return;
         }
         let mut idle = self.idle();
@@ -135,6 +157,16 @@ impl Recycler {
         let idle = self.idle();
         (idle.buffers.len(), idle.bytes)
     }
+}
+
+/// A CPU backend started: large buffers are kept while one lives.
+pub fn backend_opened() {
+    POOL.opened()
+}
+
+/// A CPU backend stopped: after the last one, the kept buffers are freed.
+pub fn backend_closed() {
+    POOL.closed()
 }
 
 /// `len` zeros, in one of the process's kept buffers when one fits.
@@ -171,6 +203,7 @@ mod tests {
     #[test]
     fn large_buffers_come_back_zeroed_and_small_ones_are_not_kept() {
         let pool = Recycler::new(6 << 20);
+        pool.opened();
         let len = (3 << 20) / F32 + 7;
         let mut a = pool.zeroed(len);
         a.iter_mut().for_each(|x| *x = 5.0);
@@ -211,6 +244,23 @@ mod tests {
             kept,
             "a third buffer would pass 6 MiB idle"
         );
+    }
+
+    #[test]
+    fn buffers_are_kept_only_while_a_backend_lives() {
+        let pool = Recycler::new(64 << 20);
+        let len = (2 << 20) / F32;
+        pool.give(vec![0.0; len]);
+        assert_eq!(pool.idle_now().0, 0, "no backend: freed");
+        pool.opened();
+        pool.opened();
+        pool.give(vec![0.0; len]);
+        pool.closed();
+        assert_eq!(pool.idle_now().0, 1, "one backend still lives");
+        pool.closed();
+        assert_eq!(pool.idle_now(), (0, 0), "the last one freed them");
+        pool.give(vec![0.0; len]);
+        assert_eq!(pool.idle_now().0, 0);
     }
 
     #[test]
