@@ -41,7 +41,7 @@ mod x86 {
 
     /// # Safety
     /// AVX-512F available.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn exp_in_place(v: &mut [f32]) {
         let mut i = 0;
         while i < v.len() {
@@ -60,7 +60,7 @@ mod x86 {
     /// `x = n ln2 + r`, `e^x = 2^n e^r`; `vscalefps` applies `2^n` with IEEE overflow to
     /// infinity and gradual underflow to 0.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     fn exp16(x: __m512) -> __m512 {
         // Below −104 the result rounds to 0 and above 89 to infinity; the clamp keeps `n`
         // small (and turns ±inf into those). `max`/`min` return their second operand when

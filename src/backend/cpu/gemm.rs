@@ -203,7 +203,7 @@ mod x86 {
     /// # Safety
     /// AVX-512F available; `tile` holds 16 rows of `k ≥ c0 + 16` values, `out` `c0 + 16`
     /// columns of `n ≥ j0 + 16`.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn transpose16(
         tile: &[f32],
         k: usize,

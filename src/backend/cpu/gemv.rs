@@ -10,6 +10,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::Strided;
+use super::paired::{by_inputs, Interleaved};
 use super::{CpuMatrix, MatrixData};
 
 /// Products with at most this many input rows take this path.
@@ -27,7 +28,13 @@ fn simd() -> Simd {
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            // AVX-512VL too: with it the compiler may use all 32 vector registers in a
+            // kernel that also has 256-bit operations (without it, it kept accumulators on
+            // the stack rather than use zmm16-31 there). Every AVX-512 CPU since Skylake-X
+            // has it.
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
                 return Simd::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2")
@@ -40,7 +47,7 @@ fn simd() -> Simd {
     })
 }
 
-/// Whether the AVX-512 kernels run on this CPU (AVX-512F, detected once).
+/// Whether the AVX-512 kernels run on this CPU (AVX-512F and VL, detected once).
 pub(super) fn has_avx512() -> bool {
     simd() == Simd::Avx512
 }
@@ -130,7 +137,7 @@ pub(super) mod x86 {
     }
 
     /// Horizontal sums of four vectors.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     pub(in crate::backend::cpu) fn reduce4_512(a: [__m512; 4]) -> [f32; 4] {
         [
             _mm512_reduce_add_ps(a[0]),
@@ -142,7 +149,7 @@ pub(super) mod x86 {
 
     /// # Safety
     /// AVX-512F available; `w` holds 4 rows of `x.len()` floats.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn dot4_f32_avx512(x: &[f32], w: &[f32], prefetch: bool) -> [f32; 4] {
         let k = x.len();
         assert!(w.len() >= 4 * k);
@@ -170,7 +177,7 @@ pub(super) mod x86 {
 
     /// # Safety
     /// AVX-512F available; `w` holds 4 rows of `x.len()` bf16 values.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn dot4_bf16_avx512(x: &[f32], w: &[bf16], prefetch: bool) -> [f32; 4] {
         let k = x.len();
         assert!(w.len() >= 4 * k);
@@ -230,7 +237,7 @@ pub(super) mod x86 {
     ///
     /// # Safety
     /// AVX-512F available; `i + 16 <= k` and `w` holds 4 rows of `k` values.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     unsafe fn load16(w: super::Rows4, k: usize, r: usize, i: usize) -> __m512 {
         // SAFETY: forwarded from the caller's contract.
         unsafe {
@@ -248,7 +255,7 @@ pub(super) mod x86 {
     ///
     /// # Safety
     /// AVX-512F available; every input has `k` floats and `w` holds 4 rows of `k` values.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn dot4x4_avx512(
         x: [&[f32]; 4],
         w: super::Rows4,
@@ -309,12 +316,54 @@ pub(super) mod x86 {
         out
     }
 
+    /// Dot products of `N` inputs with two bf16 rows (`k` columns each, back to back in
+    /// `rows`): `out[input][row]`, each 16 weights widened in registers once for all `N`
+    /// inputs (a batch's decode step). The sums are formed in the order
+    /// [`dot4x4_avx512`] forms them, so the results are bit for bit its.
+    ///
+    /// # Safety
+    /// AVX-512F and VL available; `xi` holds `N` inputs of `k` floats (a multiple of 16)
+    /// interleaved by 16 (`paired::Interleaved`) and `rows` 2 rows of `k` values.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub unsafe fn dot2xn_bf16_avx512<const N: usize>(
+        xi: &[f32],
+        k: usize,
+        rows: &[bf16],
+    ) -> [[f32; 2]; N] {
+        assert!(xi.len() >= N * k && rows.len() >= 2 * k && k.is_multiple_of(16));
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        // A step reads 2 rows × 32 bytes: one line of the next pair of rows.
+        let ahead = prefetch_base(rows.as_ptr().cast(), 4 * k);
+        let (r0, r1) = (rows.as_ptr(), rows.as_ptr().wrapping_add(k));
+        let xp = xi.as_ptr();
+        for c in (0..k).step_by(16) {
+            prefetch_lines::<1>(ahead, 4 * c);
+            // SAFETY: c + 16 <= k; row r spans rows[r·k .. (r+1)·k] (a bf16 is a u16: 16 of
+            // them are one 256-bit load); the 16-column chunk c / 16 of `xi` is N × 16 floats
+            // at N · c.
+            unsafe {
+                let widen = |p: *const bf16| {
+                    let raw = _mm256_loadu_si256(p.cast());
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+                };
+                let (w0, w1) = (widen(r0.add(c)), widen(r1.add(c)));
+                let x = xp.add(N * c);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let xv = _mm512_loadu_ps(x.add(16 * i));
+                    a[0] = _mm512_fmadd_ps(xv, w0, a[0]);
+                    a[1] = _mm512_fmadd_ps(xv, w1, a[1]);
+                }
+            }
+        }
+        acc.map(|a| [_mm512_reduce_add_ps(a[0]), _mm512_reduce_add_ps(a[1])])
+    }
+
     /// `out[h, c] = Σ_j p[h, j] · v[j, c]` for four heads at a time.
     ///
     /// # Safety
     /// AVX-512F available; `heads % 4 == 0`, `width % 16 == 0`, `p` is `[heads, n]`, `v` is
     /// `[n, width]` and `out` is `[heads, width]`.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn weighted_rows_avx512(
         p: &[f32],
         heads: usize,
@@ -510,6 +559,19 @@ pub(super) fn gemv_into(
         let min_rows = (16 * 1024 / k.max(1)).clamp(4, 16).next_multiple_of(4);
         n.div_ceil(threads * 4).next_multiple_of(4).max(min_rows)
     };
+    // With four to eight inputs, rows are decoded (FP8) or widened (bf16) in registers two at
+    // a time for all of them: for FP8 1.7-1.8x the decoded path's rate with four inputs, about
+    // even with eight, and behind it with sixteen (each input is then loaded for two rows
+    // only, against four), measured on 1 MiB matrices; decode b8 on the large bench model
+    // gained 4-14 % (5 alternating runs), and 1.4-1.9x for its FP8 products once the kernel
+    // kept its sums in registers.
+    let paired = (4..=8).contains(&rows)
+        && match &w.data {
+            MatrixData::Native(q) => q.pairs(k),
+            MatrixData::Bf16(_) => level == Simd::Avx512 && k.is_multiple_of(16),
+            _ => false,
+        };
+    let interleaved = paired.then(|| Interleaved::new(&inputs, k));
     let results: Vec<Vec<f32>> = (0..n.div_ceil(block))
         .into_par_iter()
         .map(|b| {
@@ -523,15 +585,6 @@ pub(super) fn gemv_into(
                 MatrixData::Native(q) => rows < 4 && q.fuses(k),
                 _ => false,
             };
-            // With four to eight inputs, rows are decoded in registers two at a time for all
-            // of them where a kernel does that (FP8): 1.7-1.8x the decoded path's rate with
-            // four inputs, about even with eight, and behind it with sixteen (each input is
-            // then loaded for two rows only, against four), measured on 1 MiB matrices; decode
-            // b8 on the large bench model gained 4-14 % (5 alternating runs).
-            let paired = match &w.data {
-                MatrixData::Native(q) => (4..=8).contains(&rows) && q.pairs(k),
-                _ => false,
-            };
             let mut decoded = match &w.data {
                 MatrixData::Native(_) if !fused && !paired => vec![0.0f32; 4 * k],
                 _ => Vec::new(),
@@ -543,11 +596,22 @@ pub(super) fn gemv_into(
                 }
                 _ => Vec::new(),
             };
-            if let (MatrixData::Native(q), true) = (&w.data, paired) {
-                // Every row but an odd last one (decoded below).
+            if let Some(il) = &interleaved {
+                // Every row but an odd last one (below).
                 let even = start + (end - start) / 2 * 2;
-                q.dot_rows(k, (start, even), &inputs, &mut out)
-                    .expect("a paired kernel (`pairs`)");
+                match &w.data {
+                    MatrixData::Native(q) => q
+                        .dot_rows(k, (start, even), il, &mut out)
+                        .expect("a paired kernel (`pairs`)"),
+                    #[cfg(target_arch = "x86_64")]
+                    MatrixData::Bf16(v) => il.for_pairs((start, even), &mut out, |j, n, xi| {
+                        let rows = &v[j * k..(j + 2) * k];
+                        // SAFETY: AVX-512F/VL detected (`paired`); `xi` holds `n` inputs of
+                        // `k` floats interleaved by 16, `rows` two rows of `k`; k % 16 == 0.
+                        unsafe { by_inputs!(n, x86::dot2xn_bf16_avx512, [], (xi, k, rows)) }
+                    }),
+                    _ => unreachable!("paired products are FP8 or bf16"),
+                }
                 j = even;
             }
             while j < end {
@@ -715,6 +779,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// With four to eight inputs, bf16 rows are widened two at a time for all inputs
+    /// (`dot2xn_bf16_avx512`): bit for bit what the four-row kernel gives, an odd last row
+    /// included; every input count within f32 rounding of exact f64 dot products.
+    #[test]
+    fn paired_bf16_products_equal_the_four_row_kernel() {
+        #[cfg(target_arch = "x86_64")]
+        if simd() == Simd::Avx512 {
+            let (n, k) = (7, 96);
+            let w16: Vec<bf16> = (0..n * k)
+                .map(|i| bf16::from_f32((i as f32 * 0.11).cos()))
+                .collect();
+            let m = CpuMatrix {
+                rows: n,
+                cols: k,
+                data: MatrixData::Bf16(w16.clone()),
+            };
+            let at = |stride| Strided {
+                offset: 0,
+                row_stride: stride,
+            };
+            for rows in 1..=9 {
+                let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
+                let mut y = vec![f32::NAN; rows * n];
+                gemv_into(&x, at(k), rows, &m, 0..n, &mut y, at(n));
+                let mut quad = vec![bf16::ZERO; 8 * k];
+                quad[..n * k].copy_from_slice(&w16);
+                for r in 0..rows {
+                    let xr = &x[r * k..(r + 1) * k];
+                    for j in 0..n {
+                        let q = Rows4::Bf16(&quad[j / 4 * 4 * k..][..4 * k]);
+                        // SAFETY: AVX-512F/VL detected; each input and row has k values.
+                        let want = unsafe { x86::dot4x4_avx512([xr; 4], q, k, false) }[0][j % 4];
+                        let got = y[r * n + j];
+                        // Other input counts, and the odd last row's inputs past the last
+                        // four, take the one-input kernel, which sums in another order.
+                        if (4..=8).contains(&rows) && (j < n / 2 * 2 || r < rows / 4 * 4) {
+                            assert_eq!(got.to_bits(), want.to_bits(), "{rows} inputs: {r}, {j}");
+                        }
+                        let exact: f64 = (0..k)
+                            .map(|i| f64::from(xr[i]) * f64::from(w16[j * k + i].to_f32()))
+                            .sum();
+                        assert!(
+                            (f64::from(got) - exact).abs() < 1e-4,
+                            "{rows}: {got} {exact}"
+                        );
+                    }
+                }
+            }
+            return;
+        }
+        println!("skipped: no AVX-512 on this CPU, so there is no paired bf16 kernel to compare");
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod huge_pages;
 mod moe;
 mod op_times;
 mod ops;
+mod paired;
 mod pool;
 mod quant;
 mod recycle;
