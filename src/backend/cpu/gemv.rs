@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use super::gemm::Strided;
 use super::paired::{by_inputs, Interleaved};
+use super::quant::Native;
 use super::{CpuMatrix, MatrixData};
 
 /// Products with at most this many input rows take this path.
@@ -565,13 +566,20 @@ pub(super) fn gemv_into(
     // only, against four), measured on 1 MiB matrices; decode b8 on the large bench model
     // gained 4-14 % (5 alternating runs), and 1.4-1.9x for its FP8 products once the kernel
     // kept its sums in registers.
-    let paired = (4..=8).contains(&rows)
-        && match &w.data {
-            MatrixData::Native(q) => q.pairs(k),
-            MatrixData::Bf16(_) => level == Simd::Avx512 && k.is_multiple_of(16),
-            _ => false,
-        };
-    let interleaved = paired.then(|| Interleaved::new(&inputs, k));
+    let paired = match &w.data {
+        MatrixData::Native(q @ Native::Fp8 { .. }) => (4..=8).contains(&rows) && q.pairs(k),
+        // FP4 decoding costs more than FP8's: pairing pays from two inputs (a batch's
+        // experts each see a few of its tokens).
+        MatrixData::Native(q @ Native::Fp4 { .. }) => (2..=8).contains(&rows) && q.pairs(k),
+        MatrixData::Bf16(_) => {
+            (4..=8).contains(&rows) && level == Simd::Avx512 && k.is_multiple_of(16)
+        }
+        _ => false,
+    };
+    let interleaved = paired.then(|| match &w.data {
+        MatrixData::Native(q) => q.paired_inputs(k, &inputs),
+        _ => Interleaved::new(&inputs, k),
+    });
     let results: Vec<Vec<f32>> = (0..n.div_ceil(block))
         .into_par_iter()
         .map(|b| {

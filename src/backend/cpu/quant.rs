@@ -270,8 +270,27 @@ impl Native {
 impl Native {
     /// Whether [`Self::dot_rows`] has a kernel for rows `cols` wide on this CPU.
     pub(crate) fn pairs(&self, cols: usize) -> bool {
-        // The FP8 kernel needs what the fused one-input kernel does.
-        matches!(self, Native::Fp8 { .. }) && self.fuses(cols)
+        // The kernels need what the fused one-input kernels do; FP4's takes 1 × 32 blocks
+        // (the official format's) only.
+        match self {
+            Native::Fp8 { .. } => self.fuses(cols),
+            Native::Fp4 { block, .. } => *block == 32 && self.fuses(cols),
+        }
+    }
+
+    /// The inputs as [`Self::dot_rows`] takes them: interleaved once for the product (FP4's
+    /// each split into even and odd elements first, as its kernels pair them with a byte's
+    /// two nibbles).
+    pub(crate) fn paired_inputs(&self, cols: usize, inputs: &[&[f32]]) -> Interleaved {
+        if matches!(self, Native::Fp4 { .. }) {
+            let split: Vec<Cow<'_, [f32]>> = inputs
+                .iter()
+                .map(|x| self.fused_input(cols, &x[..cols]))
+                .collect();
+            let split: Vec<&[f32]> = split.iter().map(|x| &x[..]).collect();
+            return Interleaved::new(&split, cols);
+        }
+        Interleaved::new(inputs, cols)
     }
 
     /// Dot products of every input (`cols` wide, interleaved once for the product) with rows
@@ -323,6 +342,28 @@ impl Native {
                         )
                     }
                 }
+            });
+            return Some(());
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Native::Fp4 {
+            packed, exponents, ..
+        } = self
+        {
+            if !self.pairs(cols) || !(j1 - j0).is_multiple_of(2) {
+                return None;
+            }
+            let (half, nb) = (cols / 2, cols / 32);
+            packed.get(j0 * half..j1 * half)?;
+            exponents.get(j0 * nb..j1 * nb)?;
+            inputs.for_pairs((j0, j1), out, |j, n, xi| {
+                let rows = &packed[j * half..(j + 2) * half];
+                let exps = &exponents[j * nb..(j + 2) * nb];
+                // SAFETY: AVX-512F/VL detected (`pairs`); `xi` holds `n` inputs of `cols`
+                // floats split into even and odd elements per 32 and interleaved by 16
+                // (`paired_inputs`), `rows` two packed rows of `cols / 2` bytes and `exps`
+                // their `cols / 32` exponents each; `cols` is a multiple of 32 (`pairs`).
+                unsafe { by_inputs!(n, x86::dot2xn_fp4_avx512, [], (xi, cols, rows, exps)) }
             });
             return Some(());
         }
@@ -609,6 +650,58 @@ mod x86 {
                     let xv = _mm512_loadu_ps(x.add(16 * i));
                     a[0] = _mm512_fmadd_ps(xv, w0, a[0]);
                     a[1] = _mm512_fmadd_ps(xv, w1, a[1]);
+                }
+            }
+        }
+        acc.map(|a| [_mm512_reduce_add_ps(a[0]), _mm512_reduce_add_ps(a[1])])
+    }
+
+    /// Dot products of `N` inputs with two FP4 rows of 1 × 32 blocks (`k` columns each, back
+    /// to back in `rows`, two per byte): `out[input][row]`. Each 32 columns of a row are
+    /// decoded in registers once for all `N` inputs, and the sums are formed as the
+    /// one-input kernel (`dot4_fp4_block32`) forms them, so the results are bit for bit its.
+    ///
+    /// # Safety
+    /// AVX-512F and VL available; `xi` holds `N` inputs of `k` floats (a multiple of 32), each
+    /// split into even and odd elements per 32 and interleaved by 16 (`paired_inputs`),
+    /// `rows` 2 rows of `k / 2` bytes, `exps` 2 rows of `k / 32`.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub unsafe fn dot2xn_fp4_avx512<const N: usize>(
+        xi: &[f32],
+        k: usize,
+        rows: &[u8],
+        exps: &[u8],
+    ) -> [[f32; 2]; N] {
+        let (half, nb) = (k / 2, k / 32);
+        assert!(xi.len() >= N * k && k.is_multiple_of(32));
+        assert!(rows.len() >= 2 * half && exps.len() >= 2 * nb);
+        // SAFETY: E2M1 has 16 f32s.
+        let table = unsafe { _mm512_loadu_ps(super::E2M1.as_ptr()) };
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        // Two steps read 2 rows × 32 bytes: one line of the next pair of rows.
+        let ahead = prefetch_base(rows.as_ptr(), k);
+        let (r0, r1) = (rows.as_ptr(), rows.as_ptr().wrapping_add(half));
+        let xp = xi.as_ptr();
+        for t in 0..nb {
+            let c = 32 * t;
+            if t.is_multiple_of(2) {
+                prefetch_lines::<1>(ahead, c);
+            }
+            let s0 = _mm512_set1_ps(super::scale_of(exps[t]));
+            let s1 = _mm512_set1_ps(super::scale_of(exps[nb + t]));
+            // SAFETY: c + 32 <= k; packed row r spans rows[r·k/2 .. (r+1)·k/2]; the columns
+            // c..c + 32 of `xi` are N × 16 even elements, then N × 16 odd ones, at N · c.
+            unsafe {
+                let (lo0, hi0) = fp4x32(r0.add(c / 2), table);
+                let (lo1, hi1) = fp4x32(r1.add(c / 2), table);
+                let x = xp.add(N * c);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let xe = _mm512_loadu_ps(x.add(16 * i));
+                    let xo = _mm512_loadu_ps(x.add(16 * (N + i)));
+                    let t0 = _mm512_fmadd_ps(lo0, xe, _mm512_mul_ps(hi0, xo));
+                    a[0] = _mm512_fmadd_ps(t0, s0, a[0]);
+                    let t1 = _mm512_fmadd_ps(lo1, xe, _mm512_mul_ps(hi1, xo));
+                    a[1] = _mm512_fmadd_ps(t1, s1, a[1]);
                 }
             }
         }
@@ -918,8 +1011,9 @@ mod tests {
                 (MatrixData::Native(_), 1) | (MatrixData::Stacked(_), 2)
             ));
             let m: CpuMatrix = m;
-            // 4 and 5 inputs: the paired FP8 kernel; 9 and 16: rows decoded into a buffer.
-            for rows in [1, 4, 5, 9, 16, 40] {
+            // 2-5 inputs: the paired FP4 kernel (FP8's and bf16's from 4); 9 and 16: rows
+            // decoded into a buffer.
+            for rows in [1, 2, 3, 4, 5, 9, 16, 40] {
                 let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
                 let mut y = vec![0.0f32; rows * out];
                 if rows <= super::super::gemv::MAX_ROWS {
@@ -1001,6 +1095,48 @@ mod tests {
                     want[0][3].to_bits(),
                     "{n} inputs, input {i}"
                 );
+            }
+        }
+    }
+
+    /// The paired FP4 kernel gives bit for bit what the fused one-input kernel gives, for
+    /// every number of inputs it takes at once (two chunks past eight).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn paired_fp4_products_equal_the_one_input_kernel() {
+        let (out, k) = (6, 640);
+        let fp4: Vec<u8> = (0..out * k / 2).map(|i| (i * 29 % 256) as u8).collect();
+        let s4: Vec<f32> = (0..out * k / 32)
+            .map(|i| 2f32.powi(i as i32 % 7 - 3))
+            .collect();
+        let w = WeightData::whole(WeightFormat::Fp4E2m1 { block: 32 }, &fp4, s4, out, k);
+        let native = Native::of(&w).unwrap();
+        if !native.pairs(k) {
+            println!("skipped: no AVX-512 on this CPU, so there is no paired kernel to compare");
+            return;
+        }
+        let xs: Vec<Vec<f32>> = (0..11)
+            .map(|n| {
+                (0..k)
+                    .map(|i| ((i * 5 + n * 13) as f32 * 0.17).sin())
+                    .collect()
+            })
+            .collect();
+        for n in 1..=xs.len() {
+            let inputs: Vec<&[f32]> = xs[..n].iter().map(Vec::as_slice).collect();
+            let mut got = vec![f32::NAN; 4 * n];
+            let il = native.paired_inputs(k, &inputs);
+            native.dot_rows(k, (2, 6), &il, &mut got).unwrap();
+            for (i, x) in inputs.iter().enumerate() {
+                let want = native.dot4(k, 2, &native.fused_input(k, x)).unwrap();
+                for (r, want) in want.iter().enumerate() {
+                    assert_eq!(
+                        got[r * n + i].to_bits(),
+                        want.to_bits(),
+                        "{n} inputs, input {i}, row {}",
+                        2 + r
+                    );
+                }
             }
         }
     }
