@@ -5,7 +5,10 @@
 //!
 //!     cargo run --release --example bench_forward -- [--model fixture|large] [--threads N]
 //!         [--weights f32|bf16|native|auto] [--kv f32|bf16|fp8] [--phase prefill|decode1|decode8]
-//!         [--bandwidth] [--json] [--op-times]
+//!         [--bandwidth] [--json] [--op-times] [--batch N]
+//!
+//! `--batch N` also measures decode at batch N (N sequences of the prompt, one token each a
+//! step) and prints it on a line of its own.
 //!
 //! `--op-times` also prints, for one prefill and for the b1 and b8 decode steps, the wall time of
 //! each backend op on the step's thread (products by shape and storage), per step and as a
@@ -544,6 +547,7 @@ fn main() {
     };
     let which = value("--model").unwrap_or_else(|| "large".into());
     let threads: usize = value("--threads").map_or(0, |t| t.parse().unwrap());
+    let extra_batch: Option<usize> = value("--batch").map(|b| b.parse().expect("--batch N"));
     let weights = match value("--weights").as_deref() {
         Some("bf16") => WeightDtype::Bf16,
         Some("native") => WeightDtype::Native,
@@ -589,7 +593,8 @@ fn main() {
     let steps = value("--steps").map_or(steps, |s| s.parse().unwrap());
     let kv_dtype = value("--kv").unwrap_or_else(|| "f32".into());
     let params = Params::from_value(&json!({"kv": {
-        "dtype": kv_dtype, "device_memory_bytes": "1GiB", "max_running_requests": 8,
+        "dtype": kv_dtype, "device_memory_bytes": "1GiB",
+        "max_running_requests": extra_batch.unwrap_or(8).max(8),
         "page_size": 128}}))
     .unwrap();
     let plan = plan::plan_with(&params, config, &plan::numa::SystemProbe::new()).unwrap();
@@ -618,6 +623,12 @@ fn main() {
     } else {
         0.0
     };
+    if let Some(n) = extra_batch {
+        let rate = bench.decode_rate(n);
+        println!(
+            "dsv4 {which} ({threads} threads, {prompt}-token prompt): decode b{n} {rate:.1} tok/s"
+        );
+    }
     if args.iter().any(|a| a == "--op-times") {
         let seconds = bench.recorded_prefill();
         print_op_times(&format!("one {prompt}-token prefill"), seconds, 1);
