@@ -11,7 +11,6 @@ use rayon::prelude::*;
 
 use super::gemm::Strided;
 use super::paired::{by_inputs, Interleaved};
-use super::quant::Native;
 use super::{CpuMatrix, MatrixData};
 
 /// Products with at most this many input rows take this path.
@@ -560,22 +559,18 @@ pub(super) fn gemv_into(
         let min_rows = (16 * 1024 / k.max(1)).clamp(4, 16).next_multiple_of(4);
         n.div_ceil(threads * 4).next_multiple_of(4).max(min_rows)
     };
-    // With four to eight inputs, rows are decoded (FP8) or widened (bf16) in registers two at
-    // a time for all of them: for FP8 1.7-1.8x the decoded path's rate with four inputs, about
-    // even with eight, and behind it with sixteen (each input is then loaded for two rows
-    // only, against four), measured on 1 MiB matrices; decode b8 on the large bench model
-    // gained 4-14 % (5 alternating runs), and 1.4-1.9x for its FP8 products once the kernel
-    // kept its sums in registers.
-    let paired = match &w.data {
-        MatrixData::Native(q @ Native::Fp8 { .. }) => (4..=8).contains(&rows) && q.pairs(k),
-        // FP4 decoding costs more than FP8's: pairing pays from two inputs (a batch's
-        // experts each see a few of its tokens).
-        MatrixData::Native(q @ Native::Fp4 { .. }) => (2..=8).contains(&rows) && q.pairs(k),
-        MatrixData::Bf16(_) => {
-            (4..=8).contains(&rows) && level == Simd::Avx512 && k.is_multiple_of(16)
-        }
-        _ => false,
-    };
+    // With two or more inputs, rows are decoded (FP8, FP4) or widened (bf16) in registers two
+    // at a time for all of them (eight at a time: a product of 9-16 inputs takes two passes),
+    // instead of once per input (the fused one-input kernels) or into a buffer read back for
+    // every four inputs. Measured on a 4096 x 1024 matrix, 2 threads: FP8 2-3 inputs
+    // 0.24 / 0.36 ms one at a time against 0.24 for four paired; 12 and 16 inputs 100-110
+    // GFLOP/s decoded against 160 for eight paired; FP4 and bf16 alike, by less.
+    let paired = (2..=MAX_ROWS).contains(&rows)
+        && match &w.data {
+            MatrixData::Native(q) => q.pairs(k),
+            MatrixData::Bf16(_) => level == Simd::Avx512 && k.is_multiple_of(16),
+            _ => false,
+        };
     let interleaved = paired.then(|| match &w.data {
         MatrixData::Native(q) => q.paired_inputs(k, &inputs),
         _ => Interleaved::new(&inputs, k),
@@ -587,10 +582,11 @@ pub(super) fn gemv_into(
             let end = (start + block).min(w_rows.end);
             let mut out = vec![0.0f32; (end - start) * rows];
             let mut j = start;
-            // Native rows: with fewer than four inputs, decoded in registers for each (fused
-            // kernels); else decoded here, four at a time, once for every input row.
+            // Native rows not paired (one input; else no paired kernel here): decoded in
+            // registers for each input (fused kernels) where a kernel does that, else decoded
+            // here four at a time, once for every input row (and an odd last row after pairs).
             let fused = match &w.data {
-                MatrixData::Native(q) => rows < 4 && q.fuses(k),
+                MatrixData::Native(q) => rows < 4 && !paired && q.fuses(k),
                 _ => false,
             };
             let mut decoded = match &w.data {
@@ -789,9 +785,10 @@ mod tests {
         }
     }
 
-    /// With four to eight inputs, bf16 rows are widened two at a time for all inputs
-    /// (`dot2xn_bf16_avx512`): bit for bit what the four-row kernel gives, an odd last row
-    /// included; every input count within f32 rounding of exact f64 dot products.
+    /// With two or more inputs, bf16 rows are widened two at a time for all inputs
+    /// (`dot2xn_bf16_avx512`, eight inputs a pass): bit for bit what the four-row kernel
+    /// gives, an odd last row included; every input count within f32 rounding of exact f64
+    /// dot products.
     #[test]
     fn paired_bf16_products_equal_the_four_row_kernel() {
         #[cfg(target_arch = "x86_64")]
@@ -809,7 +806,7 @@ mod tests {
                 offset: 0,
                 row_stride: stride,
             };
-            for rows in 1..=9 {
+            for rows in 1..=16 {
                 let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
                 let mut y = vec![f32::NAN; rows * n];
                 gemv_into(&x, at(k), rows, &m, 0..n, &mut y, at(n));
@@ -822,9 +819,9 @@ mod tests {
                         // SAFETY: AVX-512F/VL detected; each input and row has k values.
                         let want = unsafe { x86::dot4x4_avx512([xr; 4], q, k, false) }[0][j % 4];
                         let got = y[r * n + j];
-                        // Other input counts, and the odd last row's inputs past the last
-                        // four, take the one-input kernel, which sums in another order.
-                        if (4..=8).contains(&rows) && (j < n / 2 * 2 || r < rows / 4 * 4) {
+                        // One input, and the odd last row's inputs past the last four, take
+                        // the one-input kernel, which sums in another order.
+                        if rows >= 2 && (j < n / 2 * 2 || r < rows / 4 * 4) {
                             assert_eq!(got.to_bits(), want.to_bits(), "{rows} inputs: {r}, {j}");
                         }
                         let exact: f64 = (0..k)

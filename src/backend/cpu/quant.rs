@@ -1011,8 +1011,7 @@ mod tests {
                 (MatrixData::Native(_), 1) | (MatrixData::Stacked(_), 2)
             ));
             let m: CpuMatrix = m;
-            // 2-5 inputs: the paired FP4 kernel (FP8's and bf16's from 4); 9 and 16: rows
-            // decoded into a buffer.
+            // 2-16 inputs: the paired kernels (9 and 16 in two passes); 40: the GEMM.
             for rows in [1, 2, 3, 4, 5, 9, 16, 40] {
                 let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
                 let mut y = vec![0.0f32; rows * out];
