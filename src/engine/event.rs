@@ -231,6 +231,8 @@ impl Drop for Held<'_> {
         let mut q = self.0.lock();
         q.held -= 1;
         if q.held == 0 && std::mem::take(&mut q.unnotified) {
+            // After the lock is released: a poller woken under it would sleep again on it.
+            drop(q);
             self.0.ready.notify_all();
         }
     }
@@ -278,6 +280,9 @@ impl EventSink {
                     if q.held > 0 {
                         q.unnotified = true;
                     } else {
+                        // After the lock is released: a poller woken under it would sleep
+                        // again on it (and on few cores preempt the engine thread twice).
+                        drop(q);
                         self.ready.notify_all();
                     }
                     return;
