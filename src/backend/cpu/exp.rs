@@ -40,7 +40,7 @@ mod x86 {
     ];
 
     /// # Safety
-    /// AVX-512F available.
+    /// AVX-512F and VL available.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn exp_in_place(v: &mut [f32]) {
         let mut i = 0;

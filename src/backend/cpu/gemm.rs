@@ -201,7 +201,7 @@ mod x86 {
     /// lanes twice).
     ///
     /// # Safety
-    /// AVX-512F available; `tile` holds 16 rows of `k ≥ c0 + 16` values, `out` `c0 + 16`
+    /// AVX-512F and VL available; `tile` holds 16 rows of `k ≥ c0 + 16` values, `out` `c0 + 16`
     /// columns of `n ≥ j0 + 16`.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn transpose16(

@@ -148,7 +148,7 @@ pub(super) mod x86 {
     }
 
     /// # Safety
-    /// AVX-512F available; `w` holds 4 rows of `x.len()` floats.
+    /// AVX-512F and VL available; `w` holds 4 rows of `x.len()` floats.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn dot4_f32_avx512(x: &[f32], w: &[f32], prefetch: bool) -> [f32; 4] {
         let k = x.len();
@@ -176,7 +176,7 @@ pub(super) mod x86 {
     }
 
     /// # Safety
-    /// AVX-512F available; `w` holds 4 rows of `x.len()` bf16 values.
+    /// AVX-512F and VL available; `w` holds 4 rows of `x.len()` bf16 values.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn dot4_bf16_avx512(x: &[f32], w: &[bf16], prefetch: bool) -> [f32; 4] {
         let k = x.len();
@@ -236,7 +236,7 @@ pub(super) mod x86 {
     /// Loads 16 weights of row `r` at column `i` as f32.
     ///
     /// # Safety
-    /// AVX-512F available; `i + 16 <= k` and `w` holds 4 rows of `k` values.
+    /// AVX-512F and VL available; `i + 16 <= k` and `w` holds 4 rows of `k` values.
     #[target_feature(enable = "avx512f,avx512vl")]
     unsafe fn load16(w: super::Rows4, k: usize, r: usize, i: usize) -> __m512 {
         // SAFETY: forwarded from the caller's contract.
@@ -254,7 +254,7 @@ pub(super) mod x86 {
     /// Dot products of four inputs with four weight rows: `out[input][row]`.
     ///
     /// # Safety
-    /// AVX-512F available; every input has `k` floats and `w` holds 4 rows of `k` values.
+    /// AVX-512F and VL available; every input has `k` floats and `w` holds 4 rows of `k` values.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn dot4x4_avx512(
         x: [&[f32]; 4],
@@ -361,7 +361,7 @@ pub(super) mod x86 {
     /// `out[h, c] = Σ_j p[h, j] · v[j, c]` for four heads at a time.
     ///
     /// # Safety
-    /// AVX-512F available; `heads % 4 == 0`, `width % 16 == 0`, `p` is `[heads, n]`, `v` is
+    /// AVX-512F and VL available; `heads % 4 == 0`, `width % 16 == 0`, `p` is `[heads, n]`, `v` is
     /// `[n, width]` and `out` is `[heads, width]`.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn weighted_rows_avx512(

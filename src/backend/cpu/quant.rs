@@ -508,7 +508,7 @@ mod x86 {
     /// block's scale × 2⁸ finishes it. 0x7F / 0xFF (NaN) become an f16 NaN.
     ///
     /// # Safety
-    /// AVX-512F, AVX2 and F16C available; `row.len() == out.len()`, a multiple of 16, and
+    /// AVX-512F and VL, AVX2 and F16C available; `row.len() == out.len()`, a multiple of 16, and
     /// `block` a multiple of 16 with `exponents` holding one per block.
     #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
     pub unsafe fn fp8_row_avx512(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
@@ -559,7 +559,7 @@ mod x86 {
     /// partial sums, then each times its row's scale.
     ///
     /// # Safety
-    /// AVX-512F, AVX2 and F16C available; `rows` holds 4 rows of `x.len()` bytes (a multiple
+    /// AVX-512F and VL, AVX2 and F16C available; `rows` holds 4 rows of `x.len()` bytes (a multiple
     /// of 16), `exps` 4 rows of `x.len().div_ceil(block)`, `block` a multiple of 16.
     #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
     pub unsafe fn dot4_fp8_avx512<const NAN: bool>(
@@ -608,7 +608,7 @@ mod x86 {
     /// of ~20).
     ///
     /// # Safety
-    /// AVX-512F, AVX2 and F16C available; `xi` holds `N` inputs of `k` floats (a multiple of
+    /// AVX-512F and VL, AVX2 and F16C available; `xi` holds `N` inputs of `k` floats (a multiple of
     /// 16) interleaved by 16, `rows` 2 rows of `k` bytes, `exps` 2 rows of
     /// `k.div_ceil(block)`, `block` a multiple of 16.
     #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
@@ -727,7 +727,7 @@ mod x86 {
     /// twice per 32 columns, which the kernels would otherwise pay for every four rows).
     ///
     /// # Safety
-    /// AVX-512F available.
+    /// AVX-512F and VL available.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn split_even_odd(x: &[f32]) -> Vec<f32> {
         assert!(x.len().is_multiple_of(32));
@@ -754,7 +754,7 @@ mod x86 {
     /// The even and odd elements of 32 values of an input split by [`split_even_odd`].
     ///
     /// # Safety
-    /// AVX-512F available; 32 readable f32s at `p`.
+    /// AVX-512F and VL available; 32 readable f32s at `p`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512vl")]
     unsafe fn even_odd(p: *const f32) -> (__m512, __m512) {
@@ -767,7 +767,7 @@ mod x86 {
     /// ([`split_even_odd`]), so no decoded value needs reordering.
     ///
     /// # Safety
-    /// AVX-512F available; `x` split by [`split_even_odd`]; `rows` holds 4 packed rows of
+    /// AVX-512F and VL available; `x` split by [`split_even_odd`]; `rows` holds 4 packed rows of
     /// `x.len() / 2` bytes (`x.len()` a multiple of 32), `exps` 4 rows of
     /// `x.len().div_ceil(block)`, `block` a multiple of 32.
     #[target_feature(enable = "avx512f,avx512vl")]
@@ -817,7 +817,7 @@ mod x86 {
     /// even and odd products are summed and scaled into the row's accumulator at once.
     ///
     /// # Safety
-    /// AVX-512F available; `x` split by [`split_even_odd`], its length a multiple of 32;
+    /// AVX-512F and VL available; `x` split by [`split_even_odd`], its length a multiple of 32;
     /// `rows` 4 packed rows of `x.len() / 2` bytes, `exps` 4 rows of `x.len() / 32`.
     #[target_feature(enable = "avx512f,avx512vl")]
     unsafe fn dot4_fp4_block32(x: &[f32], rows: &[u8], exps: &[u8]) -> [f32; 4] {
@@ -868,7 +868,7 @@ mod x86 {
     /// (`vpermps`), low nibbles are the even elements, high nibbles the odd ones.
     ///
     /// # Safety
-    /// AVX-512F available; `out.len() == 2 * row.len()`, a multiple of 32, `block` a
+    /// AVX-512F and VL available; `out.len() == 2 * row.len()`, a multiple of 32, `block` a
     /// multiple of 32 with `exponents` holding one per block.
     #[target_feature(enable = "avx512f,avx512vl")]
     pub unsafe fn fp4_row_avx512(row: &[u8], exponents: &[u8], block: usize, out: &mut [f32]) {
