@@ -614,7 +614,7 @@ pub(super) fn gemv_into(
                         // `k` floats interleaved by 16, `rows` two rows of `k`; k % 16 == 0.
                         unsafe { by_inputs!(n, x86::dot2xn_bf16_avx512, [], (xi, k, rows)) }
                     }),
-                    _ => unreachable!("paired products are FP8 or bf16"),
+                    _ => unreachable!("paired products are native (FP8, FP4) or bf16"),
                 }
                 j = even;
             }

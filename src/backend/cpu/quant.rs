@@ -602,7 +602,7 @@ mod x86 {
     /// once for all `N` inputs (a batch's decode step) instead of being written to a buffer and
     /// read back. Scaling by a power of two is exact and the sums are formed in the order the
     /// decoded-row kernel (`dot4x4_avx512`) forms them, so the results are bit for bit its.
-    /// The inputs come interleaved ([`interleave16`]): one pointer walks all of them, so the
+    /// The inputs come interleaved (`paired::Interleaved`): one pointer walks all of them, so the
     /// loop's 2·`N` sums stay in registers (with a pointer per input the compiler ran out of
     /// general registers and kept three sums on the stack: 38 cycles per 16 columns instead
     /// of ~20).
