@@ -300,6 +300,50 @@ pub(super) mod x86 {
         }
     }
 
+    /// [`dot_rows_bf16_avx512`] for f32 rows: `out[t]` is row `t` of `rows` (`out.len()` rows
+    /// of `x.len()` values) with `x`, each row's 16-column steps alternating between four sums.
+    ///
+    /// # Safety
+    /// AVX-512F and VL available.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub unsafe fn dot_rows_f32_avx512(x: &[f32], rows: &[f32], out: &mut [f32]) {
+        let k = x.len();
+        let k16 = k / 16 * 16;
+        assert!(rows.len() >= out.len() * k);
+        let xp = x.as_ptr();
+        for (t, o) in out.iter_mut().enumerate() {
+            let row = &rows[t * k..(t + 1) * k];
+            let r = row.as_ptr();
+            let mut a = [_mm512_setzero_ps(); 4];
+            let mut i = 0;
+            // SAFETY: every load is within the row's and `x`'s first k16 values.
+            unsafe {
+                while i + 64 <= k16 {
+                    for (q, a) in a.iter_mut().enumerate() {
+                        let c = i + 16 * q;
+                        *a = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(xp.add(c)),
+                            _mm512_loadu_ps(r.add(c)),
+                            *a,
+                        );
+                    }
+                    i += 64;
+                }
+                let mut q = 0;
+                while i < k16 {
+                    a[q] = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(xp.add(i)),
+                        _mm512_loadu_ps(r.add(i)),
+                        a[q],
+                    );
+                    (i, q) = (i + 16, q + 1);
+                }
+            }
+            let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+            *o = _mm512_reduce_add_ps(sum) + (k16..k).map(|j| x[j] * row[j]).sum::<f32>();
+        }
+    }
+
     /// Loads 16 weights of row `r` at column `i` as f32.
     ///
     /// # Safety
@@ -638,7 +682,8 @@ pub(super) fn gemv_into(
             MatrixData::Bf16(_) => level == Simd::Avx512 && k.is_multiple_of(16),
             _ => false,
         };
-    // One input and bf16 rows: the rows one after another (`dot_rows_bf16_avx512`).
+    // One input and bf16 or f32 rows: the rows one after another (`dot_rows_bf16_avx512`,
+    // `dot_rows_f32_avx512`).
     #[cfg(target_arch = "x86_64")]
     let bf16_split = match &w.data {
         // SAFETY: AVX-512F/VL detected.
@@ -702,6 +747,12 @@ pub(super) fn gemv_into(
                 unsafe {
                     x86::dot_rows_bf16_avx512(inputs[0], split, &v[start * k..end * k], &mut out)
                 };
+                j = end;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if let (1, Simd::Avx512, MatrixData::F32(v)) = (rows, level, &w.data) {
+                // SAFETY: AVX-512F/VL detected; rows start..end of k values.
+                unsafe { x86::dot_rows_f32_avx512(inputs[0], &v[start * k..end * k], &mut out) };
                 j = end;
             }
             while j < end {
@@ -925,36 +976,45 @@ mod tests {
         println!("skipped: no AVX-512 on this CPU, so there is no paired bf16 kernel to compare");
     }
 
-    /// One input against bf16 rows takes them one row after another
-    /// (`dot_rows_bf16_avx512`): within f32 rounding of exact f64 dot products for widths with
-    /// and without 64- and 32-column remainders, every row of a block (not only multiples of
-    /// four) written, through `gemv_into` as the model calls it.
+    /// One input against bf16 or f32 rows takes them one row after another
+    /// (`dot_rows_bf16_avx512`, `dot_rows_f32_avx512`): within f32 rounding of exact f64 dot
+    /// products for widths with and without 64-, 32- and 16-column remainders, every row of a
+    /// block (not only multiples of four) written, through `gemv_into` as the model calls it.
     #[test]
-    fn one_input_bf16_rows_one_after_another_match_exact_dot_products() {
+    fn one_input_rows_one_after_another_match_exact_dot_products() {
         let at = |stride| Strided {
             offset: 0,
             row_stride: stride,
         };
-        for (n, k) in [(7, 1024), (33, 96), (5, 80), (3, 31), (300, 512)] {
-            let w16: Vec<bf16> = (0..n * k)
-                .map(|i| bf16::from_f32((i as f32 * 0.11).cos()))
-                .collect();
-            let m = CpuMatrix {
-                rows: n,
-                cols: k,
-                data: MatrixData::Bf16(w16.clone()),
-            };
+        for (n, k) in [(7, 1024), (33, 96), (5, 80), (3, 31), (300, 512), (9, 48)] {
+            let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
+            let w16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
-            let mut y = vec![f32::NAN; n];
-            gemv_into(&x, at(k), 1, &m, 0..n, &mut y, at(n));
-            for (j, &got) in y.iter().enumerate() {
-                let exact: f64 = (0..k)
-                    .map(|i| f64::from(x[i]) * f64::from(w16[j * k + i].to_f32()))
-                    .sum();
-                assert!(
-                    (f64::from(got) - exact).abs() < 1e-4 * (1.0 + exact.abs()),
-                    "{n} x {k}: row {j}: {got} against {exact}"
-                );
+            let cases = [
+                (
+                    "bf16",
+                    MatrixData::Bf16(w16.clone()),
+                    w16.iter().map(|v| v.to_f32()).collect(),
+                ),
+                ("f32", MatrixData::F32(w.clone()), w.clone()),
+            ];
+            for (name, data, values) in cases {
+                let m = CpuMatrix {
+                    rows: n,
+                    cols: k,
+                    data,
+                };
+                let mut y = vec![f32::NAN; n];
+                gemv_into(&x, at(k), 1, &m, 0..n, &mut y, at(n));
+                for (j, &got) in y.iter().enumerate() {
+                    let exact: f64 = (0..k)
+                        .map(|i| f64::from(x[i]) * f64::from(values[j * k + i]))
+                        .sum();
+                    assert!(
+                        (f64::from(got) - exact).abs() < 1e-4 * (1.0 + exact.abs()),
+                        "{name} {n} x {k}: row {j}: {got} against {exact}"
+                    );
+                }
             }
         }
     }
