@@ -233,8 +233,12 @@ pub(super) mod x86 {
         out
     }
 
-    /// `x` as [`dot_rows_bf16_avx512`] takes it: each 32 columns (the last `k % 32` dropped)
-    /// as their 16 even then 16 odd elements.
+    /// `x` with each 32 values as their 16 even elements then their 16 odd ones (the last
+    /// `x.len() % 32` dropped): how the FP4 kernels take their input (the order in which 16
+    /// packed bytes' low and high nibbles decode) and [`dot_rows_bf16_avx512`] (the order in
+    /// which a 32-bit lane's low and high bf16 widen), split once per input for every row it
+    /// meets (`vpermt2ps` twice per 32 columns, which the kernels would otherwise pay for every
+    /// row or four).
     #[target_feature(enable = "avx512f,avx512vl")]
     pub fn split_even_odd(x: &[f32]) -> Vec<f32> {
         let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -295,9 +299,18 @@ pub(super) mod x86 {
                     half(&mut a[..2], i);
                 }
             }
-            let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-            *o = _mm512_reduce_add_ps(sum) + (k32..k).map(|j| x[j] * row[j].to_f32()).sum::<f32>();
+            *o = sum4(a) + (k32..k).map(|j| x[j] * row[j].to_f32()).sum::<f32>();
         }
+    }
+
+    /// The sum of a row's four partial sums' lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    fn sum4(a: [__m512; 4]) -> f32 {
+        _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(a[0], a[1]),
+            _mm512_add_ps(a[2], a[3]),
+        ))
     }
 
     /// [`dot_rows_bf16_avx512`] for f32 rows: `out[t]` is row `t` of `rows` (`out.len()` rows
@@ -339,8 +352,7 @@ pub(super) mod x86 {
                     (i, q) = (i + 16, q + 1);
                 }
             }
-            let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-            *o = _mm512_reduce_add_ps(sum) + (k16..k).map(|j| x[j] * row[j]).sum::<f32>();
+            *o = sum4(a) + (k16..k).map(|j| x[j] * row[j]).sum::<f32>();
         }
     }
 

@@ -409,6 +409,7 @@ fn scale_of(e: u8) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    pub use super::super::gemv::x86::split_even_odd;
     use super::super::gemv::x86::{prefetch_base, prefetch_lines};
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
@@ -719,36 +720,6 @@ mod x86 {
         let lo = _mm512_permutexvar_ps(v, table);
         let hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
         (lo, hi)
-    }
-
-    /// `x` (a multiple of 32 long) with each 32 values as their 16 even elements then their
-    /// 16 odd ones: the order in which 16 packed FP4 bytes' low and high nibbles decode. The
-    /// FP4 kernels take their input so, split once for every row it meets (`vpermt2ps`
-    /// twice per 32 columns, which the kernels would otherwise pay for every four rows).
-    ///
-    /// # Safety
-    /// AVX-512F and VL available.
-    #[target_feature(enable = "avx512f,avx512vl")]
-    pub unsafe fn split_even_odd(x: &[f32]) -> Vec<f32> {
-        assert!(x.len().is_multiple_of(32));
-        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let mut out = vec![0f32; x.len()];
-        for (src, dst) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
-            // SAFETY: both chunks are 32 f32s.
-            unsafe {
-                let (x0, x1) = (
-                    _mm512_loadu_ps(src.as_ptr()),
-                    _mm512_loadu_ps(src.as_ptr().add(16)),
-                );
-                _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_permutex2var_ps(x0, evens, x1));
-                _mm512_storeu_ps(
-                    dst.as_mut_ptr().add(16),
-                    _mm512_permutex2var_ps(x0, odds, x1),
-                );
-            }
-        }
-        out
     }
 
     /// The even and odd elements of 32 values of an input split by [`split_even_odd`].
