@@ -431,6 +431,19 @@ pub trait Backend: Send + Sync + 'static {
     fn add_assign(&self, a: &mut Self::Tensor, b: &Self::Tensor) -> Result<()>;
     /// Splits `[rows, Σ widths]` by columns into one `[rows, width]` tensor per width.
     fn split(&self, x: &Self::Tensor, rows: usize, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
+    /// `split(matmul(x, rows, w), rows, widths)`: a fused projection's parts (`Σ widths` =
+    /// `w`'s rows), which a backend may write where they go instead of through the whole
+    /// product (the default makes the product, then splits it).
+    fn matmul_split(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        w: &Self::Matrix,
+        widths: &[usize],
+    ) -> Result<Vec<Self::Tensor>> {
+        let y = self.matmul(x, rows, w)?;
+        self.split(&y, rows, widths)
+    }
     /// Rows `rows` of a `[_, cols]` tensor.
     fn take_rows(&self, x: &Self::Tensor, cols: usize, rows: &[usize]) -> Result<Self::Tensor>;
     /// SwiGLU with DeepSeek's clamp: `silu(min(gate, limit)) · clamp(up, ±limit)` for a

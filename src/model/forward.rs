@@ -298,9 +298,7 @@ impl<B: Backend> Model<B> {
         if w.indexer.is_some() {
             x_widths.extend([2 * id, 2 * id, ih]);
         }
-        let mut x_parts = b
-            .split(&b.matmul(x, n, &w.x_proj)?, n, &x_widths)?
-            .into_iter();
+        let mut x_parts = b.matmul_split(x, n, &w.x_proj, &x_widths)?.into_iter();
         // Each part is checked against the weight that produced it (the parts come in this
         // order; a layer without a compressor or indexer stops early).
         const X_NAMES: [&str; 7] = [
@@ -339,9 +337,7 @@ impl<B: Backend> Model<B> {
         if w.indexer.is_some() {
             qr_widths.push(ih * id);
         }
-        let mut qr_parts = b
-            .split(&b.matmul(&qr, n, &w.qr_proj)?, n, &qr_widths)?
-            .into_iter();
+        let mut qr_parts = b.matmul_split(&qr, n, &w.qr_proj, &qr_widths)?.into_iter();
         let q_raw = qr_parts.next().expect("queries");
         watch.rows(b, &q_raw, |_| {
             site("query up-projection", &["attn.wq_b.weight"])
@@ -589,9 +585,7 @@ impl<B: Backend> Model<B> {
         if w.shared_w2.is_some() {
             widths.push(2 * inter_shared);
         }
-        let mut parts = b
-            .split(&b.matmul(x, n, &w.x_proj)?, n, &widths)?
-            .into_iter();
+        let mut parts = b.matmul_split(x, n, &w.x_proj, &widths)?.into_iter();
         let logits = parts.next().expect("router logits");
         watch.rows(b, &logits, |_| site("router logits", &["ffn.gate.weight"]))?;
         let route_kind = match &w.router {
