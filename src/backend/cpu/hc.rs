@@ -73,7 +73,8 @@ impl Mix {
     fn new(rows: usize, p: &HcParams<'_, CpuBackend>) -> Self {
         let (hc, dim) = (p.hc, p.dim);
         Mix {
-            collapsed: recycle::zeroed(rows * dim),
+            // Each row written by `weighted_sum` (which clears it first).
+            collapsed: recycle::overwritten(rows * dim),
             post: vec![0.0; rows * hc],
             comb: vec![0.0; rows * hc * hc],
             hc,
@@ -274,7 +275,8 @@ pub(super) fn post(
     hc: usize,
     dim: usize,
 ) -> Vec<f32> {
-    let mut y = recycle::zeroed(x.len());
+    // Every value written by `post_row`.
+    let mut y = recycle::overwritten(x.len());
     y.par_chunks_mut(hc * dim)
         .zip(x.par_chunks(hc * dim))
         .zip(out.par_chunks(dim))
@@ -331,7 +333,7 @@ fn post_row(
 pub(super) fn head(x: &[f32], rows: usize, p: &HcParams<'_, CpuBackend>) -> Vec<f32> {
     let (hc, dim) = (p.hc, p.dim);
     let logits = mixes(x, rows, p);
-    let mut out = recycle::zeroed(rows * dim);
+    let mut out = recycle::overwritten(rows * dim);
     out.par_chunks_mut(dim)
         .zip(x.par_chunks(hc * dim))
         .zip(logits.par_chunks(hc))

@@ -825,6 +825,78 @@ impl Backend for CpuBackend {
 mod tests {
     use super::*;
 
+    /// The ops that write every value of their output into a kept buffer without zeroing it
+    /// first (embed, RMS norm, SwiGLU) leave none of its old values: kept buffers of their
+    /// sizes are seeded with NaN, and every output value is the formula's.
+    #[test]
+    fn ops_writing_into_kept_buffers_leave_none_of_their_old_values() {
+        use crate::backend::{Precision, WeightData, WeightFormat};
+        let cpu = CpuBackend::new(2).unwrap();
+        // The second size's buffers (2 and 1 MiB) are ones the pool keeps (checked).
+        for (rows, dim) in [(3, 40), (2048, 256)] {
+            if rows * dim * 2 >= recycle::MIN_BYTES {
+                recycle::give(vec![f32::NAN; rows * dim / 2]);
+                let probe = recycle::overwritten(rows * dim / 2);
+                assert!(probe.iter().all(|v| v.is_nan()), "the pool keeps this size");
+                recycle::give(probe);
+            }
+            for len in [rows * dim, rows * dim / 2] {
+                recycle::give(vec![f32::NAN; len]);
+            }
+            let x: Vec<f32> = (0..rows * dim).map(|i| (i as f32 * 0.31).sin()).collect();
+            let w: Vec<f32> = (0..dim).map(|i| 1.0 + i as f32 * 0.01).collect();
+            let y = cpu
+                .rms_norm(
+                    &CpuTensor(x.clone()),
+                    rows,
+                    dim,
+                    Some(&CpuTensor(w.clone())),
+                    1e-6,
+                )
+                .unwrap();
+            for (r, (row, got)) in x.chunks(dim).zip(y.0.chunks(dim)).enumerate() {
+                let ms: f64 = row
+                    .iter()
+                    .map(|&v| f64::from(v) * f64::from(v))
+                    .sum::<f64>()
+                    / dim as f64;
+                let inv = 1.0 / (ms + 1e-6).sqrt();
+                for (c, &g) in got.iter().enumerate() {
+                    let want = f64::from(row[c]) * inv * f64::from(w[c]);
+                    assert!(
+                        (f64::from(g) - want).abs() < 1e-5,
+                        "rms_norm {rows} x {dim}: {r}, {c}"
+                    );
+                }
+            }
+            recycle::give(vec![f32::NAN; rows * dim / 2]);
+            let s = cpu
+                .swiglu(&CpuTensor(x.clone()), rows, dim / 2, 0.0)
+                .unwrap();
+            for (r, (gu, got)) in x.chunks(dim).zip(s.0.chunks(dim / 2)).enumerate() {
+                for (c, &g) in got.iter().enumerate() {
+                    let (a, u) = (gu[c], gu[dim / 2 + c]);
+                    let want = a / (1.0 + (-a).exp()) * u;
+                    assert!((g - want).abs() < 1e-6, "swiglu {rows} x {dim}: {r}, {c}");
+                }
+            }
+            let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let table = WeightData::whole(WeightFormat::F32, &bytes, vec![], rows, dim);
+            let table = cpu.matrix(&table, Precision::F32).unwrap();
+            let ids: Vec<i32> = (0..rows as i32).rev().collect();
+            recycle::give(vec![f32::NAN; rows * dim]);
+            let e = cpu.embed(&table, &cpu.index(&ids).unwrap()).unwrap();
+            for (got, &id) in e.0.chunks(dim).zip(&ids) {
+                let id = id as usize;
+                assert_eq!(
+                    got,
+                    &x[id * dim..(id + 1) * dim],
+                    "embed {rows} x {dim}: {id}"
+                );
+            }
+        }
+    }
+
     /// A fused projection's parts made where they go (`matmul_split`, a prefill's rows) are
     /// bit for bit the whole product split (`split(matmul)`, what a decode step's rows and
     /// the default take), for a matrix of FP8 and bf16 parts stacked (parts' boundaries not

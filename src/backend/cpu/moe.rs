@@ -131,19 +131,20 @@ fn expert_forward(
         xe.extend_from_slice(&x[t * dim..(t + 1) * dim]);
     }
     let w13: &CpuMatrix = &expert.w13;
-    let mut h = recycle::zeroed(n * 2 * inter);
+    // Products and SwiGLU write every value of their outputs: no zeroing pass.
+    let mut h = recycle::overwritten(n * 2 * inter);
     let at = |stride| Strided {
         offset: 0,
         row_stride: stride,
     };
     gemm_into(&xe, at(dim), n, w13, 0..2 * inter, &mut h, at(2 * inter));
-    let mut act = recycle::zeroed(n * inter);
+    let mut act = recycle::overwritten(n * inter);
     for (o, hr) in act.chunks_mut(inter).zip(h.chunks(2 * inter)) {
         swiglu_row(&hr[..inter], &hr[inter..], limit, o);
     }
     recycle::give(h);
     recycle::give(xe);
-    let mut out = recycle::zeroed(n * dim);
+    let mut out = recycle::overwritten(n * dim);
     gemm_into(&act, at(inter), n, &expert.w2, 0..dim, &mut out, at(dim));
     recycle::give(act);
     out

@@ -10,7 +10,8 @@ const PAR_MIN: usize = 1 << 14;
 
 pub(super) fn embed(table: &CpuMatrix, ids: &[i32]) -> Vec<f32> {
     let d = table.cols;
-    let mut out = recycle::zeroed(ids.len() * d);
+    // Every row written (a kept buffer's old values need no zeroing pass first).
+    let mut out = recycle::overwritten(ids.len() * d);
     out.par_chunks_mut(d)
         .zip(ids)
         .for_each(|(row, &id)| table.data.row_into(d, id as usize, row));
@@ -41,7 +42,7 @@ pub(super) fn inv_rms(x: &[f32], eps: f32) -> f32 {
 
 pub(super) fn rms_norm(x: &[f32], dim: usize, weight: Option<&[f32]>, eps: f32) -> Vec<f32> {
     // Written once from `x` (not copied, then scaled in place: one pass over the output less).
-    let mut out = recycle::zeroed(x.len());
+    let mut out = recycle::overwritten(x.len());
     let norm = |(o, v): (&mut [f32], &[f32])| {
         let r = inv_rms(v, eps);
         match weight {
@@ -97,7 +98,8 @@ pub(super) fn rope(
 
 pub(super) fn swiglu(gate_up: &[f32], inter: usize, limit: f32) -> Vec<f32> {
     let rows = gate_up.len() / (2 * inter);
-    let mut out = recycle::zeroed(rows * inter);
+    // Every value written.
+    let mut out = recycle::overwritten(rows * inter);
     out.par_chunks_mut(inter.max(1))
         .zip(gate_up.par_chunks(2 * inter.max(1)))
         .for_each(|(o, gu)| swiglu_row(&gu[..inter], &gu[inter..], limit, o));
