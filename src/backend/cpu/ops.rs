@@ -75,10 +75,8 @@ pub(super) fn rope(
     let width = heads * head_dim;
     let pairs = inv_freq.len();
     let start = head_dim - 2 * pairs;
-    let rotate_row = |(row, &pos): (&mut [f32], &i32)| {
-        // cos/sin of pos·θ in f32, as transformers computes them.
-        let (sin, cos): (Vec<f32>, Vec<f32>) =
-            inv_freq.iter().map(|&f| (pos as f32 * f).sin_cos()).unzip();
+    let angles = Angles::of(inv_freq, positions);
+    let rotate_row = |((row, sin), cos): ((&mut [f32], &[f32]), &[f32])| {
         for head in row.chunks_mut(head_dim) {
             let rot = &mut head[start..];
             for i in 0..pairs {
@@ -89,10 +87,68 @@ pub(super) fn rope(
             }
         }
     };
+    let (sin, cos) = (
+        angles.sin.chunks(pairs.max(1)),
+        angles.cos.chunks(pairs.max(1)),
+    );
     if x.len() >= PAR_MIN {
-        x.par_chunks_mut(width).zip(positions).for_each(rotate_row);
+        let (sin, cos): (Vec<&[f32]>, Vec<&[f32]>) = (sin.collect(), cos.collect());
+        x.par_chunks_mut(width)
+            .zip(sin)
+            .zip(cos)
+            .for_each(rotate_row);
     } else {
-        x.chunks_mut(width).zip(positions).for_each(rotate_row);
+        x.chunks_mut(width).zip(sin).zip(cos).for_each(rotate_row);
+    }
+}
+
+/// `sin` and `cos` of `position · θ_i` in f32 (as transformers computes them), `[positions,
+/// pairs]`. A prefill's RoPE calls share them: every layer rotates the same positions by the
+/// same frequencies (36 calls of a 512-token prefill of the bench model, each spending most of
+/// its time in `sin_cos` before), so the last few sets are kept, matched by their contents.
+struct Angles {
+    inv_freq: Vec<f32>,
+    positions: Vec<i32>,
+    sin: Vec<f32>,
+    cos: Vec<f32>,
+}
+
+impl Angles {
+    /// Sets kept (a prefill's positions and its compressed rows' for each frequency set).
+    const KEPT: usize = 4;
+    /// Fewer positions than this are computed each call (a decode step's: a lookup would cost
+    /// about what it saves).
+    const MIN_KEPT: usize = 64;
+
+    fn of(inv_freq: &[f32], positions: &[i32]) -> std::sync::Arc<Angles> {
+        use std::sync::{Arc, Mutex};
+        static KEPT: Mutex<Vec<Arc<Angles>>> = Mutex::new(Vec::new());
+        let compute = || {
+            let (sin, cos) = positions
+                .iter()
+                .flat_map(|&p| inv_freq.iter().map(move |&f| (p as f32 * f).sin_cos()))
+                .unzip();
+            Arc::new(Angles {
+                inv_freq: inv_freq.to_vec(),
+                positions: positions.to_vec(),
+                sin,
+                cos,
+            })
+        };
+        if positions.len() < Self::MIN_KEPT {
+            return compute();
+        }
+        let same = |a: &Angles| a.positions == positions && a.inv_freq == inv_freq;
+        if let Some(a) = KEPT.lock().unwrap().iter().find(|a| same(a)) {
+            return Arc::clone(a);
+        }
+        let made = compute();
+        let mut kept = KEPT.lock().unwrap();
+        if kept.len() >= Self::KEPT {
+            kept.remove(0);
+        }
+        kept.push(Arc::clone(&made));
+        made
     }
 }
 
@@ -170,6 +226,43 @@ mod tests {
         rope(&mut x, 2, 8, &inv, &[7], true);
         for (y, o) in x.iter().zip(&original) {
             assert!((y - o).abs() < 1e-5);
+        }
+    }
+
+    /// A prefill's positions (enough to keep their angles) rotate by each position's own
+    /// angles on the first call and on later ones that find them kept, also among other kept
+    /// sets; the inverse undoes it.
+    #[test]
+    fn kept_angles_rotate_each_position_by_its_own() {
+        let inv = [1.0f32, 0.37, 0.05];
+        let (heads, hd) = (2, 8);
+        let positions: Vec<i32> = (0..100).map(|p| 3 * p + 1).collect();
+        let other: Vec<i32> = (0..100).map(|p| 2 * p).collect();
+        let original: Vec<f32> = (0..positions.len() * heads * hd)
+            .map(|i| (i as f32 * 0.7).sin())
+            .collect();
+        for round in 0..3 {
+            let mut x = original.clone();
+            rope(&mut x, heads, hd, &inv, &positions, false);
+            for (r, &pos) in positions.iter().enumerate() {
+                for h in 0..heads {
+                    let at = (r * heads + h) * hd;
+                    assert_eq!(&x[at..at + 2], &original[at..at + 2]);
+                    for (i, &f) in inv.iter().enumerate() {
+                        let (s, c) = (pos as f32 * f).sin_cos();
+                        let (a, b) = (original[at + 2 + 2 * i], original[at + 3 + 2 * i]);
+                        assert_eq!(x[at + 2 + 2 * i], a * c - b * s, "round {round}");
+                        assert_eq!(x[at + 3 + 2 * i], a * s + b * c, "round {round}");
+                    }
+                }
+            }
+            rope(&mut x, heads, hd, &inv, &positions, true);
+            for (y, o) in x.iter().zip(&original) {
+                assert!((y - o).abs() < 1e-5);
+            }
+            // Another set kept between rounds.
+            let mut y = original.clone();
+            rope(&mut y, heads, hd, &inv, &other, false);
         }
     }
 
