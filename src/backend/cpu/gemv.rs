@@ -1,7 +1,8 @@
 //! Matrix products for a few rows (decode steps): weight rows are streamed once (four or two at
 //! a time, or for one input one after another) and dotted with every input row while they sit
-//! in L1, so these bandwidth-bound products run at memory speed. The kernels use AVX-512 or AVX2+FMA when the CPU has them (detected at
-//! run time); bf16 weights are widened in registers.
+//! in L1, so these bandwidth-bound products run at memory speed. The kernels use AVX-512 or
+//! AVX2+FMA when the CPU has them (detected at run time); bf16 weights are widened in
+//! registers.
 
 use std::ops::Range;
 use std::sync::OnceLock;
