@@ -87,31 +87,32 @@ pub(super) fn rope(
             }
         }
     };
-    let (sin, cos) = (
-        angles.sin.chunks(pairs.max(1)),
-        angles.cos.chunks(pairs.max(1)),
-    );
+    let per = pairs.max(1);
     if x.len() >= PAR_MIN {
-        let (sin, cos): (Vec<&[f32]>, Vec<&[f32]>) = (sin.collect(), cos.collect());
         x.par_chunks_mut(width)
-            .zip(sin)
-            .zip(cos)
+            .zip(angles.sin.par_chunks(per))
+            .zip(angles.cos.par_chunks(per))
             .for_each(rotate_row);
     } else {
-        x.chunks_mut(width).zip(sin).zip(cos).for_each(rotate_row);
+        x.chunks_mut(width)
+            .zip(angles.sin.chunks(per))
+            .zip(angles.cos.chunks(per))
+            .for_each(rotate_row);
     }
 }
 
 /// `sin` and `cos` of `position · θ_i` in f32 (as transformers computes them), `[positions,
 /// pairs]`. A prefill's RoPE calls share them: every layer rotates the same positions by the
 /// same frequencies (36 calls of a 512-token prefill of the bench model, each spending most of
-/// its time in `sin_cos` before), so the last few sets are kept, matched by their contents.
+/// its time in `sin_cos` before), so the last few sets are kept, matched by their frequencies
+/// and positions.
 struct Angles {
-    inv_freq: Vec<f32>,
-    positions: Vec<i32>,
     sin: Vec<f32>,
     cos: Vec<f32>,
 }
+
+/// A kept set of [`Angles`] with what it was made from.
+type KeptAngles = (Vec<f32>, Vec<i32>, std::sync::Arc<Angles>);
 
 impl Angles {
     /// Sets kept (a prefill's positions and its compressed rows' for each frequency set).
@@ -120,34 +121,30 @@ impl Angles {
     /// about what it saves).
     const MIN_KEPT: usize = 64;
 
+    fn new(inv_freq: &[f32], positions: &[i32]) -> Angles {
+        let (sin, cos) = positions
+            .iter()
+            .flat_map(|&p| inv_freq.iter().map(move |&f| (p as f32 * f).sin_cos()))
+            .unzip();
+        Angles { sin, cos }
+    }
+
     fn of(inv_freq: &[f32], positions: &[i32]) -> std::sync::Arc<Angles> {
         use std::sync::{Arc, Mutex};
-        static KEPT: Mutex<Vec<Arc<Angles>>> = Mutex::new(Vec::new());
-        let compute = || {
-            let (sin, cos) = positions
-                .iter()
-                .flat_map(|&p| inv_freq.iter().map(move |&f| (p as f32 * f).sin_cos()))
-                .unzip();
-            Arc::new(Angles {
-                inv_freq: inv_freq.to_vec(),
-                positions: positions.to_vec(),
-                sin,
-                cos,
-            })
-        };
+        static KEPT: Mutex<Vec<KeptAngles>> = Mutex::new(Vec::new());
         if positions.len() < Self::MIN_KEPT {
-            return compute();
+            return Arc::new(Self::new(inv_freq, positions));
         }
-        let same = |a: &Angles| a.positions == positions && a.inv_freq == inv_freq;
-        if let Some(a) = KEPT.lock().unwrap().iter().find(|a| same(a)) {
+        let same = |(f, p, _): &&KeptAngles| f[..] == *inv_freq && p[..] == *positions;
+        if let Some((_, _, a)) = KEPT.lock().unwrap().iter().find(same) {
             return Arc::clone(a);
         }
-        let made = compute();
+        let made = Arc::new(Self::new(inv_freq, positions));
         let mut kept = KEPT.lock().unwrap();
         if kept.len() >= Self::KEPT {
             kept.remove(0);
         }
-        kept.push(Arc::clone(&made));
+        kept.push((inv_freq.to_vec(), positions.to_vec(), Arc::clone(&made)));
         made
     }
 }
