@@ -205,6 +205,14 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
+    /// The op timer of a product of `rows` inputs with `w` (`matmul`, `matmul_split`).
+    fn time_matmul(&self, rows: usize, w: &CpuMatrix) -> op_times::OpTimer {
+        op_times::product(
+            || format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage()),
+            || self.product_work(rows, w),
+        )
+    }
+
     /// A backend running on `threads` threads (0 = every core this process may use).
     pub fn new(threads: usize) -> Result<Self> {
         let threads = if threads == 0 {
@@ -507,10 +515,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, rows: usize, w: &CpuMatrix) -> Result<CpuTensor> {
-        let _t = op_times::product(
-            || format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage()),
-            || self.product_work(rows, w),
-        );
+        let _t = self.time_matmul(rows, w);
         let mut out = product_output(rows * w.rows, w);
         let at = |stride| gemm::Strided {
             offset: 0,
@@ -659,10 +664,7 @@ impl Backend for CpuBackend {
             let y = self.matmul(x, rows, w)?;
             return self.split(&y, rows, widths);
         }
-        let _t = op_times::product(
-            || format!("matmul {rows} x {} -> {} {}", w.cols, w.rows, w.storage()),
-            || self.product_work(rows, w),
-        );
+        let _t = self.time_matmul(rows, w);
         let at = |stride| gemm::Strided {
             offset: 0,
             row_stride: stride,
