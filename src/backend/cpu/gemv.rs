@@ -730,7 +730,7 @@ pub(super) fn gemv_into(
                 _ => Vec::new(),
             };
             // The inputs as the fused kernels take them, made once for the block's rows.
-            let fused_inputs: Vec<std::borrow::Cow<'_, [f32]>> = match &w.data {
+            let fused_inputs: Vec<super::quant::FusedInput<'_>> = match &w.data {
                 MatrixData::Native(q) if fused => {
                     inputs.iter().map(|x| q.fused_input(k, x)).collect()
                 }
