@@ -7,6 +7,7 @@
 
 use std::borrow::Cow;
 
+use super::arena::Bytes;
 use super::paired::{by_inputs, Interleaved};
 use crate::backend::weights::{WeightData, WeightFormat};
 use crate::formats::{e4m3_decode, E2M1};
@@ -18,8 +19,8 @@ pub(crate) enum Native {
     /// exponent byte (the checkpoint's `128 × 128` e8m0 tiles repeated on each of their rows,
     /// so a row needs no tile lookup: one byte per 128 values, 0.8 %).
     Fp8 {
-        values: Vec<u8>,
-        exponents: Vec<u8>,
+        values: Bytes,
+        exponents: Bytes,
         block: usize,
         /// No value is a NaN code (0x7F / 0xFF), so the fused kernel skips the NaN blend.
         nan_free: bool,
@@ -27,8 +28,8 @@ pub(crate) enum Native {
     /// FP4 e2m1 values two per byte (element 2j in the low nibble), one power-of-two scale per
     /// row per `block` columns, kept as its f32 exponent byte (e8m0, as in the checkpoint).
     Fp4 {
-        packed: Vec<u8>,
-        exponents: Vec<u8>,
+        packed: Bytes,
+        exponents: Bytes,
         block: usize,
     },
 }
@@ -60,9 +61,10 @@ impl Native {
                     }
                 }
                 let nan_free = values.iter().all(|&b| b & 0x7f != 0x7f);
+                // Under 2 MiB, into a shared huge-page chunk (`arena`).
                 Some(Native::Fp8 {
-                    values,
-                    exponents,
+                    values: Bytes::pack(values),
+                    exponents: Bytes::pack(exponents),
                     block: block[1],
                     nan_free,
                 })
@@ -83,8 +85,8 @@ impl Native {
                     }
                 }
                 Some(Native::Fp4 {
-                    packed,
-                    exponents,
+                    packed: Bytes::pack(packed),
+                    exponents: Bytes::pack(exponents),
                     block,
                 })
             }
