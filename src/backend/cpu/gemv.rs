@@ -711,6 +711,17 @@ pub(super) fn gemv_into(
         MatrixData::Native(q) => q.paired_inputs(k, &inputs),
         _ => Interleaved::new(&inputs, k),
     });
+    // Native rows not paired (one input; else no paired kernel here): decoded in registers for
+    // each input (fused kernels) where a kernel does that.
+    let fused = match &w.data {
+        MatrixData::Native(q) => rows < 4 && !paired && q.fuses(k),
+        _ => false,
+    };
+    // The inputs as the fused kernels take them, made once for the product's blocks.
+    let fused_inputs: Vec<super::quant::FusedInput<'_>> = match &w.data {
+        MatrixData::Native(q) if fused => inputs.iter().map(|x| q.fused_input(k, x)).collect(),
+        _ => Vec::new(),
+    };
     let results: Vec<Vec<f32>> = (0..n.div_ceil(block))
         .into_par_iter()
         .map(|b| {
@@ -718,22 +729,10 @@ pub(super) fn gemv_into(
             let end = (start + block).min(w_rows.end);
             let mut out = vec![0.0f32; (end - start) * rows];
             let mut j = start;
-            // Native rows not paired (one input; else no paired kernel here): decoded in
-            // registers for each input (fused kernels) where a kernel does that, else decoded
-            // here four at a time, once for every input row (and an odd last row after pairs).
-            let fused = match &w.data {
-                MatrixData::Native(q) => rows < 4 && !paired && q.fuses(k),
-                _ => false,
-            };
+            // Native rows not fused (below) nor paired: decoded here four at a time, once for
+            // every input row (and an odd last row after pairs).
             let mut decoded = match &w.data {
                 MatrixData::Native(_) if !fused && !paired => vec![0.0f32; 4 * k],
-                _ => Vec::new(),
-            };
-            // The inputs as the fused kernels take them, made once for the block's rows.
-            let fused_inputs: Vec<super::quant::FusedInput<'_>> = match &w.data {
-                MatrixData::Native(q) if fused => {
-                    inputs.iter().map(|x| q.fused_input(k, x)).collect()
-                }
                 _ => Vec::new(),
             };
             if let Some(il) = &interleaved {
