@@ -24,6 +24,13 @@ pub(crate) enum Native {
         block: usize,
         /// No value is a NaN code (0x7F / 0xFF), so the fused kernel skips the NaN blend.
         nan_free: bool,
+        /// Bit `r · nb + b` (of byte `/ 8`, bit `% 8`) set where row `r`'s column block `b`
+        /// holds an e4m3 subnormal (exponent bits 0, mantissa not): the one-input kernel's
+        /// integer decoder would make an f32 subnormal of it, and an FMA given one costs a
+        /// microcode assist on Intel cores (a product over random codes ran 0.6 against
+        /// 24 GB/s), so those blocks take the f16 route. Rounded weights have ~2 such codes
+        /// per 128 × 128 tile: ~5 % of four rows' blocks.
+        subnormal_blocks: Bytes,
     },
     /// FP4 e2m1 values two per byte (element 2j in the low nibble), one power-of-two scale per
     /// row per `block` columns, kept as its f32 exponent byte (e8m0, as in the checkpoint).
@@ -61,12 +68,14 @@ impl Native {
                     }
                 }
                 let nan_free = values.iter().all(|&b| b & 0x7f != 0x7f);
+                let subnormal_blocks = subnormal_blocks(&values, cols, block[1]);
                 // Under 2 MiB, into a shared huge-page chunk (`arena`).
                 Some(Native::Fp8 {
                     values: Bytes::pack(values),
                     exponents: Bytes::pack(exponents),
                     block: block[1],
                     nan_free,
+                    subnormal_blocks: Bytes::pack(subnormal_blocks),
                 })
             }
             WeightFormat::Fp4E2m1 { block } if block > 0 && block % 2 == 0 => {
@@ -98,8 +107,11 @@ impl Native {
     pub(crate) fn bytes(&self) -> usize {
         match self {
             Native::Fp8 {
-                values, exponents, ..
-            } => values.len() + exponents.len(),
+                values,
+                exponents,
+                subnormal_blocks,
+                ..
+            } => values.len() + exponents.len() + subnormal_blocks.len(),
             Native::Fp4 {
                 packed, exponents, ..
             } => packed.len() + exponents.len(),
@@ -110,10 +122,14 @@ impl Native {
     pub(crate) fn for_each_buffer(&self, mut f: impl FnMut(&[u8])) {
         match self {
             Native::Fp8 {
-                values, exponents, ..
+                values,
+                exponents,
+                subnormal_blocks,
+                ..
             } => {
                 f(values);
                 f(exponents);
+                f(subnormal_blocks);
             }
             Native::Fp4 {
                 packed, exponents, ..
@@ -236,7 +252,7 @@ impl Native {
                     let up = f32::from_bits((127 + x86::FP8_SMALL_EXP) << 23);
                     return FusedInput {
                         values: Cow::Owned(x.iter().map(|v| v * up).collect()),
-                        scaled: true,
+                        unscaled: Some(x),
                     };
                 }
                 _ => {}
@@ -260,20 +276,35 @@ impl Native {
                     exponents,
                     block,
                     nan_free,
+                    subnormal_blocks,
                 } if block.is_multiple_of(16) && cols.is_multiple_of(16) => {
                     let nb = cols.div_ceil(*block);
                     let rows = values.get(j * cols..(j + 4) * cols)?;
                     let exps = exponents.get(j * nb..(j + 4) * nb)?;
                     // SAFETY: AVX-512F/AVX2/F16C detected; four rows of `cols` values and their
                     // `nb` exponents each, `x` of `cols`.
-                    // `scaled`: `x` is the input times 2¹²⁰ and `nan_free` holds (`fused_input`).
+                    // `unscaled`: `x` is the input times 2¹²⁰ and `nan_free` holds
+                    // (`fused_input`); the bitmap covers every row's blocks (`of`).
                     return Some(unsafe {
-                        if input.scaled {
-                            x86::dot4_fp8_avx512::<{ x86::FP8_SMALL }>(x, rows, exps, *block)
+                        if let Some(plain) = input.unscaled {
+                            let small = x86::SmallRoute {
+                                plain,
+                                subnormal_blocks,
+                                first_bit: j * nb,
+                            };
+                            x86::dot4_fp8_avx512::<{ x86::FP8_SMALL }>(
+                                x,
+                                rows,
+                                exps,
+                                *block,
+                                Some(&small),
+                            )
                         } else if *nan_free {
-                            x86::dot4_fp8_avx512::<{ x86::FP8_F16 }>(x, rows, exps, *block)
+                            x86::dot4_fp8_avx512::<{ x86::FP8_F16 }>(x, rows, exps, *block, None)
                         } else {
-                            x86::dot4_fp8_avx512::<{ x86::FP8_F16_NAN }>(x, rows, exps, *block)
+                            x86::dot4_fp8_avx512::<{ x86::FP8_F16_NAN }>(
+                                x, rows, exps, *block, None,
+                            )
                         }
                     });
                 }
@@ -300,17 +331,39 @@ impl Native {
 /// An input as the fused one-input kernels take it ([`Native::fused_input`]).
 pub(crate) struct FusedInput<'x> {
     values: Cow<'x, [f32]>,
-    /// The values are the input times 2¹²⁰ (FP8's integer decoder).
-    scaled: bool,
+    /// The input as given, where `values` is it times 2¹²⁰ (FP8's integer decoder; the
+    /// blocks with subnormal codes take the f16 route, which reads it).
+    unscaled: Option<&'x [f32]>,
 }
 
 impl<'x> FusedInput<'x> {
     fn plain(values: Cow<'x, [f32]>) -> Self {
         Self {
             values,
-            scaled: false,
+            unscaled: None,
         }
     }
+}
+
+/// [`Native::Fp8`]'s `subnormal_blocks` for `values` (`cols` a row, column blocks of `block`).
+fn subnormal_blocks(values: &[u8], cols: usize, block: usize) -> Vec<u8> {
+    let nb = cols.div_ceil(block);
+    let rows = values.len().checked_div(cols).unwrap_or(0);
+    let mut bits = vec![0u8; (rows * nb).div_ceil(8)];
+    for (r, row) in values.chunks_exact(cols.max(1)).enumerate() {
+        for (b, codes) in row.chunks(block).enumerate() {
+            // A fold, not `any`: no early exit, so it vectorises (every byte of a checkpoint
+            // passes here at load).
+            let subnormal = codes
+                .iter()
+                .fold(false, |seen, &c| seen | (c & 0x78 == 0 && c & 0x07 != 0));
+            if subnormal {
+                let i = r * nb + b;
+                bits[i / 8] |= 1 << (i % 8);
+            }
+        }
+    }
+    bits
 }
 
 impl Native {
@@ -356,6 +409,7 @@ impl Native {
             exponents,
             block,
             nan_free,
+            ..
         } = self
         {
             if !self.pairs(cols) || !(j1 - j0).is_multiple_of(2) {
@@ -641,57 +695,115 @@ mod x86 {
     pub const FP8_F16_NAN: u8 = 1;
     pub const FP8_SMALL: u8 = 2;
 
+    /// What [`dot4_fp8_avx512`]'s integer route ([`FP8_SMALL`]) needs besides the scaled
+    /// input: the input as given and which blocks hold e4m3 subnormals, which it decodes
+    /// through f16 instead (an f32 subnormal into an FMA costs a microcode assist on Intel).
+    pub struct SmallRoute<'a> {
+        pub plain: &'a [f32],
+        /// [`super::Native::Fp8`]'s bitmap: bit `r · nb + b` for row `r`, block `b`.
+        pub subnormal_blocks: &'a [u8],
+        /// The first of the four rows' bit for block 0 (`j · nb`).
+        pub first_bit: usize,
+    }
+
+    impl SmallRoute<'_> {
+        /// Whether any of the four rows has a subnormal code in block `b` (of `nb`).
+        pub fn has_subnormal(&self, nb: usize, b: usize) -> bool {
+            (0..4).any(|r| {
+                let i = self.first_bit + r * nb + b;
+                self.subnormal_blocks[i / 8] >> (i % 8) & 1 != 0
+            })
+        }
+    }
+
     /// Dot products of `x` with four FP8 rows decoded in registers: per column block, four
     /// partial sums, then each times its row's scale. `DECODE`: [`FP8_F16`],
-    /// [`FP8_F16_NAN`] or [`FP8_SMALL`] — the last with `x` the input times 2¹²⁰ and rows
-    /// without NaN codes, each product then the same f32 as the f16 routes' times 2⁸ (save
-    /// products under 2⁻¹¹⁸, f32 subnormals on the f16 routes), so the results are theirs bit
-    /// for bit.
+    /// [`FP8_F16_NAN`] or [`FP8_SMALL`] — the last with `x` the input times 2¹²⁰, rows
+    /// without NaN codes and `small` given: each product then the same f32 as the f16
+    /// routes' times 2⁸ (save products under 2⁻¹¹⁸, f32 subnormals on the f16 routes), and
+    /// a block with a subnormal code taken by the f16 route on `small.plain`, so the results
+    /// are the f16 route's bit for bit.
     ///
     /// # Safety
     /// AVX-512F and VL, AVX2 and F16C available; `rows` holds 4 rows of `x.len()` bytes (a multiple
-    /// of 16), `exps` 4 rows of `x.len().div_ceil(block)`, `block` a multiple of 16.
+    /// of 16), `exps` 4 rows of `x.len().div_ceil(block)`, `block` a multiple of 16; for
+    /// [`FP8_SMALL`], `small` with `plain` as long as `x`.
     #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
     pub unsafe fn dot4_fp8_avx512<const DECODE: u8>(
         x: &[f32],
         rows: &[u8],
         exps: &[u8],
         block: usize,
+        small: Option<&SmallRoute<'_>>,
     ) -> [f32; 4] {
         let k = x.len();
         let nb = k.div_ceil(block);
         assert!(rows.len() >= 4 * k && exps.len() >= 4 * nb && k.is_multiple_of(16));
-        // The f16 routes' values are 2⁻⁸ small; the small route's products are the input's.
-        let unit = if DECODE == FP8_SMALL { 1.0 } else { 256.0 };
+        let small = (DECODE == FP8_SMALL).then(|| small.expect("the small route's blocks"));
+        if let Some(s) = small {
+            assert!(s.plain.len() == k && s.subnormal_blocks.len() * 8 >= s.first_bit + 4 * nb);
+        }
         let mut acc = [_mm512_setzero_ps(); 4];
         // A step reads 4 rows × 16 bytes: one line of the next rows.
         let ahead = prefetch_base(rows.as_ptr(), 4 * k);
         for b in 0..nb {
-            let mut part = [_mm512_setzero_ps(); 4];
-            let mut c = b * block;
-            while c < ((b + 1) * block).min(k) {
-                prefetch_lines::<1>(ahead, 4 * c);
-                // SAFETY: c + 16 <= k; row r spans rows[r·k .. (r+1)·k].
-                unsafe {
-                    let xv = _mm512_loadu_ps(x.as_ptr().add(c));
-                    for (r, p) in part.iter_mut().enumerate() {
-                        let at = rows.as_ptr().add(r * k + c);
-                        let w = match DECODE {
-                            FP8_SMALL => fp8x16_small(at),
-                            FP8_F16_NAN => fp8x16::<true>(at),
-                            _ => fp8x16::<false>(at),
-                        };
-                        *p = _mm512_fmadd_ps(w, xv, *p);
+            let span = (b * block, ((b + 1) * block).min(k));
+            // The f16 routes' values are 2⁻⁸ small; the small route's products are the input's.
+            // SAFETY: `span` lies in 0..k, a multiple of 16; `rows` holds 4 rows of k.
+            let (part, unit) = unsafe {
+                match small {
+                    None if DECODE == FP8_F16_NAN => {
+                        (block_sums::<FP8_F16_NAN>(x, rows, span, ahead), 256.0)
                     }
+                    None => (block_sums::<FP8_F16>(x, rows, span, ahead), 256.0),
+                    Some(s) if s.has_subnormal(nb, b) => {
+                        (block_sums::<FP8_F16>(s.plain, rows, span, ahead), 256.0)
+                    }
+                    Some(_) => (block_sums::<FP8_SMALL>(x, rows, span, ahead), 1.0),
                 }
-                c += 16;
-            }
+            };
             for (r, a) in acc.iter_mut().enumerate() {
                 let s = _mm512_set1_ps(super::scale_of(exps[r * nb + b]) * unit);
                 *a = _mm512_fmadd_ps(part[r], s, *a);
             }
         }
         super::super::gemv::x86::reduce4_512(acc)
+    }
+
+    /// [`dot4_fp8_avx512`]'s sums over columns `span.0..span.1` of its four rows, decoded by
+    /// `DECODE`.
+    ///
+    /// # Safety
+    /// As [`dot4_fp8_avx512`]'s, with `span` within `0..x.len()` in steps of 16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
+    unsafe fn block_sums<const DECODE: u8>(
+        x: &[f32],
+        rows: &[u8],
+        (from, to): (usize, usize),
+        ahead: Option<*const u8>,
+    ) -> [__m512; 4] {
+        let k = x.len();
+        let mut part = [_mm512_setzero_ps(); 4];
+        let mut c = from;
+        while c < to {
+            prefetch_lines::<1>(ahead, 4 * c);
+            // SAFETY: c + 16 <= k; row r spans rows[r·k .. (r+1)·k].
+            unsafe {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(c));
+                for (r, p) in part.iter_mut().enumerate() {
+                    let at = rows.as_ptr().add(r * k + c);
+                    let w = match DECODE {
+                        FP8_SMALL => fp8x16_small(at),
+                        FP8_F16_NAN => fp8x16::<true>(at),
+                        _ => fp8x16::<false>(at),
+                    };
+                    *p = _mm512_fmadd_ps(w, xv, *p);
+                }
+            }
+            c += 16;
+        }
+        part
     }
 
     /// Dot products of `N` inputs with two FP8 rows (`k` columns each, back to back in
@@ -1107,9 +1219,10 @@ mod tests {
     }
 
     /// The one-input FP8 kernel decodes in integer operations when every input value is under
-    /// 2⁷ (the input scaled by 2¹²⁰ instead), and through f16 otherwise: every code but NaN
-    /// (subnormals included) under scales from 2⁻⁶ to 2⁴ gives the exact products either way,
-    /// and the integer route the f16 route's results bit for bit.
+    /// 2⁷ (the input scaled by 2¹²⁰ instead), and through f16 otherwise, and on the integer
+    /// route the blocks holding subnormal codes through f16 too: every code but NaN under
+    /// scales from 2⁻⁶ to 2⁴ gives the exact products either way, the integer route the f16
+    /// route's results bit for bit, and the bitmap marks exactly the subnormal blocks.
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn one_input_fp8_products_are_exact_on_both_decoders() {
@@ -1118,10 +1231,25 @@ mod tests {
             return;
         }
         let (out, k) = (4, 512);
-        // Every code but 0x7F / 0xFF, each row in a different order.
+        // Every code but 0x7F / 0xFF, each row in a different order; subnormal codes (0x01 ..
+        // 0x07, 0x81 .. 0x87) only in row 1's block 1 and row 3's block 3, so blocks 0 and
+        // 2 take the integer route and 1 and 3 the f16 route.
         let codes: Vec<u8> = (0..=255u8).filter(|b| b & 0x7f != 0x7f).collect();
+        let normal: Vec<u8> = codes
+            .iter()
+            .copied()
+            .filter(|b| b & 0x78 != 0 || b & 0x07 == 0)
+            .collect();
         let fp8: Vec<u8> = (0..out * k)
-            .map(|i| codes[(i * 37 + i / k * 11) % codes.len()])
+            .map(|i| {
+                let (r, b) = (i / k, i % k / 128);
+                let set = if (r, b) == (1, 1) || (r, b) == (3, 3) {
+                    &codes
+                } else {
+                    &normal
+                };
+                set[(i * 37 + r * 11) % set.len()]
+            })
             .collect();
         let scales: Vec<f32> = (0..out * k / 128)
             .map(|i| 2f32.powi(i as i32 % 11 - 6))
@@ -1135,12 +1263,27 @@ mod tests {
         );
         let w = weight.to_f32();
         let native = Native::of(&weight).unwrap();
+        let Native::Fp8 {
+            subnormal_blocks, ..
+        } = &native
+        else {
+            unreachable!()
+        };
+        // Bits r · 4 + b: (1, 1) is bit 5, (3, 3) bit 15.
+        assert_eq!(&subnormal_blocks[..], &[1 << 5, 1 << 7]);
+        let route = x86::SmallRoute {
+            plain: &[],
+            subnormal_blocks,
+            first_bit: 0,
+        };
+        let f16_blocks: Vec<bool> = (0..4).map(|b| route.has_subnormal(4, b)).collect();
+        assert_eq!(f16_blocks, [false, true, false, true]);
         let small: Vec<f32> = (0..k).map(|i| (i as f32 * 0.61).sin() * 127.0).collect();
         let mut large = small.clone();
         large[300] = 128.0;
         for (x, scaled) in [(&small, true), (&large, false)] {
             let input = native.fused_input(k, x);
-            assert_eq!(input.scaled, scaled, "max |x| {}", x[300]);
+            assert_eq!(input.unscaled.is_some(), scaled, "max |x| {}", x[300]);
             let got = native.dot4(k, 0, &input).unwrap();
             for (r, &got) in got.iter().enumerate() {
                 let terms = (0..k).map(|i| f64::from(x[i]) * f64::from(w[r * k + i]));
@@ -1159,8 +1302,9 @@ mod tests {
                     unreachable!()
                 };
                 // SAFETY: AVX-512 detected; 4 rows of k bytes and k / 128 exponents each.
-                let f16 =
-                    unsafe { x86::dot4_fp8_avx512::<{ x86::FP8_F16 }>(x, values, exponents, 128) };
+                let f16 = unsafe {
+                    x86::dot4_fp8_avx512::<{ x86::FP8_F16 }>(x, values, exponents, 128, None)
+                };
                 assert_eq!(got.map(f32::to_bits), f16.map(f32::to_bits));
             }
         }
