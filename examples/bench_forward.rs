@@ -309,13 +309,14 @@ fn kernel_rates(backend: &CpuBackend) -> Vec<(&'static str, f64)> {
     let f32s: Vec<u8> = (0..rows * cols)
         .flat_map(|_| (rng.normal() * 0.02).to_le_bytes())
         .collect();
-    // No NaN codes (0x7F, 0xFF), as in a real checkpoint: the FP8 kernel then takes its
-    // NaN-free path, as the model's does (the codes are valid FP4 nibbles either way).
-    let bytes: Vec<u8> = (0..rows * cols)
-        .map(|_| match (rng.next_u64() % 256) as u8 {
-            b @ (0x7f | 0xff) => b - 1,
-            b => b,
-        })
+    // FP8 codes as a checkpoint's: normal values rounded with the tile's largest near 448
+    // (scale 1), so no NaN codes and a few subnormals (uniform random codes would make one in
+    // 37 subnormal, which the integer decoder hands to the f16 route); FP4 any nibbles.
+    let fp8: Vec<u8> = (0..rows * cols)
+        .map(|_| dsv4::formats::e4m3_encode((rng.normal() * 100.0).clamp(-448.0, 448.0)))
+        .collect();
+    let bytes: Vec<u8> = (0..rows * cols / 2)
+        .map(|_| (rng.next_u64() % 256) as u8)
         .collect();
     let cases: Vec<(&'static str, WeightData<'_>, Precision)> = vec![
         (
@@ -332,7 +333,7 @@ fn kernel_rates(backend: &CpuBackend) -> Vec<(&'static str, f64)> {
             "fp8",
             WeightData::whole(
                 WeightFormat::Fp8E4m3 { block: [128, 128] },
-                &bytes,
+                &fp8,
                 vec![1.0; (rows / 128) * (cols / 128)],
                 rows,
                 cols,
@@ -343,7 +344,7 @@ fn kernel_rates(backend: &CpuBackend) -> Vec<(&'static str, f64)> {
             "fp4",
             WeightData::whole(
                 WeightFormat::Fp4E2m1 { block: 32 },
-                &bytes[..rows * cols / 2],
+                &bytes,
                 vec![0.5; rows * cols / 32],
                 rows,
                 cols,
