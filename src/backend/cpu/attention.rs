@@ -270,7 +270,7 @@ fn attend_tile(
     let last = a.start_pos + range.end - 1;
     let first = (a.start_pos + range.start + 1).saturating_sub(a.window);
     let mut window = std::mem::take(&mut scratch.window);
-    let pad = aligned_start(&mut window, (last + 1 - first) * hd);
+    let pad = super::aligned::start(&mut window, (last + 1 - first) * hd);
     for p in first..a.start_pos.min(last + 1) {
         pool::push_row(&a.ring, p, &mut window);
     }
@@ -283,19 +283,6 @@ fn attend_tile(
         attend_query(a, i, o, split, scratch, &[keys]);
     }
     scratch.window = window;
-}
-
-/// Empties `v` and makes room for `len` more values after a pad that puts the next one on a
-/// 64-byte line (returned: the pad's length). The kernels read rows in 16-value vectors,
-/// and a vector across two lines costs two reads: activations come from the allocator on
-/// 16-byte boundaries (measured on an Intel Xeon, 4 × 4 dot products over 4096 columns: 68
-/// GFLOP/s split, 114 aligned). The sums do not change: the kernels' lanes follow columns.
-fn aligned_start(v: &mut Vec<f32>, len: usize) -> usize {
-    v.clear();
-    v.reserve(len + 15);
-    let pad = (v.as_ptr() as usize / 4).wrapping_neg() % 16;
-    v.resize(pad, 0.0);
-    pad
 }
 
 /// Positions `range` of a ring of `ring_rows` f32 rows (`ring`, `width` values each) as at
@@ -356,7 +343,7 @@ fn attend_part(
     let rows: &[f32] = match in_place {
         Some(rows) => rows,
         None => {
-            let pad = aligned_start(keys, range.len() * hd);
+            let pad = super::aligned::start(keys, range.len() * hd);
             let mut at = 0;
             for run in window {
                 let n = run.len() / hd;
@@ -492,29 +479,6 @@ mod tests {
     use crate::formats::rows::RowCodec;
 
     use crate::backend::cpu::test_data::values;
-
-    /// A scratch buffer made ready for `len` values has a pad under 16 after which the next
-    /// value starts a 64-byte line, and takes them without moving (the start stays aligned),
-    /// whatever it held before.
-    #[test]
-    fn aligned_scratch_starts_on_a_line_and_keeps_its_place() {
-        let mut v: Vec<f32> = Vec::new();
-        for (held, len) in [(0, 1), (3, 100), (5000, 512), (7, 40_000), (40_000, 8)] {
-            v.clear();
-            v.extend((0..held).map(|i| i as f32));
-            let pad = aligned_start(&mut v, len);
-            assert!(
-                pad < 16 && v.len() == pad,
-                "held {held}: pad {pad}, len {}",
-                v.len()
-            );
-            let base = v.as_ptr();
-            v.extend((0..len).map(|i| -(i as f32)));
-            assert_eq!(v.as_ptr(), base, "held {held}: moved while filling");
-            assert_eq!(v[pad..].as_ptr() as usize % 64, 0, "held {held}");
-            assert!(v[pad..].iter().enumerate().all(|(i, &x)| x == -(i as f32)));
-        }
-    }
 
     /// A prefill's indexer (its queries' products in blocks over the workers) selects, for
     /// every query, the top-k visible compressed rows by `Σ_h w_h · relu(q_h · k)` computed in

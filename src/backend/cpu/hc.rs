@@ -184,49 +184,59 @@ pub(super) fn post_pre(
         .zip(mix.tiles_mut())
         .enumerate()
         .collect();
-    tiles.into_par_iter().for_each(|(t, (y, tile_rows))| {
-        let r0 = t * TILE;
-        let n = y.len() / width;
-        // Each row's new streams replace its old ones (they are the old streams' only use):
-        // no fresh 8 MB output to fault in per call.
-        let mut row = vec![0.0; width];
-        for (i, y) in y.chunks_mut(width).enumerate() {
-            let r = r0 + i;
-            post_row(
-                &mut row,
-                y,
-                &out[r * dim..(r + 1) * dim],
-                &prev.post.0[r * hc..(r + 1) * hc],
-                &prev.comb.0[r * hc * hc..(r + 1) * hc * hc],
-                hc,
-                dim,
-            );
-            y.copy_from_slice(&row);
-        }
-        let y: &[f32] = y;
-        let mut logits = vec![0.0; n * nm];
-        match f.f32_values() {
-            // The tile's rows against every row of `fn`, four by four (each load of `fn`
-            // serves four rows of the tile), on this thread.
-            Some(w) => gemv::attention_scores(y, n, width, w, f.rows, &mut logits),
-            None => {
-                let at = |stride| gemm::Strided {
-                    offset: 0,
-                    row_stride: stride,
-                };
-                gemm::gemm_into(y, at(width), n, f, 0..f.rows, &mut logits, at(f.rows));
-            }
-        }
-        for ((row, logits), streams) in tile_rows
-            .into_iter()
-            .zip(logits.chunks_mut(nm))
-            .zip(y.chunks(width))
-        {
-            let r = inv_rms(streams, p.norm_eps);
-            logits.iter_mut().for_each(|m| *m *= r);
-            row.finish(logits, streams, p);
-        }
+    // `fn` and each tile's new streams on 64-byte lines for the logits' product (`aligned`;
+    // the streams and a small `fn` sit anywhere on 16-byte boundaries): with more than a
+    // tile of rows, where copying `fn` once is worth it.
+    let mut fn_copy = Vec::new();
+    let fn_values = f.f32_values().map(|w| match rows > TILE {
+        true => super::aligned::copy(&mut fn_copy, w),
+        false => w,
     });
+    tiles
+        .into_par_iter()
+        .for_each_init(Vec::new, |tile, (t, (y, tile_rows))| {
+            let r0 = t * TILE;
+            let n = y.len() / width;
+            // Each row's new streams replace its old ones (they are the old streams' only use):
+            // no fresh 8 MB output to fault in per call. They are made in the tile's scratch.
+            let new = super::aligned::scratch(tile, n * width);
+            for (i, (y, row)) in y.chunks_mut(width).zip(new.chunks_mut(width)).enumerate() {
+                let r = r0 + i;
+                post_row(
+                    row,
+                    y,
+                    &out[r * dim..(r + 1) * dim],
+                    &prev.post.0[r * hc..(r + 1) * hc],
+                    &prev.comb.0[r * hc * hc..(r + 1) * hc * hc],
+                    hc,
+                    dim,
+                );
+                y.copy_from_slice(row);
+            }
+            let y: &[f32] = new;
+            let mut logits = vec![0.0; n * nm];
+            match fn_values {
+                // The tile's rows against every row of `fn`, four by four (each load of `fn`
+                // serves four rows of the tile), on this thread.
+                Some(w) => gemv::attention_scores(y, n, width, w, f.rows, &mut logits),
+                None => {
+                    let at = |stride| gemm::Strided {
+                        offset: 0,
+                        row_stride: stride,
+                    };
+                    gemm::gemm_into(y, at(width), n, f, 0..f.rows, &mut logits, at(f.rows));
+                }
+            }
+            for ((row, logits), streams) in tile_rows
+                .into_iter()
+                .zip(logits.chunks_mut(nm))
+                .zip(y.chunks(width))
+            {
+                let r = inv_rms(streams, p.norm_eps);
+                logits.iter_mut().for_each(|m| *m *= r);
+                row.finish(logits, streams, p);
+            }
+        });
     (x, mix.wrap(b))
 }
 

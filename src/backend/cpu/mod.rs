@@ -1,6 +1,7 @@
 //! The CPU backend: host memory, f32 activations, f32 or bf16 weights, every op parallelised
 //! on the engine's own rayon pool (`threads` param; no global pool).
 
+mod aligned;
 mod arena;
 mod attention;
 mod copier;
