@@ -240,8 +240,24 @@ pub(super) fn post_pre(
     (x, mix.wrap(b))
 }
 
-/// `out = Σ_i w[i] · streams[i]`.
+/// `out = Σ_i w[i] · streams[i]`, each value summed from 0 in stream order.
 fn weighted_sum(out: &mut [f32], streams: &[f32], w: &[f32], dim: usize) {
+    if let (&[w0, w1, w2, w3], true) = (w, streams.len() == 4 * dim && out.len() == dim) {
+        // The release's four streams in one pass (the same sums as `weighted_sum_any`'s
+        // passes).
+        let (s0, rest) = streams.split_at(dim);
+        let (s1, rest) = rest.split_at(dim);
+        let (s2, s3) = rest.split_at(dim);
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = 0.0 + w0 * s0[i] + w1 * s1[i] + w2 * s2[i] + w3 * s3[i];
+        }
+        return;
+    }
+    weighted_sum_any(out, streams, w, dim);
+}
+
+/// [`weighted_sum`] for any number of streams, a pass per stream.
+fn weighted_sum_any(out: &mut [f32], streams: &[f32], w: &[f32], dim: usize) {
     out.fill(0.0);
     for (stream, &wi) in streams.chunks(dim).zip(w) {
         out.iter_mut().zip(stream).for_each(|(o, &s)| *o += wi * s);
@@ -251,6 +267,14 @@ fn weighted_sum(out: &mut [f32], streams: &[f32], w: &[f32], dim: usize) {
 /// Row softmax + ε, then alternate column and row normalisation, ending on a column one
 /// (`c[j·hc + k]`: row j, column k).
 fn sinkhorn(c: &mut [f32], hc: usize, iters: usize, eps: f32) {
+    match <&mut [f32; 16]>::try_from(&mut *c) {
+        Ok(four) if hc == 4 => sinkhorn4(four, iters, eps),
+        _ => sinkhorn_any(c, hc, iters, eps),
+    }
+}
+
+/// [`sinkhorn`] for any number of streams.
+fn sinkhorn_any(c: &mut [f32], hc: usize, iters: usize, eps: f32) {
     for row in c.chunks_mut(hc) {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum: f32 = row
@@ -275,6 +299,45 @@ fn sinkhorn(c: &mut [f32], hc: usize, iters: usize, eps: f32) {
             row.iter_mut().for_each(|v| *v /= sum);
         }
         normalize_columns(c);
+    }
+}
+
+/// [`sinkhorn`] for the release's four streams, the same operations in the same order
+/// (every sum from 0 in index order, every division as one), written over rows of four so
+/// the divisions and the column sums run four at a time.
+fn sinkhorn4(c: &mut [f32; 16], iters: usize, eps: f32) {
+    let mut m: [[f32; 4]; 4] = std::array::from_fn(|j| std::array::from_fn(|k| c[j * 4 + k]));
+    for row in &mut m {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+        }
+        let sum = 0.0 + row[0] + row[1] + row[2] + row[3];
+        for v in row.iter_mut() {
+            *v = *v / sum + eps;
+        }
+    }
+    let normalize_columns = |m: &mut [[f32; 4]; 4]| {
+        let sum: [f32; 4] =
+            std::array::from_fn(|k| 0.0 + m[0][k] + m[1][k] + m[2][k] + m[3][k] + eps);
+        for row in m.iter_mut() {
+            for (v, s) in row.iter_mut().zip(sum) {
+                *v /= s;
+            }
+        }
+    };
+    normalize_columns(&mut m);
+    for _ in 1..iters {
+        for row in &mut m {
+            let sum = 0.0 + row[0] + row[1] + row[2] + row[3] + eps;
+            for v in row.iter_mut() {
+                *v /= sum;
+            }
+        }
+        normalize_columns(&mut m);
+    }
+    for (j, row) in m.iter().enumerate() {
+        c[j * 4..j * 4 + 4].copy_from_slice(row);
     }
 }
 
@@ -437,7 +500,7 @@ mod tests {
     }
 
     #[test]
-    fn sinkhorn_gives_a_nearly_doubly_stochastic_matrix() {
+    fn sinkhorn_gives_a_nearly_doubly_stochastic_matrix_and_four_streams_the_same_bits() {
         let mut c: Vec<f32> = (0..16).map(|i| ((i * 7) % 5) as f32 - 2.0).collect();
         sinkhorn(&mut c, 4, 20, 1e-6);
         for k in 0..4 {
@@ -446,5 +509,31 @@ mod tests {
             assert!((col - 1.0).abs() < 1e-4, "column {k}: {col}");
             assert!((row - 1.0).abs() < 1e-2, "row {k}: {row}");
         }
+        // Four streams take `sinkhorn4`: the general loop's bits, for logits of every size.
+        for seed in 0..200u32 {
+            let logits: Vec<f32> = (0..16)
+                .map(|i| ((seed * 16 + i) as f32 * 0.731).sin() * (1 + seed % 9) as f32)
+                .collect();
+            let (mut four, mut any) = (logits.clone(), logits);
+            sinkhorn(&mut four, 4, 20, 1e-6);
+            sinkhorn_any(&mut any, 4, 20, 1e-6);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&four), bits(&any), "seed {seed}");
+        }
+    }
+
+    /// Four streams are collapsed in one pass with the bits of a pass per stream.
+    #[test]
+    fn four_streams_collapse_in_one_pass_to_the_same_bits() {
+        let dim = 100;
+        let streams: Vec<f32> = (0..4 * dim)
+            .map(|i| (i as f32 * 0.37).cos() * 3.0)
+            .collect();
+        let w = [0.3f32, 1.7, -0.2, 0.9];
+        let (mut one, mut each) = (vec![f32::NAN; dim], vec![f32::NAN; dim]);
+        weighted_sum(&mut one, &streams, &w, dim);
+        weighted_sum_any(&mut each, &streams, &w, dim);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&one), bits(&each));
     }
 }
