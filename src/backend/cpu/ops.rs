@@ -20,11 +20,30 @@ pub(super) fn embed(table: &CpuMatrix, ids: &[i32]) -> Vec<f32> {
 
 /// `1 / sqrt(mean(x²) + eps)`, accumulated in f64 so long rows keep f32-exact results.
 pub(super) fn inv_rms(x: &[f32], eps: f32) -> f32 {
-    // Eight partial sums (f64, as one sum was): independent chains that the compiler keeps in
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F detected.
+        return unsafe { inv_rms_avx512(x, eps) };
+    }
+    inv_rms_lanes(x, eps)
+}
+
+/// [`inv_rms`] compiled for AVX-512: four 8-wide f64 chains where the baseline build has
+/// sixteen 2-wide ones (the same sums: IEEE operations, no fused multiply-add).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn inv_rms_avx512(x: &[f32], eps: f32) -> f32 {
+    inv_rms_lanes(x, eps)
+}
+
+#[inline(always)]
+fn inv_rms_lanes(x: &[f32], eps: f32) -> f32 {
+    // 32 partial sums (f64, as one sum was): independent chains that the compiler keeps in
     // vector registers. One running sum is one dependent add per value, ~5 µs for a 4096-wide
-    // mHC row, 1.4 ms of every hc_pre of a 512-token prefill.
-    let mut acc = [0f64; 8];
-    let mut chunks = x.chunks_exact(8);
+    // mHC row, 1.4 ms of every hc_pre of a 512-token prefill; eight were latency-bound at two
+    // values a cycle.
+    let mut acc = [0f64; 32];
+    let mut chunks = x.chunks_exact(32);
     for c in &mut chunks {
         for (a, &v) in acc.iter_mut().zip(c) {
             *a += f64::from(v) * f64::from(v);
@@ -44,14 +63,12 @@ pub(super) fn rms_norm(x: &[f32], dim: usize, weight: Option<&[f32]>, eps: f32) 
     // Written once from `x` (not copied, then scaled in place: one pass over the output less).
     let mut out = recycle::overwritten(x.len());
     let norm = |(o, v): (&mut [f32], &[f32])| {
-        let r = inv_rms(v, eps);
-        match weight {
-            Some(w) => o
-                .iter_mut()
-                .zip(v.iter().zip(w))
-                .for_each(|(o, (x, w))| *o = *x * r * w),
-            None => o.iter_mut().zip(v).for_each(|(o, x)| *o = *x * r),
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F detected.
+            return unsafe { norm_row_avx512(o, v, weight, eps) };
         }
+        norm_row(o, v, weight, eps);
     };
     if out.len() >= PAR_MIN {
         out.par_chunks_mut(dim)
@@ -61,6 +78,26 @@ pub(super) fn rms_norm(x: &[f32], dim: usize, weight: Option<&[f32]>, eps: f32) 
         out.chunks_mut(dim).zip(x.chunks(dim)).for_each(norm);
     }
     out
+}
+
+/// One row of [`rms_norm`]: `o = v · inv_rms(v) (· w)`.
+#[inline(always)]
+fn norm_row(o: &mut [f32], v: &[f32], weight: Option<&[f32]>, eps: f32) {
+    let r = inv_rms_lanes(v, eps);
+    match weight {
+        Some(w) => o
+            .iter_mut()
+            .zip(v.iter().zip(w))
+            .for_each(|(o, (x, w))| *o = *x * r * w),
+        None => o.iter_mut().zip(v).for_each(|(o, x)| *o = *x * r),
+    }
+}
+
+/// [`norm_row`] compiled for AVX-512 (the same values: IEEE operations only).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn norm_row_avx512(o: &mut [f32], v: &[f32], weight: Option<&[f32]>, eps: f32) {
+    norm_row(o, v, weight, eps);
 }
 
 /// Rotates the trailing `2·inv_freq.len()` channels of every head in place.
@@ -204,6 +241,45 @@ pub(super) fn to_bf16(v: &[f32]) -> Vec<bf16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `inv_rms` is `1 / sqrt(mean(x²) + eps)` from an f64 sum to within an f32 rounding, and
+    /// the AVX-512 build of it and of a normalised row give the baseline build's bits.
+    #[test]
+    fn inv_rms_is_the_mean_square_and_every_build_gives_the_same_bits() {
+        for (n, scale) in [
+            (32usize, 1.0f32),
+            (1024, 3.0),
+            (4096, 1e-3),
+            (4096 + 7, 50.0),
+        ] {
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.377).sin() * scale).collect();
+            let mean = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n as f64;
+            let want = 1.0 / (mean + 1e-6).sqrt();
+            let got = f64::from(inv_rms(&x, 1e-6));
+            assert!(
+                (got - want).abs() <= 2.5e-7 * want,
+                "n {n}: {got} vs {want}"
+            );
+            // The dispatched build against the baseline one.
+            assert_eq!(
+                inv_rms_lanes(&x, 1e-6).to_bits(),
+                (got as f32).to_bits(),
+                "n {n}"
+            );
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                let w: Vec<f32> = (0..n).map(|i| 1.0 + i as f32 * 1e-3).collect();
+                let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
+                norm_row(&mut a, &x, Some(&w), 1e-6);
+                // SAFETY: AVX-512F detected.
+                unsafe { norm_row_avx512(&mut b, &x, Some(&w), 1e-6) };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "n {n}");
+            } else {
+                eprintln!("no AVX-512 here: only the baseline build is checked");
+            }
+        }
+    }
 
     #[test]
     fn rope_is_a_rotation_and_inverse_undoes_it() {
