@@ -10,9 +10,14 @@
 pub(super) fn start(v: &mut Vec<f32>, len: usize) -> usize {
     v.clear();
     v.reserve(len + 15);
-    let pad = (v.as_ptr() as usize / 4).wrapping_neg() % 16;
+    let pad = pad_of(v);
     v.resize(pad, 0.0);
     pad
+}
+
+/// Values before the first one of `v`'s allocation that starts a 64-byte line.
+fn pad_of(v: &[f32]) -> usize {
+    (v.as_ptr() as usize / 4).wrapping_neg() % 16
 }
 
 /// `values` copied into `v` on a line: the copy (`&v[pad..]`).
@@ -25,7 +30,7 @@ pub(super) fn copy<'v>(v: &'v mut Vec<f32>, values: &[f32]) -> &'v [f32] {
 /// `len` values of `v` from a 64-byte line on, for the caller to overwrite: what `v` held
 /// there before (its last use's values) unless it had to grow, zeros then.
 pub(super) fn scratch(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    let mut pad = (v.as_ptr() as usize / 4).wrapping_neg() % 16;
+    let mut pad = pad_of(v);
     if v.len() < pad + len {
         pad = start(v, len);
         v.resize(pad + len, 0.0);

@@ -237,8 +237,10 @@ struct Scratch {
 }
 
 /// Queries `range` of one sequence (consecutive positions) into `o` (`[range.len(), heads ·
-/// head_dim]`). Their window rows are read where they are when the ring stores f32 (at most
-/// two runs of ring rows, then the new rows); otherwise they are decoded once for the tile.
+/// head_dim]`). A lone query (a decode step's) reads its window rows where they are when the
+/// ring stores f32 (at most two runs of ring rows, then the new row); a tile of several has
+/// them decoded or copied once, onto a 64-byte line (`aligned`: the kernels read the
+/// 16-byte-aligned activations slower).
 fn attend_tile(
     a: &AttentionArgs<'_, CpuBackend>,
     range: Range<usize>,

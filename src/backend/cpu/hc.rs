@@ -188,9 +188,12 @@ pub(super) fn post_pre(
     // the streams and a small `fn` sit anywhere on 16-byte boundaries): with more than a
     // tile of rows, where copying `fn` once is worth it.
     let mut fn_copy = Vec::new();
-    let fn_values = f.f32_values().map(|w| match rows > TILE {
-        true => super::aligned::copy(&mut fn_copy, w),
-        false => w,
+    let fn_values = f.f32_values().map(|w| {
+        if rows > TILE {
+            super::aligned::copy(&mut fn_copy, w)
+        } else {
+            w
+        }
     });
     tiles
         .into_par_iter()
