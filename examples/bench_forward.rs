@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use dsv4::backend::cpu::{record_op_times, take_op_times, CpuBackend};
+use dsv4::backend::cpu::{amx_supported, record_op_times, set_amx, take_op_times, CpuBackend};
 use dsv4::config::params::Params;
 use dsv4::config::params::WeightDtype;
 use dsv4::config::tensors::{checkpoint_tensors, Storage};
@@ -633,6 +633,16 @@ fn main() {
     } else {
         0.0
     };
+    // Prefill again with the AMX tile products off (the f32 kernels), where the CPU has them:
+    // what the tiles are worth, in the same process.
+    let prefill_no_amx = if run("prefill") && amx_supported() {
+        set_amx(false);
+        let rate = bench.prefill_rate();
+        set_amx(true);
+        rate
+    } else {
+        0.0
+    };
     let b1 = if run("decode1") {
         bench.decode_rate(1)
     } else {
@@ -678,6 +688,7 @@ fn main() {
         "decode_steps": steps, "weights": weights.resolve(&bench.model.config).name(),
         "kv": kv_dtype,
         "prefill_tok_s": prefill, "decode_b1_tok_s": b1, "decode_b8_tok_s": b8,
+        "amx": amx_supported(), "prefill_no_amx_tok_s": prefill_no_amx,
         "resident_bytes": resident, "step_bytes_b1": bytes_b1, "step_bytes_b8": bytes_b8,
         "read_bandwidth": bandwidth,
         "read_bandwidth_samples": [bandwidth_before, bandwidth_after],

@@ -169,6 +169,13 @@ def main():
           f"{native['bw_fraction_b1']:.2f}, b8 {native['bw_fraction_b8']:.2f}")
     kernels = ", ".join(f"{name} {f:.2f}" for name, f in native["kernel_bw_fraction"].items())
     print(f"  batch-1 matrix-vector kernels alone (8192 x 4096, bytes read / read bandwidth): {kernels}")
+    if native.get("amx"):
+        print(f"  prefill on AMX tiles (inputs split into three bf16 parts): "
+              f"{native['prefill_tok_s']:.1f} tok/s; the same binary with them off "
+              f"{native['prefill_no_amx_tok_s']:.1f} tok/s "
+              f"({native['prefill_tok_s'] / native['prefill_no_amx_tok_s']:.2f}x)")
+    else:
+        print("  prefill: no AMX tiles on this CPU (or DSV4_CPU_AMX=0): f32 kernels")
     vs_f32 = lambda k: f"{native[k] / same[k]:.2f}"
     print(f"  native vs dsv4 f32: decode b1 {vs_f32('decode_b1_tok_s')}x, decode b8 "
           f"{vs_f32('decode_b8_tok_s')}x, prefill {vs_f32('prefill_tok_s')}x")

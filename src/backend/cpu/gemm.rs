@@ -11,7 +11,7 @@ use super::{CpuMatrix, MatrixData};
 
 /// A raw destination pointer shared by tasks that write disjoint columns.
 #[derive(Clone, Copy)]
-struct Dst(*mut f32);
+pub(super) struct Dst(pub(super) *mut f32);
 // SAFETY: every task writes a disjoint set of output columns (see `gemm_into`).
 unsafe impl Send for Dst {}
 // SAFETY: as above; the pointer is only used for disjoint writes.
@@ -19,7 +19,7 @@ unsafe impl Sync for Dst {}
 
 impl Dst {
     /// Taking `self` makes closures capture the whole (Send) wrapper, not the raw field.
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -96,7 +96,12 @@ pub(super) fn gemm_into(
         }
         return;
     }
-    // bf16, FP8, FP4: widen blocks of output features, each multiplied on one thread.
+    // bf16, FP8, FP4 on AMX tiles where the CPU has them (several times the f32 kernels).
+    #[cfg(target_arch = "x86_64")]
+    if super::amx::enabled() {
+        return super::amx::gemm_into(x, x_at, rows, w, w_rows, dst, dst_at);
+    }
+    // Elsewhere: widen blocks of output features, each multiplied on one thread.
     let threads = rayon::current_num_threads().max(1);
     let work = rows * n * k;
     let blocks = if work < 1 << 16 {
@@ -193,7 +198,7 @@ fn widen_transposed(w: &CpuMatrix, rows: Range<usize>, k: usize) -> Vec<f32> {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     /// `out[(c0 + c) · n + j0 + r] = tile[r · k + c0 + c]` for r, c in 0..16: a 16 × 16 block

@@ -2,6 +2,8 @@
 //! on the engine's own rayon pool (`threads` param; no global pool).
 
 mod aligned;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod arena;
 mod attention;
 mod copier;
@@ -36,7 +38,19 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::formats::rows::RowCodec;
+#[cfg(target_arch = "x86_64")]
+pub use amx::{set_amx, supported as amx_supported};
 pub use op_times::{record_op_times, take_op_times, OpTime};
+
+/// No AMX on this architecture: nothing to turn off.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn set_amx(_on: bool) {}
+
+/// No AMX on this architecture.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn amx_supported() -> bool {
+    false
+}
 pub use pool::CpuBuffer;
 
 /// An empty vector with room for `capacity` values, on 2 MiB pages where the kernel allows
