@@ -399,8 +399,17 @@ unsafe fn multiply(
 #[repr(C, align(64))]
 struct Edge([f32; TILE * TILE]);
 
-/// [`super::gemm::gemm_into`]'s product for bf16 and FP8/FP4 weights on the tiles (callers
-/// check [`enabled`] and pass no stacked or f32 matrix).
+/// One task: weight rows `rows` of `w` into the destination columns at `dst_offset`.
+struct Task<'w> {
+    w: &'w CpuMatrix,
+    rows: Range<usize>,
+    dst_offset: usize,
+}
+
+/// [`super::gemm::gemm_into`]'s product on the tiles, for `rows` > 16 (callers check
+/// [`enabled`]). The input is split once for every part of a stacked matrix (a fused
+/// projection), and all parts' column blocks share one parallel loop; f32 parts take the f32
+/// kernels.
 pub(super) fn gemm_into(
     x: &[f32],
     x_at: Strided,
@@ -411,36 +420,54 @@ pub(super) fn gemm_into(
     dst_at: Strided,
 ) {
     let k = w.cols;
-    let n = w_rows.len();
-    let parts = split_rows(x, x_at, rows, k);
+    let mut parts_of_w: Vec<(&CpuMatrix, Range<usize>, Strided)> = Vec::new();
+    if !w.for_each_part(&w_rows, dst_at, |m, part_rows, at| {
+        parts_of_w.push((m, part_rows, at))
+    }) {
+        parts_of_w.push((w, w_rows, dst_at));
+    }
     let threads = rayon::current_num_threads().max(1);
-    let block = n
-        .div_ceil(threads)
-        .next_multiple_of(2 * TILE)
-        .min(MAX_BLOCK);
+    let mut tasks = Vec::new();
+    for (m, part_rows, at) in parts_of_w {
+        if matches!(m.data, MatrixData::F32(_)) {
+            super::gemm::gemm_into(x, x_at, rows, m, part_rows, dst, at);
+            continue;
+        }
+        let n = part_rows.len();
+        let block = n
+            .div_ceil(threads)
+            .next_multiple_of(2 * TILE)
+            .min(MAX_BLOCK);
+        for j0 in (0..n).step_by(block.max(1)) {
+            let j1 = (j0 + block).min(n);
+            tasks.push(Task {
+                w: m,
+                rows: part_rows.start + j0..part_rows.start + j1,
+                dst_offset: at.offset + j0,
+            });
+        }
+    }
+    if tasks.is_empty() {
+        return;
+    }
+    let parts = split_rows(x, x_at, rows, k);
     let dst_ptr = Dst(dst.as_mut_ptr());
-    (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
-        let j0 = b * block;
-        let j1 = (j0 + block).min(n);
-        let groups = (j1 - j0).div_ceil(2 * TILE) * 2;
-        let panel = pack(
-            w,
-            w_rows.start + j0..w_rows.start + j1,
-            k,
-            parts.chunks,
-            groups,
-        );
-        // SAFETY: AMX granted (`enabled`); `parts`/`panel` built above with the same chunk count and
-        // an even group count; this task writes rows [0, rows) × columns [j0, j1) of the
-        // destination (inside `dst`, asserted by the caller), which no other task writes.
+    tasks.par_iter().for_each(|task| {
+        let n = task.rows.len();
+        let groups = n.div_ceil(2 * TILE) * 2;
+        let panel = pack(task.w, task.rows.clone(), k, parts.chunks, groups);
+        // SAFETY: AMX granted (`enabled`); `parts`/`panel` built above with the same chunk
+        // count and an even group count; this task writes rows [0, rows) of its own columns
+        // (a part's block: disjoint from every other task's), inside `dst` (asserted by the
+        // caller for the whole product).
         unsafe {
             multiply(
                 &parts,
                 &panel,
                 groups,
-                j1 - j0,
+                n,
                 rows,
-                dst_ptr.get().add(dst_at.offset + j0),
+                dst_ptr.get().add(task.dst_offset),
                 dst_at.row_stride,
             )
         };
@@ -630,6 +657,10 @@ mod tests {
                     k,
                 ));
             }
+            // A fused projection: bf16, then each native format, then f32 rows, multiplied
+            // across the parts' edges (the input split once for all of them).
+            let mut stacked = vec![(0, bf)];
+            let mut all = bf_f32;
             for weight in natives {
                 let wf = weight.to_f32();
                 let m = CpuMatrix {
@@ -638,7 +669,31 @@ mod tests {
                     data: MatrixData::Native(super::super::quant::Native::of(&weight).unwrap()),
                 };
                 check(&x, x_at, rows, &m, &wf, 1..1 + n);
+                stacked.push((all.len() / k, m));
+                all.extend(wf);
             }
+            stacked.push((
+                all.len() / k,
+                CpuMatrix {
+                    rows: out,
+                    cols: k,
+                    data: MatrixData::F32(wv.clone()),
+                },
+            ));
+            all.extend(&wv);
+            let fused = CpuMatrix {
+                rows: all.len() / k,
+                cols: k,
+                data: MatrixData::Stacked(stacked),
+            };
+            check(
+                &x,
+                x_at,
+                rows,
+                &fused,
+                &all,
+                out / 2..all.len() / k - out / 3,
+            );
         }
     }
 }

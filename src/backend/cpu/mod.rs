@@ -135,11 +135,11 @@ impl CpuMatrix {
     /// For a stacked matrix, calls `f(part, its rows, destination)` for each part overlapping
     /// `w_rows` (rows local to the part, the destination moved to the part's first column)
     /// and returns `true`; `false` for any other matrix.
-    fn for_each_part(
-        &self,
+    fn for_each_part<'a>(
+        &'a self,
         w_rows: &Range<usize>,
         dst_at: gemm::Strided,
-        mut f: impl FnMut(&CpuMatrix, Range<usize>, gemm::Strided),
+        mut f: impl FnMut(&'a CpuMatrix, Range<usize>, gemm::Strided),
     ) -> bool {
         let MatrixData::Stacked(parts) = &self.data else {
             return false;
