@@ -145,6 +145,47 @@ struct Parts {
 /// Words (4 bytes) in one 16 × 32 bf16 tile.
 const TILE_WORDS: usize = TILE * CHUNK / 2;
 
+/// The top halves of 32 f32 bit patterns (`a` then `b`, their low halves ignored) as 32
+/// bf16 values in order: 16 pair words.
+///
+/// # Safety
+/// AVX-512F/BW available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn top_halves(
+    a: std::arch::x86_64::__m512i,
+    b: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    // packus interleaves its operands by 128-bit lane (4 values of each); the permutation
+    // puts them back in order.
+    let order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    let (a, b) = (_mm512_srli_epi32::<16>(a), _mm512_srli_epi32::<16>(b));
+    _mm512_permutexvar_epi64(order, _mm512_packus_epi32(a, b))
+}
+
+/// `out[i]` = the pair (`x[2i]`, `x[2i + 1]`) for values exact in bf16 (decoded FP8/FP4), 32
+/// at a time; `x.len()` a multiple of 32, `out` half as long.
+///
+/// # Safety
+/// AVX-512F/BW available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pair_words(x: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(x.len().is_multiple_of(CHUNK) && out.len() >= x.len() / 2);
+    for (i, chunk) in x.chunks_exact(CHUNK).enumerate() {
+        // SAFETY: 32 values read from `chunk`, 16 words written at out[16i..] (asserted).
+        unsafe {
+            let a = _mm512_castps_si512(_mm512_loadu_ps(chunk.as_ptr()));
+            let b = _mm512_castps_si512(_mm512_loadu_ps(chunk.as_ptr().add(TILE)));
+            let words = top_halves(a, b);
+            _mm512_storeu_si512(out.as_mut_ptr().add(i * TILE) as *mut __m512i, words);
+        }
+    }
+}
+
 /// Row `x`'s parts into its place in a row tile's run of `chunks` × 3 tiles (`out` is that run
 /// from the row's first 64 bytes on).
 ///
@@ -156,14 +197,12 @@ const TILE_WORDS: usize = TILE * CHUNK / 2;
 unsafe fn split_row(x: &[f32], chunks: usize, out: *mut f32) {
     use std::arch::x86_64::*;
     let keep = _mm512_set1_epi32(0xffff_0000u32 as i32);
-    // packus interleaves its operands by 128-bit lane (4 values of each); this puts them back.
-    let order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
     let parts = |v: __m512| {
         let hi = _mm512_and_si512(_mm512_castps_si512(v), keep);
         let rest = _mm512_sub_ps(v, _mm512_castsi512_ps(hi));
         let mid = _mm512_and_si512(_mm512_castps_si512(rest), keep);
         let lo = _mm512_castps_si512(_mm512_sub_ps(rest, _mm512_castsi512_ps(mid)));
-        [hi, mid, lo].map(|p| _mm512_srli_epi32::<16>(p))
+        [hi, mid, lo]
     };
     for c in 0..chunks {
         let from = c * CHUNK;
@@ -179,7 +218,7 @@ unsafe fn split_row(x: &[f32], chunks: usize, out: *mut f32) {
                 at.add(TILE.min(take)),
             ));
             for part in 0..3 {
-                let packed = _mm512_permutexvar_epi64(order, _mm512_packus_epi32(a[part], b[part]));
+                let packed = top_halves(a[part], b[part]);
                 let to = out.add((c * 3 + part) * TILE_WORDS);
                 _mm512_storeu_si512(to as *mut __m512i, packed);
             }
@@ -256,11 +295,15 @@ fn pack(w: &CpuMatrix, rows: Range<usize>, k: usize, chunks: usize, groups: usiz
                     q.decode_row(k, r, &mut widened);
                     // Decoded FP8/FP4 values have at most 4 significant bits: the top half
                     // of each is the value.
-                    for (o, p) in out.iter_mut().zip(widened.chunks_exact(2)) {
-                        *o = pair(p[0].to_bits() >> 16, p[1].to_bits() >> 16);
-                    }
-                    if k % 2 == 1 {
-                        out[k / 2] = pair(widened[k - 1].to_bits() >> 16, 0);
+                    let whole = k - k % CHUNK;
+                    // SAFETY: the tile path runs only where AMX is, and every AMX CPU has
+                    // AVX-512F/BW; `whole` is a multiple of 32 and `out` holds ≥ whole / 2.
+                    unsafe { pair_words(&widened[..whole], out) };
+                    for (o, p) in out[whole / 2..].iter_mut().zip(widened[whole..].chunks(2)) {
+                        *o = pair(
+                            p[0].to_bits() >> 16,
+                            p.get(1).map_or(0, |b| b.to_bits() >> 16),
+                        );
                     }
                     out[k.div_ceil(2)..].fill(0.0);
                 }
