@@ -442,17 +442,26 @@ unsafe fn multiply(
 #[repr(C, align(64))]
 struct Edge([f32; TILE * TILE]);
 
-/// One task: weight rows `rows` of `w` into the destination columns at `dst_offset`.
+/// One task: weight rows `rows` of `w` times input `input` into the destination columns at
+/// `dst_offset`.
 struct Task<'w> {
+    input: usize,
     w: &'w CpuMatrix,
     rows: Range<usize>,
     dst_offset: usize,
 }
 
+/// One product of a call: input columns at `x_at` (k = `w.cols` wide) times weight rows
+/// `w_rows`, into the destination at `dst_at`.
+pub(super) struct Product<'w> {
+    pub x_at: Strided,
+    pub w: &'w CpuMatrix,
+    pub w_rows: Range<usize>,
+    pub dst_at: Strided,
+}
+
 /// [`super::gemm::gemm_into`]'s product on the tiles, for `rows` > 16 (callers check
-/// [`enabled`]). The input is split once for every part of a stacked matrix (a fused
-/// projection), and all parts' column blocks share one parallel loop; f32 parts take the f32
-/// kernels.
+/// [`enabled`] and the bounds).
 pub(super) fn gemm_into(
     x: &[f32],
     x_at: Strided,
@@ -462,61 +471,82 @@ pub(super) fn gemm_into(
     dst: &mut [f32],
     dst_at: Strided,
 ) {
-    let k = w.cols;
-    let mut parts_of_w: Vec<(&CpuMatrix, Range<usize>, Strided)> = Vec::new();
-    if !w.for_each_part(&w_rows, dst_at, |m, part_rows, at| {
-        parts_of_w.push((m, part_rows, at))
-    }) {
-        parts_of_w.push((w, w_rows, dst_at));
-    }
+    let product = Product {
+        x_at,
+        w,
+        w_rows,
+        dst_at,
+    };
+    products(x, rows, &[product], dst)
+}
+
+/// Several products of `rows` input rows sharing one destination row stride, in one parallel
+/// loop (a grouped projection's groups; callers check [`enabled`] and the bounds, and the
+/// products write disjoint columns). Each input is split once for every part of a stacked
+/// matrix (a fused projection); f32 parts take the f32 kernels.
+pub(super) fn products(x: &[f32], rows: usize, products: &[Product<'_>], dst: &mut [f32]) {
     let threads = rayon::current_num_threads().max(1);
     let mut tasks = Vec::new();
-    for (m, part_rows, at) in parts_of_w {
-        if matches!(m.data, MatrixData::F32(_)) {
-            super::gemm::gemm_into(x, x_at, rows, m, part_rows, dst, at);
-            continue;
+    for (input, p) in products.iter().enumerate() {
+        let k = p.w.cols;
+        let mut parts_of_w: Vec<(&CpuMatrix, Range<usize>, Strided)> = Vec::new();
+        if !p.w.for_each_part(&p.w_rows, p.dst_at, |m, part_rows, at| {
+            parts_of_w.push((m, part_rows, at))
+        }) {
+            parts_of_w.push((p.w, p.w_rows.clone(), p.dst_at));
         }
-        let n = part_rows.len();
-        let block = n
-            .div_ceil(threads)
-            .next_multiple_of(2 * TILE)
-            .min((PANEL_BYTES / (2 * k.max(1))).next_multiple_of(2 * TILE));
-        for j0 in (0..n).step_by(block.max(1)) {
-            let j1 = (j0 + block).min(n);
-            tasks.push(Task {
-                w: m,
-                rows: part_rows.start + j0..part_rows.start + j1,
-                dst_offset: at.offset + j0,
-            });
+        for (m, part_rows, at) in parts_of_w {
+            if matches!(m.data, MatrixData::F32(_)) {
+                super::gemm::gemm_into(x, p.x_at, rows, m, part_rows, dst, at);
+                continue;
+            }
+            let n = part_rows.len();
+            let block = n
+                .div_ceil(threads)
+                .next_multiple_of(2 * TILE)
+                .min((PANEL_BYTES / (2 * k.max(1))).next_multiple_of(2 * TILE));
+            for j0 in (0..n).step_by(block.max(1)) {
+                let j1 = (j0 + block).min(n);
+                tasks.push(Task {
+                    input,
+                    w: m,
+                    rows: part_rows.start + j0..part_rows.start + j1,
+                    dst_offset: at.offset + j0,
+                });
+            }
         }
     }
     if tasks.is_empty() {
         return;
     }
-    let parts = split_rows(x, x_at, rows, k);
+    let inputs: Vec<Parts> = products
+        .par_iter()
+        .map(|p| split_rows(x, p.x_at, rows, p.w.cols))
+        .collect();
     let dst_ptr = Dst(dst.as_mut_ptr());
     tasks.par_iter().for_each(|task| {
+        let parts = &inputs[task.input];
         let n = task.rows.len();
         let groups = n.div_ceil(2 * TILE) * 2;
-        let panel = pack(task.w, task.rows.clone(), k, parts.chunks, groups);
+        let panel = pack(task.w, task.rows.clone(), task.w.cols, parts.chunks, groups);
         // SAFETY: AMX granted (`enabled`); `parts`/`panel` built above with the same chunk
         // count and an even group count; this task writes rows [0, rows) of its own columns
-        // (a part's block: disjoint from every other task's), inside `dst` (asserted by the
-        // caller for the whole product).
+        // (a part's block: disjoint from every other task's), inside `dst` (checked by the
+        // caller for every product).
         unsafe {
             multiply(
-                &parts,
+                parts,
                 &panel,
                 groups,
                 n,
                 rows,
                 dst_ptr.get().add(task.dst_offset),
-                dst_at.row_stride,
+                products[task.input].dst_at.row_stride,
             )
         };
         panel.give();
     });
-    parts.words.give();
+    inputs.into_iter().for_each(|p| p.words.give());
 }
 
 #[cfg(test)]
@@ -737,6 +767,65 @@ mod tests {
                 &all,
                 out / 2..all.len() / k - out / 3,
             );
+        }
+    }
+
+    /// A grouped projection's groups in one call: group g's input columns times its weight
+    /// rows into its output columns, each against an f64 sum.
+    #[test]
+    fn grouped_products_match_f64_sums() {
+        if !supported() {
+            println!(
+                "skipped: this CPU (or kernel) has no AMX tiles, so the f32 kernels run instead"
+            );
+            return;
+        }
+        let _keeps_buffers = super::super::CpuBackend::new(2).unwrap();
+        let (rows, groups, k, n) = (40, 3, 96, 48);
+        let x = values(7, rows * groups * k);
+        let w16: Vec<bf16> = values(8, groups * n * k)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        let w = CpuMatrix {
+            rows: groups * n,
+            cols: k,
+            data: MatrixData::Bf16(w16.clone()),
+        };
+        let products: Vec<Product<'_>> = (0..groups)
+            .map(|g| Product {
+                x_at: Strided {
+                    offset: g * k,
+                    row_stride: groups * k,
+                },
+                w: &w,
+                w_rows: g * n..(g + 1) * n,
+                dst_at: Strided {
+                    offset: g * n,
+                    row_stride: groups * n,
+                },
+            })
+            .collect();
+        let mut dst = vec![f32::NAN; rows * groups * n];
+        super::products(&x, rows, &products, &mut dst);
+        for r in 0..rows {
+            for g in 0..groups {
+                let xr = &x[r * groups * k + g * k..][..k];
+                for j in 0..n {
+                    let wr = &w16[(g * n + j) * k..][..k];
+                    let terms = xr
+                        .iter()
+                        .zip(wr)
+                        .map(|(&a, b)| a as f64 * b.to_f32() as f64);
+                    let exact: f64 = terms.clone().sum();
+                    let size: f64 = terms.map(f64::abs).sum();
+                    let got = dst[r * groups * n + g * n + j] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-6 * size,
+                        "row {r} group {g} column {j}: {got} vs {exact}"
+                    );
+                }
+            }
         }
     }
 }

@@ -560,23 +560,34 @@ impl Backend for CpuBackend {
         );
         let (in_g, out_g) = (w.cols, w.rows / groups);
         let mut out = product_output(rows * w.rows, w);
+        let x_at = |g: usize| gemm::Strided {
+            offset: g * in_g,
+            row_stride: groups * in_g,
+        };
+        let dst_at = |g: usize| gemm::Strided {
+            offset: g * out_g,
+            row_stride: w.rows,
+        };
+        // On AMX tiles every group's blocks share one parallel loop (one after another, each
+        // group's split and two blocks left a thread idle at every join).
+        #[cfg(target_arch = "x86_64")]
+        if rows > gemv::MAX_ROWS && !matches!(w.data, MatrixData::F32(_)) && amx::enabled() {
+            assert!(x.0.len() >= rows * groups * in_g, "grouped input too short");
+            let products: Vec<amx::Product<'_>> = (0..groups)
+                .map(|g| amx::Product {
+                    x_at: x_at(g),
+                    w,
+                    w_rows: g * out_g..(g + 1) * out_g,
+                    dst_at: dst_at(g),
+                })
+                .collect();
+            self.run(|| amx::products(&x.0, rows, &products, &mut out));
+            return Ok(CpuTensor(out));
+        }
         self.run(|| {
             for g in 0..groups {
-                gemm::gemm_into(
-                    &x.0,
-                    gemm::Strided {
-                        offset: g * in_g,
-                        row_stride: groups * in_g,
-                    },
-                    rows,
-                    w,
-                    g * out_g..(g + 1) * out_g,
-                    &mut out,
-                    gemm::Strided {
-                        offset: g * out_g,
-                        row_stride: w.rows,
-                    },
-                );
+                let w_rows = g * out_g..(g + 1) * out_g;
+                gemm::gemm_into(&x.0, x_at(g), rows, w, w_rows, &mut out, dst_at(g));
             }
         });
         Ok(CpuTensor(out))
