@@ -46,6 +46,7 @@ pub(super) fn gemm_into(
     // parts too: the input is split once for all of them.
     #[cfg(target_arch = "x86_64")]
     if rows > super::gemv::MAX_ROWS
+        && w.cols > 0
         && !matches!(w.data, MatrixData::F32(_))
         && super::amx::enabled()
     {
