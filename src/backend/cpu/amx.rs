@@ -8,6 +8,12 @@
 //! Three passes triple the bf16 work and still beat the f32 FMA kernels several times over: one
 //! core's tile unit multiplies ~16× the values of its AVX-512 units per cycle.
 //!
+//! Where the f32 path differs: the tile unit reads subnormal bf16 values as zero and flushes
+//! subnormal results, so an input under 2^-103 loses its last part (under 2^-126, all of it)
+//! and sums under 2^-126 become zero; an infinite input becomes NaN (its parts are Inf and
+//! Inf − Inf), as does a finite one times an infinite weight (a zero part times Inf). NaN
+//! stays NaN. Activations and checkpoint weights live far from those ranges.
+//!
 //! Linux lends the tile registers to a process that asks (`arch_prctl(ARCH_REQ_XCOMP_PERM)`),
 //! as oneDNN does; `DSV4_CPU_AMX=0` in the environment keeps the library from asking (a host
 //! whose threads run on small signal stacks: the kernel refuses those afterwards).
@@ -57,7 +63,17 @@ pub fn supported() -> bool {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn detect_and_request() -> bool {
+    // The split and the packing use AVX-512 (every AMX CPU has it, but a VM may hide it).
+    if !(std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl"))
+    {
+        return false;
+    }
     // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+    if std::arch::x86_64::__get_cpuid_max(0).0 < 7 {
+        return false;
+    }
     let leaf = std::arch::x86_64::__cpuid_count(7, 0);
     if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
         return false;
@@ -461,7 +477,7 @@ pub(super) struct Product<'w> {
 }
 
 /// [`super::gemm::gemm_into`]'s product on the tiles, for `rows` > 16 (callers check
-/// [`enabled`] and the bounds).
+/// [`enabled`]; [`products`] asserts the bounds).
 pub(super) fn gemm_into(
     x: &[f32],
     x_at: Strided,
@@ -480,15 +496,28 @@ pub(super) fn gemm_into(
     products(x, rows, &[product], dst)
 }
 
-/// Several products of `rows` input rows sharing one destination row stride, in one parallel
-/// loop (a grouped projection's groups; callers check [`enabled`] and the bounds, and the
-/// products write disjoint columns). Each input is split once for every part of a stacked
-/// matrix (a fused projection); f32 parts take the f32 kernels.
+/// Several products of `rows` input rows, in one parallel loop (a grouped projection's groups;
+/// callers check [`enabled`] and that the products write disjoint columns; the bounds are
+/// asserted here). Each input is split once for every part of a stacked matrix (a fused
+/// projection); f32 parts take the f32 kernels.
 pub(super) fn products(x: &[f32], rows: usize, products: &[Product<'_>], dst: &mut [f32]) {
+    if rows == 0 {
+        return;
+    }
     let threads = rayon::current_num_threads().max(1);
     let mut tasks = Vec::new();
     for (input, p) in products.iter().enumerate() {
         let k = p.w.cols;
+        // The tasks write through a raw pointer: every product's extents are checked here.
+        assert!(p.w_rows.end <= p.w.rows, "weight rows out of range");
+        assert!(
+            x.len() >= p.x_at.offset + (rows - 1) * p.x_at.row_stride + k,
+            "lhs too short"
+        );
+        assert!(
+            dst.len() >= p.dst_at.offset + (rows - 1) * p.dst_at.row_stride + p.w_rows.len(),
+            "dst too short"
+        );
         let mut parts_of_w: Vec<(&CpuMatrix, Range<usize>, Strided)> = Vec::new();
         if !p.w.for_each_part(&p.w_rows, p.dst_at, |m, part_rows, at| {
             parts_of_w.push((m, part_rows, at))
@@ -504,7 +533,7 @@ pub(super) fn products(x: &[f32], rows: usize, products: &[Product<'_>], dst: &m
             let block = n
                 .div_ceil(threads)
                 .next_multiple_of(2 * TILE)
-                .min((PANEL_BYTES / (2 * k.max(1))).next_multiple_of(2 * TILE));
+                .min((PANEL_BYTES / (2 * k.max(1)) / (2 * TILE) * (2 * TILE)).max(2 * TILE));
             for j0 in (0..n).step_by(block.max(1)) {
                 let j1 = (j0 + block).min(n);
                 tasks.push(Task {
