@@ -49,6 +49,12 @@ pub(super) fn enabled() -> bool {
     !OFF.load(Ordering::Relaxed) && supported()
 }
 
+/// Whether a product of `rows` input rows with `w` runs on the tiles: more rows than the
+/// decode kernels take, some input columns, weights not f32, and the tiles on.
+pub(super) fn takes(rows: usize, w: &CpuMatrix) -> bool {
+    rows > super::gemv::MAX_ROWS && w.cols > 0 && !matches!(w.data, MatrixData::F32(_)) && enabled()
+}
+
 /// The CPU has AMX-TILE and AMX-BF16, the environment does not say `DSV4_CPU_AMX=0`, and the
 /// kernel granted this process the tile data (asked once).
 pub fn supported() -> bool {

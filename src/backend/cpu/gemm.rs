@@ -45,20 +45,7 @@ pub(super) fn gemm_into(
     // bf16, FP8, FP4 on AMX tiles where the CPU has them (1.7x the f32 kernels), stacked
     // parts too: the input is split once for all of them.
     #[cfg(target_arch = "x86_64")]
-    if rows > super::gemv::MAX_ROWS
-        && w.cols > 0
-        && !matches!(w.data, MatrixData::F32(_))
-        && super::amx::enabled()
-    {
-        assert!(w_rows.end <= w.rows, "weight rows out of range");
-        assert!(
-            rows == 0 || x.len() >= x_at.offset + (rows - 1) * x_at.row_stride + w.cols,
-            "lhs too short"
-        );
-        assert!(
-            rows == 0 || dst.len() >= dst_at.offset + (rows - 1) * dst_at.row_stride + w_rows.len(),
-            "dst too short"
-        );
+    if super::amx::takes(rows, w) {
         return super::amx::gemm_into(x, x_at, rows, w, w_rows, dst, dst_at);
     }
     // Stacked parts: each part's rows, into their columns of the destination.

@@ -571,12 +571,7 @@ impl Backend for CpuBackend {
         // On AMX tiles every group's blocks share one parallel loop (one after another, each
         // group's split and two blocks left a thread idle at every join).
         #[cfg(target_arch = "x86_64")]
-        if rows > gemv::MAX_ROWS
-            && in_g > 0
-            && !matches!(w.data, MatrixData::F32(_))
-            && amx::enabled()
-        {
-            assert!(x.0.len() >= rows * groups * in_g, "grouped input too short");
+        if amx::takes(rows, w) {
             let products: Vec<amx::Product<'_>> = (0..groups)
                 .map(|g| amx::Product {
                     x_at: x_at(g),
