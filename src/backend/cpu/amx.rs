@@ -591,13 +591,21 @@ mod tests {
     use crate::backend::weights::{WeightData, WeightFormat};
     use half::bf16;
 
+    /// Whether a tile test cannot run here (no AMX): says so, with what runs instead.
+    fn skipped_without_tiles(instead: &str) -> bool {
+        if supported() {
+            return false;
+        }
+        println!("skipped: this CPU (or kernel) has no AMX tiles, so {instead}");
+        true
+    }
+
     /// The three parts sum to the value exactly, over f32's normal range and both signs, and
     /// land in their tiles: row i of tile (row tile, chunk, part) holds columns chunk·32.. of
     /// input row 16·(row tile) + i, zeros past the last column and row.
     #[test]
     fn parts_sum_to_the_value_exactly_in_their_tiles() {
-        if !supported() {
-            println!("skipped: this CPU (or kernel) has no AMX tiles, so no split runs");
+        if skipped_without_tiles("no split runs") {
             return;
         }
         let _keeps_buffers = super::super::CpuBackend::new(2).unwrap();
@@ -697,10 +705,7 @@ mod tests {
 
     #[test]
     fn tile_products_match_f64_sums_for_bf16_fp8_and_fp4_weights() {
-        if !supported() {
-            println!(
-                "skipped: this CPU (or kernel) has no AMX tiles, so the f32 kernels run instead"
-            );
+        if skipped_without_tiles("the f32 kernels run instead") {
             return;
         }
         let _keeps_buffers = super::super::CpuBackend::new(2).unwrap();
@@ -809,10 +814,7 @@ mod tests {
     /// rows into its output columns, each against an f64 sum.
     #[test]
     fn grouped_products_match_f64_sums() {
-        if !supported() {
-            println!(
-                "skipped: this CPU (or kernel) has no AMX tiles, so the f32 kernels run instead"
-            );
+        if skipped_without_tiles("the f32 kernels run instead") {
             return;
         }
         let _keeps_buffers = super::super::CpuBackend::new(2).unwrap();
