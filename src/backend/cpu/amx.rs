@@ -106,12 +106,12 @@ fn detect_and_request() -> bool {
 /// Every tile 16 rows of 64 bytes: 0-3 accumulators (16 × 16 f32), 4-5 input parts (16 rows ×
 /// 32 bf16), 6-7 weights (16 rows of pairs: 16 columns × 2 bf16).
 #[repr(C, align(64))]
-struct TileConfig {
-    palette: u8,
-    start_row: u8,
-    reserved: [u8; 14],
-    bytes_per_row: [u16; 16],
-    rows: [u8; 16],
+pub(super) struct TileConfig {
+    pub palette: u8,
+    pub start_row: u8,
+    pub reserved: [u8; 14],
+    pub bytes_per_row: [u16; 16],
+    pub rows: [u8; 16],
 }
 
 const CONFIG: TileConfig = TileConfig {
@@ -123,28 +123,28 @@ const CONFIG: TileConfig = TileConfig {
 };
 
 /// f32 storage (from `recycle`) holding bf16 pairs as bit patterns, from a 64-byte line on.
-struct Words {
+pub(super) struct Words {
     buf: Vec<f32>,
     pad: usize,
 }
 
 impl Words {
-    fn new(len: usize) -> Self {
+    pub(super) fn new(len: usize) -> Self {
         let buf = recycle::overwritten(len + 16);
         let pad = (buf.as_ptr() as usize / 4).wrapping_neg() % 16;
         Words { buf, pad }
     }
 
-    fn slice_mut(&mut self) -> &mut [f32] {
+    pub(super) fn slice_mut(&mut self) -> &mut [f32] {
         let pad = self.pad;
         &mut self.buf[pad..]
     }
 
-    fn as_ptr(&self) -> *const f32 {
+    pub(super) fn as_ptr(&self) -> *const f32 {
         self.buf[self.pad..].as_ptr()
     }
 
-    fn give(self) {
+    pub(super) fn give(self) {
         recycle::give(self.buf);
     }
 }
@@ -175,7 +175,7 @@ const TILE_WORDS: usize = TILE * CHUNK / 2;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn top_halves(
+pub(super) unsafe fn top_halves(
     a: std::arch::x86_64::__m512i,
     b: std::arch::x86_64::__m512i,
 ) -> std::arch::x86_64::__m512i {
@@ -374,6 +374,9 @@ macro_rules! tile_product {
         )
     };
 }
+
+// The decode kernels (`amx_decode`) issue the same instructions.
+pub(super) use {tile_load, tile_product, tile_store};
 
 /// One task's output columns: `dst[r, j] = Σ_k x[r, k] · w[j, k]` for the `rows` rows and the
 /// panel's `n` (≤ groups · 16) columns, written at `dst` with `dst_stride` floats a row.

@@ -662,9 +662,25 @@ pub(super) fn gemv_into(
     dst: &mut [f32],
     dst_at: Strided,
 ) {
+    gemv_with(x, x_at, rows, w, w_rows, dst, dst_at, true)
+}
+
+/// [`gemv_into`], on the AMX tiles where [`super::amx_decode::takes`] the product and
+/// `tiles` allows (tests of the vector kernels say no).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv_with(
+    x: &[f32],
+    x_at: Strided,
+    rows: usize,
+    w: &CpuMatrix,
+    w_rows: Range<usize>,
+    dst: &mut [f32],
+    dst_at: Strided,
+    tiles: bool,
+) {
     // Stacked parts: each part's rows, into their columns of the destination.
     if w.for_each_part(&w_rows, dst_at, |m, part_rows, at| {
-        gemv_into(x, x_at, rows, m, part_rows, dst, at)
+        gemv_with(x, x_at, rows, m, part_rows, dst, at, tiles)
     }) {
         return;
     }
@@ -686,6 +702,10 @@ pub(super) fn gemv_into(
     let inputs: Vec<&[f32]> = (0..rows)
         .map(|r| &x[x_at.offset + r * x_at.row_stride..][..k])
         .collect();
+    if tiles && super::amx_decode::takes(&inputs, w) {
+        super::amx_decode::gemv_into(&inputs, w, w_rows, dst, dst_at);
+        return;
+    }
     // Blocks of weight rows (multiples of 4) in parallel; each returns [row][input] results.
     // Tiny products run in one block: a fork-join costs more than their microsecond or two. A
     // step keeps its workers spinning (`hot`), so a fork costs little more than that: the
@@ -973,7 +993,8 @@ mod tests {
             for rows in 1..=16 {
                 let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
                 let mut y = vec![f32::NAN; rows * n];
-                gemv_into(&x, at(k), rows, &m, 0..n, &mut y, at(n));
+                // The vector kernels (the tiles sum in another order).
+                gemv_with(&x, at(k), rows, &m, 0..n, &mut y, at(n), false);
                 let mut quad = vec![bf16::ZERO; 8 * k];
                 quad[..n * k].copy_from_slice(&w16);
                 for r in 0..rows {

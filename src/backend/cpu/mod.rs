@@ -4,6 +4,7 @@
 mod aligned;
 #[cfg(target_arch = "x86_64")]
 mod amx;
+mod amx_decode;
 mod arena;
 mod attention;
 mod copier;
