@@ -23,6 +23,15 @@
 //! Results agree with the f32 kernels to f32 rounding (sums in another order), with the
 //! differences [`super::amx`]'s doc lists for the prefill tiles (bf16 weights under 2⁻¹²⁶ read
 //! as zero).
+//!
+//! Where it pays (bench model, 2-vCPU Xeon VM; docs/model.md §4.2, stop 50): two to ten
+//! inputs whose B tiles stay in L1 — decode b8's 256- and 512-column products 1.4–1.5× the
+//! paired AVX-512 kernels. Not taken: one input (the AVX-512 kernels were 1.3–1.7× faster on
+//! every product of the model, though on 2048–4096-row matrices alone the two were level) and
+//! B tiles past L1 (1024–2048 columns at b8: 0.7–1.0×, also with the columns taken in L1-sized
+//! ranges). What tiles cost here, measured: a tile load 2.2 ns from 64-byte-aligned rows, 16
+//! ns when rows straddle lines; 16 stores then a tile load of them ~20 ns (two chunks later:
+//! ~7); a `tdpbf16ps` 4.5 ns, dependent or not.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -259,13 +268,13 @@ pub(super) fn gemv_into(
     // (`takes`).
     let columns = unsafe { columns(inputs, k, up) };
     let config = config(columns.n);
-    // Tasks of whole passes, two a thread (a noisy neighbour then delays half as much);
-    // small products in one.
+    // Tasks of whole strips, four a thread (the model's products have a few hundred rows:
+    // whole passes left one thread up to 1.6× the other's rows); small products in one.
     let threads = rayon::current_num_threads().max(1);
     let block = if n * k < 1 << 16 {
-        n.next_multiple_of(PASS)
+        n.next_multiple_of(TILE)
     } else {
-        n.div_ceil(2 * threads).next_multiple_of(PASS)
+        n.div_ceil(4 * threads).next_multiple_of(TILE)
     };
     let out = Dst(dst.as_mut_ptr());
     (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
