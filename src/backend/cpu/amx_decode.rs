@@ -105,7 +105,7 @@ const B_BYTES_PER_VALUE: usize = PARTS * 2;
 /// The most B tile bytes a product takes here: every pass reads them all, so they must stay in
 /// L1 (48 KiB), beside the pass's weights. Measured on the bench model (2 threads, Xeon with
 /// AMX), decode b8: rows 256 and 512 wide 1.4–1.5× faster than the paired AVX-512 kernels,
-/// 1024 and 2048 (48 and 96 KiB of B) 0.8–1.0×.
+/// 1024 and 2048 (48 and 96 KiB of B) 0.7–1.0×.
 const MAX_B_BYTES: usize = 24 << 10;
 
 /// Whether a product of `inputs` (each `w.cols` or more long) with `w` runs here: two to ten
