@@ -653,6 +653,16 @@ fn main() {
     } else {
         0.0
     };
+    // Decode b8 again with the tiles off: its products of eight inputs take the paired
+    // AVX-512 kernels instead of the decode tiles (`amx_decode`), in the same process.
+    let b8_no_amx = if run("decode8") && amx_supported() {
+        set_amx(false);
+        let rate = bench.decode_rate(8);
+        set_amx(true);
+        rate
+    } else {
+        0.0
+    };
     if let Some(n) = extra_batch {
         let rate = bench.decode_rate(n);
         println!(
@@ -689,6 +699,7 @@ fn main() {
         "kv": kv_dtype,
         "prefill_tok_s": prefill, "decode_b1_tok_s": b1, "decode_b8_tok_s": b8,
         "amx": amx_supported(), "prefill_no_amx_tok_s": prefill_no_amx,
+        "decode_b8_no_amx_tok_s": b8_no_amx,
         "resident_bytes": resident, "step_bytes_b1": bytes_b1, "step_bytes_b8": bytes_b8,
         "read_bandwidth": bandwidth,
         "read_bandwidth_samples": [bandwidth_before, bandwidth_after],

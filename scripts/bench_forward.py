@@ -174,6 +174,11 @@ def main():
               f"{native['prefill_tok_s']:.1f} tok/s; the same binary with them off "
               f"{native['prefill_no_amx_tok_s']:.1f} tok/s "
               f"({native['prefill_tok_s'] / native['prefill_no_amx_tok_s']:.2f}x)")
+        if native.get("decode_b8_no_amx_tok_s"):
+            print(f"  decode b8 with its narrow products (256-512 columns) on AMX tiles: "
+                  f"{native['decode_b8_tok_s']:.1f} tok/s; the same binary with them off "
+                  f"{native['decode_b8_no_amx_tok_s']:.1f} tok/s "
+                  f"({native['decode_b8_tok_s'] / native['decode_b8_no_amx_tok_s']:.2f}x)")
     else:
         print("  prefill: no AMX tiles on this CPU (or DSV4_CPU_AMX=0): f32 kernels")
     vs_f32 = lambda k: f"{native[k] / same[k]:.2f}"
