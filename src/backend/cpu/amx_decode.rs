@@ -26,8 +26,8 @@
 //!
 //! Where it pays (bench model, 2-vCPU Xeon VM; docs/model.md §4.2, stop 50): two to ten
 //! inputs whose B tiles stay in L1 — decode b8's 256- and 512-column products 1.4–1.5× the
-//! paired AVX-512 kernels. Not taken: one input (the AVX-512 kernels were 1.3–1.7× faster on
-//! every product of the model, though on 2048–4096-row matrices alone the two were level) and
+//! paired AVX-512 kernels. Not taken: one input (decode b1 with it ran at 0.90 of the AVX-512
+//! kernels' rate, though on 2048–4096-row matrices alone the two were level) and
 //! B tiles past L1 (1024–2048 columns at b8: 0.7–1.0×, also with the columns taken in L1-sized
 //! ranges). What tiles cost here, measured: a tile load 2.2 ns from 64-byte-aligned rows, 16
 //! ns when rows straddle lines; 16 stores then a tile load of them ~20 ns (two chunks later:
