@@ -208,6 +208,21 @@ unsafe fn pair_words(x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// Sixteen f32 values as three vectors of f32 bit patterns whose top halves are bf16 values
+/// summing to them exactly (24 significant bits, 8 at a time; low halves zero).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+pub(super) fn parts(v: std::arch::x86_64::__m512) -> [std::arch::x86_64::__m512i; 3] {
+    use std::arch::x86_64::*;
+    let keep = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    let hi = _mm512_and_si512(_mm512_castps_si512(v), keep);
+    let rest = _mm512_sub_ps(v, _mm512_castsi512_ps(hi));
+    let mid = _mm512_and_si512(_mm512_castps_si512(rest), keep);
+    let lo = _mm512_castps_si512(_mm512_sub_ps(rest, _mm512_castsi512_ps(mid)));
+    [hi, mid, lo]
+}
+
 /// Row `x`'s parts into its place in a row tile's run of `chunks` × 3 tiles (`out` is that run
 /// from the row's first 64 bytes on).
 ///
@@ -218,14 +233,6 @@ unsafe fn pair_words(x: &[f32], out: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn split_row(x: &[f32], chunks: usize, out: *mut f32) {
     use std::arch::x86_64::*;
-    let keep = _mm512_set1_epi32(0xffff_0000u32 as i32);
-    let parts = |v: __m512| {
-        let hi = _mm512_and_si512(_mm512_castps_si512(v), keep);
-        let rest = _mm512_sub_ps(v, _mm512_castsi512_ps(hi));
-        let mid = _mm512_and_si512(_mm512_castps_si512(rest), keep);
-        let lo = _mm512_castps_si512(_mm512_sub_ps(rest, _mm512_castsi512_ps(mid)));
-        [hi, mid, lo]
-    };
     for c in 0..chunks {
         let from = c * CHUNK;
         let take = x.len().saturating_sub(from).min(CHUNK);

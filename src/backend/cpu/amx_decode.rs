@@ -42,7 +42,7 @@ use rayon::prelude::*;
 
 use super::amx::{self, tile_load, tile_product, tile_store, TileConfig};
 use super::gemm::{Dst, Strided};
-use super::quant::Native;
+use super::quant::{scale_of, Native};
 use super::{CpuMatrix, MatrixData};
 
 /// Inputs a product may have here: three bf16 parts each, in two B tiles of 16 columns.
@@ -162,16 +162,8 @@ unsafe fn columns(inputs: &[&[f32]], k: usize, up: f32) -> Columns {
     let chunk_words = TILE * q;
     let mut words = amx::Words::new(k / CHUNK * chunk_words);
     let base = words.slice_mut().as_mut_ptr().cast::<u32>();
-    let keep = _mm512_set1_epi32(0xffff_0000u32 as i32);
     let up = _mm512_set1_ps(up);
-    let parts = |v: __m512| {
-        let v = _mm512_mul_ps(v, up);
-        let hi = _mm512_and_si512(_mm512_castps_si512(v), keep);
-        let rest = _mm512_sub_ps(v, _mm512_castsi512_ps(hi));
-        let mid = _mm512_and_si512(_mm512_castps_si512(rest), keep);
-        let lo = _mm512_castps_si512(_mm512_sub_ps(rest, _mm512_castsi512_ps(mid)));
-        [hi, mid, lo]
-    };
+    let parts = |v: __m512| amx::parts(_mm512_mul_ps(v, up));
     let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     // Word kk of a column goes to row kk of its tile: `n[t]` words on.
     let index = [
@@ -673,11 +665,6 @@ fn subnormal_codes(codes: &[u8]) -> u64 {
     let exponent_zero = _mm512_testn_epi8_mask(v, _mm512_set1_epi8(0x78));
     let mantissa = _mm512_test_epi8_mask(v, _mm512_set1_epi8(0x07));
     exponent_zero & mantissa & live
-}
-
-/// 2^(e − 127), as the checkpoint's e8m0 scale byte says.
-fn scale_of(e: u8) -> f32 {
-    f32::from_bits(u32::from(e) << 23)
 }
 
 #[cfg(test)]

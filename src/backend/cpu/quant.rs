@@ -503,7 +503,7 @@ fn power_of_two_exponent(s: f32) -> Option<u8> {
 }
 
 /// The scale an exponent byte stands for: 2^(e − 127).
-fn scale_of(e: u8) -> f32 {
+pub(super) fn scale_of(e: u8) -> f32 {
     f32::from_bits(u32::from(e) << 23)
 }
 
