@@ -29,9 +29,9 @@ use super::gemm::{Dst, Strided};
 use super::{recycle, CpuMatrix, MatrixData};
 
 /// Rows of every tile; columns of an accumulator tile.
-const TILE: usize = 16;
+pub(super) const TILE: usize = 16;
 /// Input columns one tile product takes (a 64-byte row of bf16).
-const CHUNK: usize = 32;
+pub(super) const CHUNK: usize = 32;
 /// Bytes of one task's packed weights: the panel stays in L2 (2 MiB a core on Sapphire
 /// Rapids) while every row strip passes it.
 const PANEL_BYTES: usize = 1 << 20;
@@ -103,8 +103,7 @@ fn detect_and_request() -> bool {
     false
 }
 
-/// Every tile 16 rows of 64 bytes: 0-3 accumulators (16 × 16 f32), 4-5 input parts (16 rows ×
-/// 32 bf16), 6-7 weights (16 rows of pairs: 16 columns × 2 bf16).
+/// What `ldtilecfg` reads: the palette, then each tile's bytes a row and rows.
 #[repr(C, align(64))]
 pub(super) struct TileConfig {
     pub palette: u8,
@@ -114,6 +113,8 @@ pub(super) struct TileConfig {
     pub rows: [u8; 16],
 }
 
+/// The prefill's tiles, each 16 rows of 64 bytes: 0-3 accumulators (16 × 16 f32), 4-5 input
+/// parts (16 rows × 32 bf16), 6-7 weights (16 rows of pairs: 16 columns × 2 bf16).
 const CONFIG: TileConfig = TileConfig {
     palette: 1,
     start_row: 0,

@@ -40,17 +40,13 @@ use std::ops::Range;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::amx::{self, tile_load, tile_product, tile_store, TileConfig};
+use super::amx::{self, tile_load, tile_product, tile_store, TileConfig, CHUNK, TILE};
 use super::gemm::{Dst, Strided};
 use super::quant::{scale_of, Native};
 use super::{CpuMatrix, MatrixData};
 
 /// Inputs a product may have here: three bf16 parts each, in two B tiles of 16 columns.
 pub(super) const MAX_INPUTS: usize = 10;
-/// Rows of every tile.
-const TILE: usize = 16;
-/// Columns one tile product takes (a 64-byte A row of bf16).
-const CHUNK: usize = 32;
 /// bf16 parts an input is split into.
 const PARTS: usize = 3;
 /// Most weight rows one pass takes: two 16-row strips, so each B tile load serves both.
@@ -109,8 +105,8 @@ const B_BYTES_PER_VALUE: usize = PARTS * 2;
 const MAX_B_BYTES: usize = 24 << 10;
 
 /// Whether a product of `inputs` (each `w.cols` or more long) with `w` runs here: two to ten
-/// inputs (one input: the AVX-512 kernels were faster on every product of the bench model —
-/// the per-product setup does not pay for itself), their B tiles within [`MAX_B_BYTES`], rows
+/// inputs (one input: decode b1 ran at 0.90 of the AVX-512 kernels' rate with it, see the
+/// module doc), their B tiles within [`MAX_B_BYTES`], rows
 /// a whole number of 32-column chunks, bf16 weights or FP8 ones without NaN codes (scale blocks
 /// of whole chunks), inputs finite (FP8: under 2⁷ in magnitude), and the tiles on.
 pub(super) fn takes(inputs: &[&[f32]], w: &CpuMatrix) -> bool {
