@@ -31,7 +31,10 @@
 //! B tiles past L1 (1024–2048 columns at b8: 0.7–1.0×, also with the columns taken in L1-sized
 //! ranges). What tiles cost here, measured: a tile load 2.2 ns from 64-byte-aligned rows, 16
 //! ns when rows straddle lines; 16 stores then a tile load of them ~20 ns (two chunks later:
-//! ~7); a `tdpbf16ps` 4.5 ns, dependent or not.
+//! ~7); a `tdpbf16ps` 4.5 ns, dependent or not. In a product's loop, though, with A rows from
+//! L2, a load costs 10–13 ns and the loads do not overlap the products: the loop stripped to
+//! its tile instructions takes 21–23 ns a 16 × 32 chunk, this kernel about twice that (stop 51
+//! in docs/model.md §4.2 lists what was tried).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
