@@ -9,7 +9,7 @@ use common::requests::*;
 
 use std::time::{Duration, Instant};
 
-use common::fault_proxy::{At, Dir, Fault, FaultProxy, Plan, Rule, DATA, DONE};
+use common::fault_proxy::{At, Dir, Fault, FaultProxy, Plan, Rule, CLAIM, DATA, DONE};
 use dsv4::engine::{Engine, Event, EventKind, RequestSpec, SamplingParams};
 use dsv4::error::ErrorKind;
 use serde_json::json;
@@ -21,10 +21,22 @@ fn one_byte_more(payload: &[u8]) -> Vec<u8> {
     serde_json::to_vec(&done).unwrap()
 }
 
+/// The CLAIM frame's JSON naming another slot: a different destination for the same room.
+fn another_slot(payload: &[u8]) -> Vec<u8> {
+    let mut claim: serde_json::Value = serde_json::from_slice(payload).unwrap();
+    claim["slot"] = (claim["slot"].as_u64().unwrap() + 1).into();
+    serde_json::to_vec(&claim).unwrap()
+}
+
 /// A proxy to `prefill` that applies `fault` to the `nth` frame of `kind` going to the decode.
 fn proxy(prefill: &str, kind: u8, nth: usize, fault: Fault) -> FaultProxy {
+    proxy_toward(Dir::ToDecode, prefill, kind, nth, fault)
+}
+
+/// A proxy to `prefill` that applies `fault` to the `nth` frame of `kind` going `dir`.
+fn proxy_toward(dir: Dir, prefill: &str, kind: u8, nth: usize, fault: Fault) -> FaultProxy {
     let rule = Rule {
-        dir: Dir::ToDecode,
+        dir,
         kind: Some(kind),
         room: None,
         nth,
@@ -215,5 +227,72 @@ fn an_abort_mid_frame_keeps_the_destination_until_the_reader_is_done_with_it() {
         e.flush_cache(dsv4::kv::cache::Tier::Device).unwrap();
         let m = e.metrics();
         assert_eq!((m.pools.device_pages.used, m.pd.pages_held), (0, 0));
+    }
+}
+
+/// A claim the prefill took, sent again on its connection (a relay repeating a frame), changes
+/// nothing: both sides end the room once, successfully, and the decode's tokens are a unified
+/// engine's. (The prefill used to fail the room for it, racing the transfer the first claim
+/// had started: the decode could land the state and finish first, so the two sides disagreed.)
+/// A second claim that differs (another slot) fails the room on the prefill (`mismatch`); the
+/// decode fails it too unless the state had landed there first.
+#[test]
+fn a_repeated_claim_changes_nothing_and_a_different_second_claim_fails_the_room() {
+    let spec = long_greedy();
+    let unified = engine_with(json!({}));
+    let uid = unified.submit(spec.clone()).unwrap();
+    let want = tokens_of(&collect(&unified, &[uid])[&uid]);
+    assert_eq!(want.len(), 4);
+    for (room, fault) in [(1, Fault::Duplicate), (2, Fault::Repeat(another_slot))] {
+        let p = pd_engine("prefill");
+        let d = pd_engine("decode");
+        let proxy = proxy_toward(Dir::ToPrefill, &p.pd_endpoint().unwrap(), CLAIM, 1, fault);
+        let pid = p
+            .submit(RequestSpec {
+                pd_room: room,
+                ..spec.clone()
+            })
+            .unwrap();
+        let did = d
+            .submit(RequestSpec {
+                pd_room: room,
+                pd_peer: Some(proxy.addr().to_string()),
+                ..spec.clone()
+            })
+            .unwrap();
+        let from_d = collect(&d, &[did]);
+        let from_p = collect(&p, &[pid]);
+        assert_eq!(proxy.log().len(), 1, "{}", proxy.report());
+        let (ended_p, ended_d) = (terminal(&from_p[&pid]), terminal(&from_d[&did]));
+        if room == 1 {
+            for (side, t) in [("prefill", ended_p), ("decode", ended_d)] {
+                assert_ne!(
+                    t.kind(),
+                    EventKind::Error,
+                    "{side}: {t:?}\n{}",
+                    proxy.report()
+                );
+            }
+            assert_eq!(tokens_of(&from_d[&did]), want);
+        } else {
+            let (kind, message) = error_of(&from_p[&pid]);
+            assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+            assert!(
+                message.contains("a second claim arrived") && message.contains("(mismatch)"),
+                "{message}"
+            );
+            if ended_d.kind() == EventKind::Error {
+                let (kind, message) = error_of(&from_d[&did]);
+                assert_eq!(kind, ErrorKind::KvTransfer, "{message}");
+                assert!(message.contains("(mismatch)"), "{message}");
+            } else {
+                // The state landed before the FAIL did: it is the prefill's, exactly.
+                assert_eq!(tokens_of(&from_d[&did]), want);
+            }
+        }
+        for e in [&p, &d] {
+            let u = e.flush_cache(dsv4::kv::cache::Tier::Device).unwrap();
+            assert_eq!((u.pages, u.slots), (0, 0));
+        }
     }
 }

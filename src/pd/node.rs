@@ -1961,6 +1961,17 @@ impl Inner {
             }
         };
         if let Some(r) = t.rooms.get_mut(&room).filter(|r| r.active) {
+            // The claim the room took, again on the same connection: a repeated frame (a relay
+            // or proxy that sends it twice) changes nothing. Failing the room for it raced the
+            // transfer the first claim started: the decode could land the state and finish
+            // while this side reported the room failed.
+            if r.link == Some(link.id) && r.claim.as_ref() == Some(&claim) {
+                log::debug!(
+                    "PD room {room}: the same claim again on link {}: ignored",
+                    link.id
+                );
+                return;
+            }
             r.peer = Some(link.peer.clone());
             r.link = Some(link.id);
             self.take_claim(t, room, claim, notices);

@@ -90,6 +90,9 @@ pub enum Fault {
     /// The payload is replaced by what the function makes of it (the header's length follows):
     /// a well-formed frame that says something else.
     Rewrite(fn(&[u8]) -> Vec<u8>),
+    /// Sent, then sent again with the payload replaced by what the function makes of it: a
+    /// second, different frame of the same kind for the same room.
+    Repeat(fn(&[u8]) -> Vec<u8>),
 }
 
 impl Fault {
@@ -453,11 +456,12 @@ fn relay(s: &Shared, conn: &Conn, dir: Dir, mut from: TcpStream, mut to: TcpStre
             }
             Some(Fault::Close) => break,
             Some(Fault::Rewrite(f)) => {
-                let payload = f(&frame[HEADER..]);
-                frame.truncate(HEADER);
-                frame[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-                frame.extend_from_slice(&payload);
+                out.push(rewritten(&frame, f));
+            }
+            Some(Fault::Repeat(f)) => {
+                let second = rewritten(&frame, f);
                 out.push(frame);
+                out.push(second);
             }
         }
         // The frame just decided on (or dropped) is the next of the held one's room.
@@ -474,4 +478,13 @@ fn relay(s: &Shared, conn: &Conn, dir: Dir, mut from: TcpStream, mut to: TcpStre
     }
     conn.close();
     s.conns().retain(|c| c.id != conn.id);
+}
+
+/// `frame` with its payload replaced by what `f` makes of it (the header's length follows).
+fn rewritten(frame: &[u8], f: fn(&[u8]) -> Vec<u8>) -> Vec<u8> {
+    let payload = f(&frame[HEADER..]);
+    let mut out = frame[..HEADER].to_vec();
+    out[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&payload);
+    out
 }
