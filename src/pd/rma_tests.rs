@@ -274,18 +274,19 @@ fn a_state_written_by_rma_lands_whole_and_is_delivered_without_a_copy() {
 
 own_process_test! {
 /// RMA writes are not messages: a transfer longer than the decode's dead interval (here
-/// 200 ms: heartbeats every 40 ms, 5 missed) still has the prefill's heartbeats reach it.
+/// 400 ms: heartbeats every 80 ms, 5 missed) still has the prefill's heartbeats reach it.
 fn a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive() {
-    // 192 MiB (~0.5 s here) against a 200 ms dead interval: a 100 ms one was missed on a
-    // loaded 2-core CI machine by scheduling alone (the decode's thread ran late), which is
-    // not what this checks.
-    let size = 2 * STATE;
+    // 384 MiB (0.7-1.7 s here) against a 400 ms dead interval. Shorter intervals were missed
+    // on a loaded 2-core CI machine by scheduling alone, which is not what this checks: 100 ms
+    // once, and 200 ms (against 192 MiB) once in stop 51's CI, while the other tests ran
+    // beside it (192 MiB took 0.34-0.37 s alone here, 0.74-0.90 s beside three busy loops).
+    let size = 4 * STATE;
     let state = pattern(size);
     let mut pool = vec![0u8; size];
     let p = pair_with(
         &mut pool,
         Duration::from_secs(30),
-        Duration::from_millis(40),
+        Duration::from_millis(80),
         5,
     );
     let started = Instant::now();
@@ -303,7 +304,12 @@ fn a_transfer_by_rma_longer_than_the_dead_interval_keeps_the_link_alive() {
         .expect("the state arrived");
     let took = started.elapsed();
     assert!(snapshot(&pool)[size / 2..] == state[..size / 2]);
-    eprintln!("192 MiB by RMA in {took:?} with a 200 ms dead interval");
+    eprintln!("384 MiB by RMA in {took:?} with a 400 ms dead interval");
+    assert!(
+        took > Duration::from_millis(400),
+        "the transfer took {took:?}, not longer than the dead interval, so this checked \
+         nothing: raise the state's size"
+    );
     p.decode.shutdown();
     p.prefill.shutdown();
 }
