@@ -70,6 +70,25 @@ fn long_greedy() -> RequestSpec {
     }
 }
 
+/// `spec` as room `room` on the prefill `p` and on the decode `d` (which reaches the prefill
+/// through `via`): the two request ids.
+fn submit_room(p: &Engine, d: &Engine, spec: &RequestSpec, room: u64, via: String) -> (u64, u64) {
+    let pid = p
+        .submit(RequestSpec {
+            pd_room: room,
+            ..spec.clone()
+        })
+        .unwrap();
+    let did = d
+        .submit(RequestSpec {
+            pd_room: room,
+            pd_peer: Some(via),
+            ..spec.clone()
+        })
+        .unwrap();
+    (pid, did)
+}
+
 fn error_of(events: &[Event]) -> (ErrorKind, String) {
     let t = terminal(events);
     assert_eq!(t.kind(), EventKind::Error, "{events:?}");
@@ -91,20 +110,7 @@ fn corrupted_dropped_or_misstated_state_bytes_fail_the_room_on_both_sides() {
         let p = pd_engine("prefill");
         let d = pd_engine("decode");
         let proxy = proxy(&p.pd_endpoint().unwrap(), kind, nth, fault);
-        let via = proxy.addr().to_string();
-        let pid = p
-            .submit(RequestSpec {
-                pd_room: room,
-                ..spec.clone()
-            })
-            .unwrap();
-        let did = d
-            .submit(RequestSpec {
-                pd_room: room,
-                pd_peer: Some(via),
-                ..spec.clone()
-            })
-            .unwrap();
+        let (pid, did) = submit_room(&p, &d, &spec, room, proxy.addr().to_string());
         let start = Instant::now();
         let from_d = collect(&d, &[did]);
         let from_p = collect(&p, &[pid]);
@@ -158,15 +164,7 @@ fn an_abort_mid_frame_keeps_the_destination_until_the_reader_is_done_with_it() {
     let pause = Duration::from_millis(1500);
     let stall = Fault::Stall { after: 4096, pause };
     let proxy = proxy(&p.pd_endpoint().unwrap(), DATA, 1, stall);
-    let room_spec = |room: u64, peer: Option<String>| RequestSpec {
-        pd_room: room,
-        pd_peer: peer,
-        ..spec.clone()
-    };
-    let pid = p.submit(room_spec(1, None)).unwrap();
-    let did = d
-        .submit(room_spec(1, Some(proxy.addr().to_string())))
-        .unwrap();
+    let (pid, did) = submit_room(&p, &d, &spec, 1, proxy.addr().to_string());
     let start = Instant::now();
     while proxy.log().is_empty() {
         assert!(
@@ -213,10 +211,7 @@ fn an_abort_mid_frame_keeps_the_destination_until_the_reader_is_done_with_it() {
     assert!(message.contains("(aborted)"), "{message}");
     // The next room over the same connection lands whole and decodes what a unified engine
     // does.
-    let pid = p.submit(room_spec(2, None)).unwrap();
-    let did = d
-        .submit(room_spec(2, Some(proxy.addr().to_string())))
-        .unwrap();
+    let (pid, did) = submit_room(&p, &d, &spec, 2, proxy.addr().to_string());
     let got = tokens_of(&collect(&d, &[did])[&did]);
     collect(&p, &[pid]);
     let u = engine_with(json!({}));
@@ -247,19 +242,7 @@ fn a_repeated_claim_changes_nothing_and_a_different_second_claim_fails_the_room(
         let p = pd_engine("prefill");
         let d = pd_engine("decode");
         let proxy = proxy_toward(Dir::ToPrefill, &p.pd_endpoint().unwrap(), CLAIM, 1, fault);
-        let pid = p
-            .submit(RequestSpec {
-                pd_room: room,
-                ..spec.clone()
-            })
-            .unwrap();
-        let did = d
-            .submit(RequestSpec {
-                pd_room: room,
-                pd_peer: Some(proxy.addr().to_string()),
-                ..spec.clone()
-            })
-            .unwrap();
+        let (pid, did) = submit_room(&p, &d, &spec, room, proxy.addr().to_string());
         let from_d = collect(&d, &[did]);
         let from_p = collect(&p, &[pid]);
         assert_eq!(proxy.log().len(), 1, "{}", proxy.report());
