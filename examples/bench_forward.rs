@@ -16,6 +16,9 @@
 //!
 //! `--model large-fp8` is the large model written as an official FP8/FP4 checkpoint (the same
 //! weights rounded), `large-fp8-deq` its dequantised f32 copy (what transformers loads).
+//!
+//! The generated models go under `target/bench` of the source tree, or under `DSV4_BENCH_DIR`
+//! when set (a machine that runs the built binary without the tree: `scripts/gpu-check.sh`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -566,6 +569,8 @@ fn main() {
         _ => WeightDtype::F32,
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let generated =
+        std::env::var_os("DSV4_BENCH_DIR").map_or_else(|| root.join("target/bench"), PathBuf::from);
     let (dir, config, prompt, steps): (PathBuf, ModelConfig, usize, usize) = match which.as_str() {
         "fixture" => {
             let dir = root.join("tests/fixtures/flash-like/hf-f32");
@@ -574,10 +579,7 @@ fn main() {
         }
         // The same model rounded to FP8/FP4 (official formats), and its dequantised f32 copy.
         "large-fp8" | "large-fp8-deq" => {
-            let (q, deq) = (
-                root.join("target/bench/large-fp8"),
-                root.join("target/bench/large-fp8-deq"),
-            );
+            let (q, deq) = (generated.join("large-fp8"), generated.join("large-fp8-deq"));
             let quantised = write_large_fp8(&q, &deq);
             if which == "large-fp8" {
                 (q, quantised, 512, 32)
@@ -587,7 +589,7 @@ fn main() {
             }
         }
         _ => {
-            let dir = root.join("target/bench/large");
+            let dir = generated.join("large");
             let config = write_large(&dir);
             (dir, config, 512, 32)
         }

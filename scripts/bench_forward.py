@@ -13,6 +13,10 @@ weights rounded): dsv4 with its weights native against transformers on the dequa
 and the fraction of the machine's read bandwidth a decode step reaches. The last line is
 
     ratios(native) decode_b1_vs_hf=X decode_b8_vs_hf=Y prefill_vs_hf=Z bw_fraction=F
+
+`--only-native` runs that last part alone. DSV4_BENCH_BIN names the bench_forward binary to run
+(default: cargo's build of it) and DSV4_BENCH_DIR where it writes the models: a machine with the
+built binary and no Rust (scripts/gpu-check.sh on the GPU machine) runs it that way.
 """
 
 import json
@@ -24,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where `make bench-forward` built it: cargo's CARGO_TARGET_DIR when set (as the Makefile honours).
-EXAMPLE = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target") / "release" / "examples" / "bench_forward"
+EXAMPLE = Path(os.environ.get("DSV4_BENCH_BIN") or
+               Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target") / "release" / "examples" / "bench_forward")
 
 
 def dsv4(model, threads, weights="f32", bandwidth=False):
@@ -114,6 +119,8 @@ def hf(report):
 def main():
     threads = int(os.environ.get("DSV4_BENCH_THREADS", "0")) or os.cpu_count() or 1
     try:
+        import numpy  # noqa: F401
+        import safetensors  # noqa: F401
         import torch  # noqa: F401
         import transformers
         have_hf = transformers.__version__ == "5.23.0"
@@ -131,7 +138,7 @@ def main():
             print(f"  transformers        skipped: {why}")
         return theirs
 
-    for model in ("fixture", "large"):
+    for model in () if "--only-native" in sys.argv[1:] else ("fixture", "large"):
         ours = dsv4(model, threads)
         print(f"{model}: {ours['prompt']}-token prompt, {ours['decode_steps']} decode steps, "
               f"{ours['threads']} threads")

@@ -63,5 +63,37 @@ else
     esac
 fi
 
+# 3. The CPU backend's decode against this machine's memory bandwidth on all its cores (issue
+#    21's b1 goal, which the 2-vCPU development VM cannot show: its FP8/FP4 decode kernels are
+#    compute-bound there), with transformers on the same weights where a Python here has torch
+#    and transformers 5.23. A measurement: its lines start with MEASURE; it fails only if the
+#    bench itself fails.
+if [ -x "$bundle/bin/bench_forward" ] && [ "${DSV4_GPU_CHECK_CPU_BENCH:-1}" != 0 ]; then
+    bench_py=python3
+    for py in /opt/torch/.venv/bin/python3 .venv-bench/bin/python python3; do
+        if "$py" -c 'import numpy, safetensors, torch, transformers' >/dev/null 2>&1; then
+            bench_py=$py
+            break
+        fi
+    done
+    dir=$(mktemp -d)
+    log=$(mktemp)
+    DSV4_BENCH_DIR="$dir" DSV4_BENCH_BIN="$bundle/bin/bench_forward" \
+        timeout "${DSV4_GPU_CHECK_CPU_BENCH_S:-420}" "$bench_py" scripts/bench_forward.py --only-native >"$log" 2>&1
+    status=$?
+    sed 's/^/MEASURE cpu-bench: /' "$log"
+    if [ "$status" -eq 124 ]; then
+        echo "SKIP cpu-bench: timed out after ${DSV4_GPU_CHECK_CPU_BENCH_S:-420} s"
+        skip=$((skip + 1))
+    elif [ "$status" -ne 0 ]; then
+        echo "FAIL cpu-bench: exited with status $status: $(tail -1 "$log")"
+        fail=$((fail + 1))
+    else
+        echo "PASS cpu-bench: $(nproc) cores, $(grep '^ratios(native)' "$log")"
+        pass=$((pass + 1))
+    fi
+    rm -rf "$dir" "$log"
+fi
+
 echo "gpu-check: $pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]
