@@ -625,7 +625,14 @@ pub(super) fn attention_scores(
                 // The next keys are prefetched once, with the first heads.
                 let d = unsafe { x86::dot4x4_avx512(four, quad, dim, h0 == 0 && take == 4) };
                 for (t, row) in d.iter().enumerate() {
-                    out[(h0 + t) * n + j0..(h0 + t) * n + j0 + take].copy_from_slice(&row[..take]);
+                    let at = (h0 + t) * n + j0;
+                    // A whole quad as one fixed-size copy (a copy of `take` values is a
+                    // `memcpy` call, eight a quad).
+                    if take == 4 {
+                        out[at..at + 4].copy_from_slice(row);
+                    } else {
+                        out[at..at + take].copy_from_slice(&row[..take]);
+                    }
                 }
             }
         }
