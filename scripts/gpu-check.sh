@@ -76,14 +76,15 @@ if [ -x "$bundle/bin/bench_forward" ] && [ "${DSV4_GPU_CHECK_CPU_BENCH:-1}" != 0
             break
         fi
     done
+    limit=${DSV4_GPU_CHECK_CPU_BENCH_S:-420}
     dir=$(mktemp -d)
     log=$(mktemp)
     DSV4_BENCH_DIR="$dir" DSV4_BENCH_BIN="$bundle/bin/bench_forward" \
-        timeout "${DSV4_GPU_CHECK_CPU_BENCH_S:-420}" "$bench_py" scripts/bench_forward.py --only-native >"$log" 2>&1
+        timeout "$limit" "$bench_py" scripts/bench_forward.py --only-native >"$log" 2>&1
     status=$?
     sed 's/^/MEASURE cpu-bench: /' "$log"
     if [ "$status" -eq 124 ]; then
-        echo "SKIP cpu-bench: timed out after ${DSV4_GPU_CHECK_CPU_BENCH_S:-420} s"
+        echo "SKIP cpu-bench: timed out after $limit s"
         skip=$((skip + 1))
     elif [ "$status" -ne 0 ]; then
         echo "FAIL cpu-bench: exited with status $status: $(tail -1 "$log")"
