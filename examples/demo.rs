@@ -52,7 +52,7 @@ fn run() -> dsv4::error::Result<()> {
         "scheduler": {"chunked_prefill_tokens": 512, "max_batch_tokens": 1024},
         "hicache": {"enabled": true, "ratio": 6.0, "write_policy": "write_through"},
         "admission": {"max_queued_requests": 8},
-        "metrics": {"labels": {"instance": "demo"}},
+        "metrics": {"labels": {"engine": "demo"}},
     }))?;
     let t = Instant::now();
     let engine = Engine::create(params)?;
@@ -143,7 +143,7 @@ fn run() -> dsv4::error::Result<()> {
     let text = engine.prometheus();
     let wanted = [
         "dsv4_num_requests_total",
-        "dsv4_num_rejected_requests_total{instance=\"demo\",reason=\"queue_full\"}",
+        "dsv4_num_rejected_requests_total{engine=\"demo\",reason=\"queue_full\"}",
         "dsv4_cached_tokens_total",
         "dsv4_generation_tokens_total",
         "dsv4_hicache_loadback_bytes_total",
@@ -253,7 +253,7 @@ fn pd_section(dir: &str, w: &Workload, unified: &Report) -> dsv4::error::Result<
         "scheduler": {"chunked_prefill_tokens": 512, "max_batch_tokens": 1024},
         "hicache": {"enabled": true, "ratio": 6.0, "write_policy": "write_through"},
         "admission": {"max_queued_requests": 8},
-        "metrics": {"labels": {"instance": "demo-prefill"}},
+        "metrics": {"labels": {"engine": "demo-prefill"}},
     }))?)?;
     // The decode takes every prompt's state whole (it does not use its own prefix cache for a
     // PD request), so no HiCache. Its queue covers the rooms whose state has not landed, at
@@ -266,7 +266,7 @@ fn pd_section(dir: &str, w: &Workload, unified: &Report) -> dsv4::error::Result<
                "device_memory_bytes": "3MiB", "max_running_requests": 8},
         "scheduler": {"chunked_prefill_tokens": 512, "max_batch_tokens": 1024},
         "admission": {"max_queued_requests": 16},
-        "metrics": {"labels": {"instance": "demo-decode"}},
+        "metrics": {"labels": {"engine": "demo-decode"}},
     }))?)?;
     let pair = Pair::new(prefill, decode)?;
     println!(

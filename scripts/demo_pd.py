@@ -119,7 +119,7 @@ def main():
             for role in ("prefill", "decode"):
                 conf = Path(tmp) / f"{role}.json"
                 conf.write_text(json.dumps({**base, "role": role,
-                                            "metrics": {"labels": {"instance": f"demo-{role}"}}}))
+                                            "metrics": {"labels": {"engine": f"demo-{role}"}}}))
                 proc, urls[role] = start([str(binary / "dsv4-server"), "--params", str(conf),
                                           "--port", "0"], f"the {role} server")
                 procs.append(proc)

@@ -239,6 +239,25 @@ fn a_host_tier_larger_than_the_numa_node_is_refused_at_create() {
 }
 
 #[test]
+fn a_host_size_that_plans_no_host_tier_is_refused_at_create() {
+    let doc = json!({
+        "model_path": common::fixture("flash-like/hf-f32").to_str().unwrap(),
+        "kv": {"device_memory_bytes": "32MiB", "page_size": 128},
+        "hicache": {"enabled": true, "size_bytes": 150},
+    });
+    let err = Engine::create(Params::from_value(&doc).unwrap())
+        .err()
+        .unwrap();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    let m = err.message();
+    assert!(
+        m.contains("HiCache would be enabled with no host tier"),
+        "{m}"
+    );
+    assert!(m.contains("did you mean \"150GB\"?"), "{m}");
+}
+
+#[test]
 fn cache_stats_report_every_pool_on_both_tiers() {
     let e = engine(json!({"enabled": true, "ratio": 1.0}));
     let s = e.cache_stats().unwrap();

@@ -476,3 +476,92 @@ fn the_text_report_is_aligned_and_states_bytes() {
     );
     assert!(text.contains("  fits NUMA node: yes"));
 }
+
+/// The documented rule for `hicache.size_bytes` B (docs/plan.md): a pool's share of B is in
+/// proportion to its device bytes, so it holds ⌊B × device units ÷ mirrored device bytes⌋ host
+/// units and gets one once B ≥ mirrored device bytes ÷ its device units. Returns that smallest
+/// B for pages and for snapshots (`None` without device units). Device units do not depend on
+/// the host tier, so they are read from a plan with a roomy one.
+fn smallest_size_for_one_host_unit(kv: Value) -> (Option<u64>, Option<u64>) {
+    let roomy = size_plan(kv, json!("150GB")).unwrap();
+    let device = roomy.device_bytes_mirrored() as u64;
+    let smallest = |pool: &str| {
+        let units = roomy.pool_named(pool).unwrap().device_units;
+        (units > 0).then(|| device.div_ceil(units))
+    };
+    (smallest("c4_kv"), smallest("snapshots"))
+}
+
+fn size_plan(kv: Value, size: Value) -> dsv4::Result<Plan> {
+    let mut doc = json!({
+        "model_path": "configs/deepseek-v4-flash",
+        "backend": "cuda",
+        "role": "prefill",
+        "kv": {"dtype": "fp8", "indexer_dtype": "fp8", "page_size": 256,
+               "device_memory_bytes": "2GiB", "max_running_requests": 8},
+        "hicache": {"enabled": true, "size_bytes": size}
+    });
+    merge(&mut doc, json!({"kv": kv}));
+    let params = Params::from_value(&doc).unwrap();
+    plan_with(&params, model("deepseek-v4-flash"), &Machine::big())
+}
+
+#[test]
+fn a_size_that_plans_an_empty_host_pool_is_refused_with_the_smallest_that_does_not() {
+    let kv = json!({});
+    let (Some(for_pages), Some(for_snapshots)) = smallest_size_for_one_host_unit(kv.clone()) else {
+        panic!("pages and snapshots both have device units");
+    };
+    // Snapshots are the smaller device pool, so they set the minimum.
+    assert!(for_pages < for_snapshots);
+    let smallest = for_snapshots;
+
+    let plan = size_plan(kv.clone(), json!(smallest)).unwrap();
+    let host = |pool: &str| plan.pool_named(pool).unwrap().host_units;
+    assert!(host("c4_kv") >= 1);
+    assert_eq!(host("snapshots"), 1);
+
+    let e = size_plan(kv.clone(), json!(smallest - 1)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    let m = e.message();
+    let shown = dsv4::config::size::grouped(smallest);
+    assert!(m.contains(&format!("is {shown} B (")), "{m}");
+    assert!(m.contains("a host tier that holds no snapshots"), "{m}");
+    assert!(!m.contains("no pages"), "{m}");
+    assert!(m.contains("raise hicache.size_bytes"), "{m}");
+    // Large, so no guess about GB.
+    assert!(!m.contains("did you mean"), "{m}");
+
+    // The incident: SGLang's `--hicache-size 150` carried over as a bare number of bytes.
+    let m = size_plan(kv.clone(), json!(150)).unwrap_err().to_string();
+    assert!(m.contains("`hicache.size_bytes` = 150 B"), "{m}");
+    assert!(m.contains("no pages") && m.contains("no snapshots"), "{m}");
+    assert!(
+        m.contains("HiCache would be enabled with no host tier"),
+        "{m}"
+    );
+    assert!(m.contains("did you mean \"150GB\"?"), "{m}");
+    assert!(m.contains(&format!("is {shown} B (")), "{m}");
+    // The same bytes written with a unit are no unit mix-up.
+    let m = size_plan(kv.clone(), json!("150B"))
+        .unwrap_err()
+        .to_string();
+    assert!(!m.contains("did you mean"), "{m}");
+    // Enough for one page only: refused, naming the snapshots.
+    let m = size_plan(kv, json!(for_pages)).unwrap_err().to_string();
+    assert!(m.contains("a host tier that holds no snapshots"), "{m}");
+}
+
+#[test]
+fn without_device_snapshots_only_pages_need_a_host_unit() {
+    let kv = json!({"snapshot_fraction": 0.0});
+    let (Some(smallest), None) = smallest_size_for_one_host_unit(kv.clone()) else {
+        panic!("no device snapshots: only pages are mirrored");
+    };
+    let plan = size_plan(kv.clone(), json!(smallest)).unwrap();
+    assert_eq!(plan.host_pages(), 1);
+    assert_eq!(plan.pool_named("snapshots").unwrap().host_units, 0);
+    let m = size_plan(kv, json!(smallest - 1)).unwrap_err().to_string();
+    assert!(m.contains("no pages") && !m.contains("snapshots ("), "{m}");
+    assert!(m.contains("gives pages at least one host unit each"), "{m}");
+}

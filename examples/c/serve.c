@@ -6,7 +6,8 @@
  *
  *   dsv4-serve-demo MODEL_DIR
  *
- * Exit status: 0 when every accepted request finished, 1 otherwise.
+ * Exit status (also in --help): 0 when every accepted request finished, 1 otherwise (or when
+ * the engine could not be created), 2 on usage errors.
  */
 #include <dsv4.h>
 
@@ -17,9 +18,28 @@
 #define REQUESTS 12
 #define SYSTEM_LEN 300
 
+static void usage(FILE *to, const char *program) {
+    fprintf(to,
+            "usage: %s MODEL_DIR\n"
+            "\n"
+            "Serves %d requests sharing a system prompt on the model in MODEL_DIR (CPU\n"
+            "backend): one to fill the prefix cache, then a burst; admission refusals,\n"
+            "streaming, prefix-cache hits, latencies, drain.\n"
+            "\n"
+            "exit status:\n"
+            "  0  every accepted request finished\n"
+            "  1  a request did not finish, or the engine could not be created\n"
+            "  2  usage error\n",
+            program, REQUESTS);
+}
+
 int main(int argc, char **argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s MODEL_DIR\n", argv[0]);
+    if (argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        usage(stdout, argv[0]);
+        return 0;
+    }
+    if (argc != 2 || argv[1][0] == '-') {
+        usage(stderr, argv[0]);
         return 2;
     }
     char params[1024];

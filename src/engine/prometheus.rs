@@ -487,6 +487,7 @@ fn escape(v: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::params::RESERVED_LABELS;
     use crate::engine::shared::EngineState;
     use crate::plan::numa::NodeMemory;
 
@@ -537,6 +538,103 @@ mod tests {
         bare.resident_bytes = None;
         let text = render(&MetricsSnapshot::default(), &BTreeMap::new(), &bare);
         assert!(!text.contains("dsv4_host_tier_bytes") && !text.contains("resident"));
+    }
+
+    /// The label names of every sample in `text`, read with the text format's rules (a value
+    /// is quoted, with `\\`, `\"` and `\n` escapes), so a value holding `,` or `=` is no name.
+    fn label_names(text: &str) -> std::collections::BTreeSet<String> {
+        let mut names = std::collections::BTreeSet::new();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some(open) = line.find('{') else { continue };
+            let mut rest = &line[open + 1..];
+            while !rest.starts_with('}') {
+                let (name, after) = rest.split_once("=\"").expect("name=\"value\"");
+                names.insert(name.to_string());
+                let mut chars = after.char_indices();
+                let end = loop {
+                    match chars.next().expect("a closing quote") {
+                        (_, '\\') => {
+                            chars.next();
+                        }
+                        (i, '"') => break i,
+                        _ => {}
+                    }
+                };
+                rest = after[end + 1..].trim_start_matches(',');
+            }
+        }
+        names
+    }
+
+    /// A snapshot with every family that is emitted only sometimes switched on: host-tier units
+    /// (HiCache), a PD side (the transfer histograms), NUMA nodes and host-tier pools, and
+    /// observations in every histogram and counter.
+    fn everything() -> MetricsSnapshot {
+        let mut m = MetricsSnapshot::default();
+        let units = Units {
+            used: 3,
+            total: 10,
+            used_bytes: 300,
+            total_bytes: 1000,
+        };
+        m.pools = crate::engine::PoolGauges {
+            device_pages: units,
+            device_slots: units,
+            device_snapshots: units,
+            host_pages: units,
+            host_snapshots: units,
+        };
+        m.pd.side = "prefill";
+        m.pd.failures = [1; 7];
+        m.finished = [2; Outcome::ALL.len()];
+        m.rejected = [1; Rejection::ALL.len()];
+        for h in [
+            &mut m.ttft,
+            &mut m.itl,
+            &mut m.e2e,
+            &mut m.queue_time,
+            &mut m.step_time,
+            &mut m.transfer_latency,
+            &mut m.claim_wait,
+        ] {
+            h.observe(0.3);
+        }
+        m.transfer_bytes.observe(1e6);
+        m
+    }
+
+    #[test]
+    fn every_label_of_the_exposition_is_reserved() {
+        let configured = BTreeMap::from([("zone".to_string(), "a,b=\"c\\".to_string())]);
+        let text = render(&everything(), &configured, &health());
+        // Every family that depends on the snapshot is present.
+        for family in [
+            "dsv4_kv_used_units{zone=\"a,b=\\\"c\\\\\",pool=\"pages\",tier=\"host\"}",
+            "dsv4_kv_transfer_latency_seconds_bucket{zone=",
+            "dsv4_host_tier_bytes{",
+            "dsv4_numa_node_memory_free_bytes{",
+        ] {
+            assert!(text.contains(family), "{family} missing from\n{text}");
+        }
+        let mut emitted = label_names(&text);
+        assert!(
+            emitted.remove("zone"),
+            "the configured label is on the samples"
+        );
+        for name in &emitted {
+            assert!(
+                RESERVED_LABELS.contains(&name.as_str()),
+                "the exposition emits label `{name}`, which RESERVED_LABELS does not list: \
+                 metrics.labels could then repeat it"
+            );
+        }
+        // The converse: every reserved name is emitted, except Prometheus's target labels.
+        let unused: Vec<&str> = RESERVED_LABELS
+            .iter()
+            .copied()
+            .filter(|n| !emitted.contains(*n))
+            .collect();
+        assert_eq!(unused, ["job", "instance"]);
     }
 
     #[test]

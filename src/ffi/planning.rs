@@ -122,3 +122,70 @@ pub unsafe extern "C" fn dsv4_plan_text(
         unsafe { write_text(&text, buf, cap, needed) }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::{CStr, CString};
+
+    use super::*;
+    use crate::ffi::status::*;
+
+    type Call = unsafe extern "C" fn(*const c_char, *mut c_char, usize, *mut usize) -> dsv4_status;
+
+    /// The status of `call` on `doc` (a size query) and the message it left.
+    fn outcome(call: Call, doc: &str) -> (dsv4_status, String) {
+        let doc = CString::new(doc).unwrap();
+        let mut needed = 0usize;
+        // SAFETY: a NUL-terminated document, no output buffer, a live `needed`.
+        let status = unsafe { call(doc.as_ptr(), std::ptr::null_mut(), 0, &mut needed) };
+        // SAFETY: dsv4_last_error never returns NULL.
+        let message = unsafe { CStr::from_ptr(crate::ffi::dsv4_last_error()) };
+        (status, message.to_string_lossy().into_owned())
+    }
+
+    #[test]
+    fn metrics_labels_the_exposition_or_prometheus_sets_are_refused_by_name() {
+        let reserved = crate::config::params::RESERVED_LABELS;
+        // Prometheus's target labels, named here rather than read from the list.
+        for target in ["job", "instance"] {
+            assert!(reserved.contains(&target), "{target}");
+        }
+        for name in reserved {
+            let doc = format!(r#"{{"metrics": {{"labels": {{"zone": "a", "{name}": "x"}}}}}}"#);
+            let (status, message) = outcome(dsv4_params_validate, &doc);
+            assert_eq!(status, DSV4_ERR_CONFIG, "{name}: {message}");
+            assert!(
+                message.contains(&format!("label name \"{name}\" is reserved"))
+                    && message.contains(&format!("rename it, e.g. \"cluster_{name}\"")),
+                "{name}: {message}"
+            );
+            let renamed = doc.replace(&format!("\"{name}\""), &format!("\"cluster_{name}\""));
+            assert_eq!(
+                outcome(dsv4_params_validate, &renamed).0,
+                DSV4_OK,
+                "{renamed}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_hicache_size_that_plans_no_host_tier_is_refused_by_both_plans() {
+        let doc = format!(
+            r#"{{"model_path": "{}/tests/fixtures/flash-like/hf-f32",
+                 "kv": {{"device_memory_bytes": "32MiB", "page_size": 128}},
+                 "hicache": {{"enabled": true, "size_bytes": 150}}}}"#,
+            env!("CARGO_MANIFEST_DIR")
+        );
+        for call in [dsv4_plan as Call, dsv4_plan_text] {
+            let (status, message) = outcome(call, &doc);
+            assert_eq!(status, DSV4_ERR_CONFIG, "{message}");
+            assert!(
+                message.contains("HiCache would be enabled with no host tier")
+                    && message.contains("did you mean \"150GB\"?"),
+                "{message}"
+            );
+        }
+        // The params alone are valid: only the model's geometry says 150 B is too small.
+        assert_eq!(outcome(dsv4_params_validate, &doc).0, DSV4_OK);
+    }
+}

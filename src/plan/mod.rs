@@ -183,7 +183,7 @@ pub fn plan_in(
         .max_context_tokens
         .unwrap_or(model.max_position_embeddings);
     let (hicache, host_pages, host_snapshots) =
-        host_units(params, &geometry, page_units, snapshot_units, &mut notes);
+        host_units(params, &geometry, page_units, snapshot_units, &mut notes)?;
 
     let pools: Vec<PoolPlan> = geometry
         .all()
@@ -405,7 +405,7 @@ fn host_units(
     device_pages: u64,
     device_snapshots: u64,
     notes: &mut Vec<String>,
-) -> (HiCacheMode, u64, u64) {
+) -> Result<(HiCacheMode, u64, u64)> {
     let h = &params.hicache;
     if !h.enabled {
         if h.ratio.is_some() || h.size_bytes.is_some() {
@@ -415,32 +415,19 @@ fn host_units(
                     .into(),
             );
         }
-        return (HiCacheMode::Off, 0, 0);
+        return Ok((HiCacheMode::Off, 0, 0));
     }
     if let Some(budget) = h.size_bytes {
-        // One byte budget, split in proportion to device bytes so pages and snapshots get the
-        // same effective ratio; floors keep the total within the budget.
-        let page_dev = device_pages * geometry.page_bytes();
-        let snap_dev = device_snapshots * geometry.snapshots.unit_bytes;
-        let total_dev = (page_dev + snap_dev).max(1) as f64;
-        let share = |dev: u64, unit: u64| {
-            ((budget.0 as f64 * dev as f64 / total_dev) as u64)
-                .checked_div(unit)
-                .unwrap_or(0)
-        };
-        let pages = if page_dev + snap_dev == 0 {
-            share(1, geometry.page_bytes())
-        } else {
-            share(page_dev, geometry.page_bytes())
-        };
-        let snapshots = share(snap_dev, geometry.snapshots.unit_bytes);
-        return (
+        let split = SizeSplit::new(geometry, device_pages, device_snapshots);
+        let (pages, snapshots) = (split.pages.units(budget.0), split.snapshots.units(budget.0));
+        split.refuse_empty_pools(budget.0, h.size_bytes_spelling.bare_number)?;
+        return Ok((
             HiCacheMode::Size {
                 budget_bytes: budget.0,
             },
             pages,
             snapshots,
-        );
+        ));
     }
     let (ratio, defaulted) = match h.ratio {
         Some(r) => (r, false),
@@ -453,11 +440,139 @@ fn host_units(
         }
     };
     let scale = |units: u64| (units as f64 * ratio).floor() as u64;
-    (
+    Ok((
         HiCacheMode::Ratio { ratio, defaulted },
         scale(device_pages),
         scale(device_snapshots),
-    )
+    ))
+}
+
+/// Below this, a bare-number `hicache.size_bytes` is taken for a size in GB written without its
+/// unit (SGLang's `--hicache-size` is in GB): a real host tier is gigabytes.
+const BARE_GB_SUSPECT_BELOW: u64 = 1_000_000;
+
+/// One budget of `hicache.size_bytes` split over the host tier's two kinds of unit in proportion
+/// to their device bytes, so pages and snapshots get the same effective ratio. In integers: a
+/// share is ⌊budget × weight ÷ (total × unit)⌋ units, the total never exceeds the budget, and
+/// the smallest budget that gives a share one unit is exact.
+struct SizeSplit {
+    pages: Share,
+    snapshots: Share,
+}
+
+/// One kind of host unit in a [`SizeSplit`].
+struct Share {
+    what: &'static str,
+    unit_bytes: u64,
+    /// The share's device bytes.
+    weight: u64,
+    /// Device bytes of both shares together.
+    total: u64,
+}
+
+impl Share {
+    fn units(&self, budget: u64) -> u64 {
+        let whole = u128::from(self.total) * u128::from(self.unit_bytes);
+        if whole == 0 {
+            return 0;
+        }
+        let units = u128::from(budget) * u128::from(self.weight) / whole;
+        u64::try_from(units).unwrap_or(u64::MAX)
+    }
+
+    /// Whether the host tier is meant to hold this kind of unit (it has device units, as
+    /// `hicache.ratio` would mirror).
+    fn mirrored(&self) -> bool {
+        self.weight > 0 && self.unit_bytes > 0
+    }
+
+    /// The smallest budget giving this share one unit: ⌈total × unit ÷ weight⌉.
+    fn smallest_budget(&self) -> u64 {
+        let whole = u128::from(self.total) * u128::from(self.unit_bytes);
+        u64::try_from(whole.div_ceil(u128::from(self.weight.max(1)))).unwrap_or(u64::MAX)
+    }
+}
+
+impl SizeSplit {
+    fn new(geometry: &Geometry, device_pages: u64, device_snapshots: u64) -> Self {
+        let page_bytes = geometry.page_bytes();
+        let snapshot_bytes = geometry.snapshots.unit_bytes;
+        let (mut page_dev, snap_dev) =
+            (device_pages * page_bytes, device_snapshots * snapshot_bytes);
+        // No device pages or snapshots at all: the whole budget goes to pages.
+        if page_dev + snap_dev == 0 {
+            page_dev = 1;
+        }
+        let total = page_dev + snap_dev;
+        Self {
+            pages: Share {
+                what: "pages",
+                unit_bytes: page_bytes,
+                weight: page_dev,
+                total,
+            },
+            snapshots: Share {
+                what: "snapshots",
+                unit_bytes: snapshot_bytes,
+                weight: snap_dev,
+                total,
+            },
+        }
+    }
+
+    /// Refuses a budget that leaves a mirrored kind of unit with none on the host: the engine
+    /// would run with HiCache enabled and no host tier (or one that cannot hold a cached
+    /// prefix's snapshot), which is never what the operator meant.
+    fn refuse_empty_pools(&self, budget: u64, bare_number: bool) -> Result<()> {
+        let mirrored: Vec<&Share> = [&self.pages, &self.snapshots]
+            .into_iter()
+            .filter(|s| s.mirrored())
+            .collect();
+        let empty: Vec<&Share> = mirrored
+            .iter()
+            .copied()
+            .filter(|s| s.units(budget) == 0)
+            .collect();
+        if empty.is_empty() {
+            return Ok(());
+        }
+        let smallest = mirrored
+            .iter()
+            .map(|s| s.smallest_budget())
+            .max()
+            .unwrap_or(budget);
+        let missing: Vec<String> = empty
+            .iter()
+            .map(|s| format!("{} ({} B each)", s.what, grouped(s.unit_bytes)))
+            .collect();
+        let outcome = if empty.len() == mirrored.len() {
+            "no host tier".to_string()
+        } else {
+            format!("a host tier that holds no {}", empty[0].what)
+        };
+        let guess = if bare_number && budget < BARE_GB_SUSPECT_BELOW {
+            format!(
+                "; did you mean \"{budget}GB\"? (a bare number is bytes; SGLang's --hicache-size \
+                 is in GB)"
+            )
+        } else {
+            String::new()
+        };
+        Err(Error::config(format!(
+            "`hicache.size_bytes` = {} B leaves the host tier no {}: HiCache would be enabled \
+             with {outcome}. Split in proportion to device bytes, the smallest size that gives \
+             {} at least one host unit each is {}: raise hicache.size_bytes to at least that, \
+             or set hicache.enabled to false{guess}",
+            grouped(budget),
+            missing.join(" and no "),
+            mirrored
+                .iter()
+                .map(|s| s.what)
+                .collect::<Vec<_>>()
+                .join(" and "),
+            bytes_both(smallest)
+        )))
+    }
 }
 
 fn numa_fit(

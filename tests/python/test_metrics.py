@@ -155,3 +155,27 @@ def test_node_health_and_build_series():
         promtool_check(engine.prometheus())  # with HiCache's and the node-health series
         engine.shutdown(dsv4.ShutdownMode.DRAIN)
         assert samples(engine.prometheus())[("dsv4_engine_state", ())] == dsv4.EngineState.STOPPED
+
+
+def test_labels_the_exposition_carries_are_refused_in_metrics_labels(run):
+    """Every label name of a real exposition (HiCache on, so the host-tier series are there),
+    and Prometheus's own job and instance, is refused as a metrics.labels name, naming it: a
+    series would otherwise carry it twice, which promtool rejects."""
+    params = {"model_path": str(FIXTURE), "threads": 2,
+              "kv": {"device_memory_bytes": "32MiB", "max_running_requests": 8, "page_size": 128},
+              "hicache": {"enabled": True, "size_bytes": "64MiB"}}
+    with dsv4.Engine(params) as engine:
+        engine.generate(SHORT, max_new_tokens=2, **NO_EOS)
+        texts = [run[1], engine.prometheus()]
+    names = {"job", "instance"}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                names.update(k for k in s.labels if k not in LABELS)
+    assert {"le", "pool", "tier", "node", "finish_reason", "reason"} <= names, names
+    for name in sorted(names):
+        with pytest.raises(dsv4.ConfigError) as info:
+            dsv4.validate_params({"metrics": {"labels": {name: "x"}}})
+        assert f'label name "{name}" is reserved' in info.value.message
+        assert f'"cluster_{name}"' in info.value.message
+        dsv4.validate_params({"metrics": {"labels": {f"cluster_{name}": "x"}}})

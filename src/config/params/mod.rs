@@ -21,7 +21,7 @@ use validate::Problems;
 
 pub use validate::{
     closest, MAX_DEVICES, MAX_DOCUMENT_BYTES, MAX_LABELS, MAX_LABEL_VALUE_BYTES, MAX_PATH_BYTES,
-    MAX_SUGGEST_CHARS,
+    MAX_SUGGEST_CHARS, RESERVED_LABELS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -213,8 +213,28 @@ pub struct HiCacheParams {
     pub enabled: bool,
     pub ratio: Option<f64>,
     pub size_bytes: Option<Bytes>,
+    /// How `size_bytes` was written. Not a setting: the resolved document writes bytes only.
+    #[serde(skip)]
+    pub size_bytes_spelling: Spelling,
     pub write_policy: WritePolicy,
     pub numa_node: NumaNode,
+}
+
+/// How the operator wrote a size, kept so a refusal can quote the likely intent: SGLang's
+/// `--hicache-size 150` is in GB, so a bare `150` under `hicache.size_bytes` (150 bytes) is
+/// almost certainly a unit mix-up. Two params that differ only in spelling are the same
+/// settings, so every `Spelling` compares equal (a resolved document, which writes every size
+/// as a bare number, parses back to equal params).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Spelling {
+    /// Written as a bare JSON number (`150`, `150e9`), not as a string.
+    pub bare_number: bool,
+}
+
+impl PartialEq for Spelling {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -429,8 +449,16 @@ impl Params {
         if !problems.0.is_empty() {
             return Err(problems_error(ErrorKind::Config, "params", &problems.0));
         }
-        serde_json::from_value(Value::Object(merged))
-            .map_err(|e| Error::internal(format!("validated params failed to deserialize: {e}")))
+        let bare_size = merged
+            .get("hicache")
+            .and_then(|h| h.get("size_bytes"))
+            .is_some_and(Value::is_number);
+        let mut params: Self = serde_json::from_value(Value::Object(merged))
+            .map_err(|e| Error::internal(format!("validated params failed to deserialize: {e}")))?;
+        params.hicache.size_bytes_spelling = Spelling {
+            bare_number: bare_size,
+        };
+        Ok(params)
     }
 
     /// The full document with every default filled in and sizes in bytes.

@@ -24,6 +24,27 @@ pub const MAX_PATH_BYTES: usize = 4096;
 pub const MAX_LABELS: usize = 64;
 /// The longest label value, in bytes (for the same reason).
 pub const MAX_LABEL_VALUE_BYTES: usize = 1024;
+/// Label names `metrics.labels` may not use, because a scraped series would then carry the name
+/// twice: every label the exposition (`engine/prometheus.rs`) puts on its own series (promtool rejects a sample
+/// with a repeated label and Prometheus drops the scrape), then `job` and `instance`, which
+/// Prometheus itself sets on every series it scrapes (it would rename or overwrite ours). A
+/// label added to the exposition must be added here; a test renders every family and checks.
+pub const RESERVED_LABELS: &[&str] = &[
+    "pool",
+    "tier",
+    "reason",
+    "finish_reason",
+    "cache_source",
+    "outcome",
+    "le",
+    "side",
+    "version",
+    "backend",
+    "role",
+    "node",
+    "job",
+    "instance",
+];
 
 /// Problems found so far; each is one self-contained sentence.
 #[derive(Default)]
@@ -273,6 +294,16 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
                         "`{path}` label name \"{}\" is not a valid Prometheus label name: use \
                          letters, digits and _, not starting with a digit or __",
                         shorten(name)
+                    ));
+                }
+                if RESERVED_LABELS.contains(&name.as_str()) {
+                    return Err(format!(
+                        "`{path}` label name \"{name}\" is reserved: dsv4's series already \
+                         carry it or, for job and instance, Prometheus sets it on every series it \
+                         scrapes, so a series would have it twice (promtool rejects such an \
+                         exposition; Prometheus drops the scrape or renames the label): rename \
+                         it, e.g. \"cluster_{name}\" (reserved: {})",
+                        RESERVED_LABELS.join(", ")
                     ));
                 }
                 match label_value {
