@@ -308,6 +308,10 @@ pub trait Backend: Send + Sync + 'static {
     /// for a whole forward step instead of once per op).
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
 
+    /// The engine has nothing to compute: working memory kept for the next step's reuse
+    /// (outside the memory plan) that has gone unused for a while can go back to the system.
+    fn release_idle_memory(&self) {}
+
     // --- memory -------------------------------------------------------------------------
     fn tensor(&self, data: &[f32]) -> Result<Self::Tensor>;
     fn zeros(&self, len: usize) -> Result<Self::Tensor>;

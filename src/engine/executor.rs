@@ -226,6 +226,11 @@ impl<B: Backend> Executor<B> {
         (end, gap)
     }
 
+    /// Nothing to compute: the backend may give back working memory unused for a while.
+    pub fn release_idle_memory(&self) {
+        self.model.backend().release_idle_memory();
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.model.config.vocab_size
     }

@@ -187,6 +187,10 @@ impl<B: Backend> Worker<B> {
             .iter()
             .any(|r| r.reserved() || r.phase() == super::phase::Phase::LoadingBack);
         let idle = self.stalled || (!computing && (s.waiting.is_empty() || s.blocked));
+        if idle {
+            // Between bursts the prefill's kept working memory would otherwise stay resident.
+            self.exec.release_idle_memory();
+        }
         let wait = (idle && self.shutdown.is_none()).then(|| {
             s.next_deadline().map_or(Duration::from_millis(200), |d| {
                 d.saturating_duration_since(Instant::now())

@@ -342,6 +342,10 @@ impl Backend for CpuBackend {
         hot::run_step(&self.pool, f)
     }
 
+    fn release_idle_memory(&self) {
+        recycle::release_idle();
+    }
+
     fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
         CpuBuffer::new(bytes, self.allocated.clone())
     }

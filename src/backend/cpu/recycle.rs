@@ -19,21 +19,32 @@
 //! heap without faults), at most [`MAX_IDLE_BYTES`] of them idle at once (the rest are
 //! freed as before), and a request takes a buffer at most twice its size, so a small tensor
 //! never pins a huge buffer.
+//!
+//! Kept buffers are the prefill's working memory, outside the memory plan: a burst of long
+//! prompts of different lengths leaves buffers of many sizes behind, up to [`MAX_IDLE_BYTES`].
+//! A server whose resident memory stayed there between bursts looked like a leak against its
+//! plan (hundreds of MiB over a few bursts), so an engine with nothing to compute hands back
+//! the buffers idle for [`IDLE_KEEP`] ([`release_idle`]), and malloc its free pages: the next
+//! burst's first steps fault them in again, the steps within a burst still reuse them.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Buffers smaller than this go back to malloc.
 pub const MIN_BYTES: usize = 1 << 20;
 /// Idle bytes kept at most; a buffer handed back beyond it is freed.
 pub const MAX_IDLE_BYTES: usize = 1 << 30;
+/// How long an idle engine keeps a buffer nobody took ([`release_idle`]).
+pub const IDLE_KEEP: Duration = Duration::from_secs(2);
 
 const F32: usize = std::mem::size_of::<f32>();
 
 #[derive(Default)]
 struct Idle {
-    /// Kept buffers, any order (a step holds a few dozen sizes at most).
-    buffers: Vec<Vec<f32>>,
+    /// Kept buffers and when each was handed back, any order (a step holds a few dozen sizes
+    /// at most).
+    buffers: Vec<(Vec<f32>, Instant)>,
     /// Sum of their capacities, in bytes.
     bytes: usize,
 }
@@ -89,10 +100,10 @@ impl Recycler {
             .buffers
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.capacity() >= len && b.capacity() / 2 <= len)
-            .min_by_key(|(_, b)| b.capacity())
+            .filter(|(_, (b, _))| b.capacity() >= len && b.capacity() / 2 <= len)
+            .min_by_key(|(_, (b, _))| b.capacity())
             .map(|(i, _)| i)?;
-        let buffer = idle.buffers.swap_remove(at);
+        let (buffer, _) = idle.buffers.swap_remove(at);
         idle.bytes -= buffer.capacity() * F32;
         Some(buffer)
     }
@@ -144,11 +155,25 @@ impl Recycler {
         let mut idle = self.idle();
         if idle.bytes + bytes <= self.max_idle_bytes {
             idle.bytes += bytes;
-            idle.buffers.push(buffer);
+            idle.buffers.push((buffer, Instant::now()));
             return;
         }
         drop(idle);
         drop(buffer);
+    }
+
+    /// Frees the buffers handed back more than `keep` ago (at `now`); the bytes freed.
+    pub fn release_older_than(&self, keep: Duration, now: Instant) -> usize {
+        let mut idle = self.idle();
+        let (old, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut idle.buffers)
+            .into_iter()
+            .partition(|(_, since)| now.saturating_duration_since(*since) > keep);
+        idle.buffers = kept;
+        let freed: usize = old.iter().map(|(b, _)| b.capacity() * F32).sum();
+        idle.bytes -= freed;
+        drop(idle);
+        drop(old);
+        freed
     }
 
     /// Idle buffers and their bytes.
@@ -195,6 +220,25 @@ pub fn copied(values: &[f32]) -> Vec<f32> {
 pub fn give(buffer: Vec<f32>) {
     POOL.give(buffer)
 }
+
+/// An engine has nothing to compute: the process's buffers idle for [`IDLE_KEEP`] are freed,
+/// and when that freed any, malloc returns its free pages to the kernel (buffers under its
+/// mmap threshold came from its heaps, which keep freed memory otherwise).
+pub fn release_idle() {
+    if POOL.release_older_than(IDLE_KEEP, Instant::now()) > 0 {
+        trim_malloc();
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_malloc() {
+    // SAFETY: malloc_trim only returns free heap memory to the kernel; it reads and writes no
+    // memory of ours and is safe to call from any thread at any time.
+    unsafe { libc::malloc_trim(0) };
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_malloc() {}
 
 #[cfg(test)]
 mod tests {
@@ -261,6 +305,36 @@ mod tests {
         assert_eq!(pool.idle_now(), (0, 0), "the last one freed them");
         pool.give(vec![0.0; len]);
         assert_eq!(pool.idle_now().0, 0);
+    }
+
+    #[test]
+    fn idle_buffers_are_freed_after_the_keep_time_and_fresh_ones_stay() {
+        let pool = Recycler::new(64 << 20);
+        pool.opened();
+        let len = (2 << 20) / F32;
+        let t0 = Instant::now();
+        pool.give(vec![0.0; len]);
+        pool.give(vec![0.0; 2 * len]);
+        assert_eq!(pool.idle_now(), (2, 3 * len * F32));
+        // Nothing older than a second yet.
+        assert_eq!(pool.release_older_than(Duration::from_secs(1), t0), 0);
+        assert_eq!(pool.idle_now().0, 2);
+        // A buffer taken and handed back again is fresh; the other one is released.
+        let again = pool.zeroed(2 * len);
+        std::thread::sleep(Duration::from_millis(30));
+        pool.give(again);
+        let later = Instant::now();
+        assert_eq!(
+            pool.release_older_than(Duration::from_millis(20), later),
+            len * F32
+        );
+        assert_eq!(pool.idle_now(), (1, 2 * len * F32));
+        assert_eq!(
+            pool.release_older_than(Duration::ZERO, later + Duration::from_millis(1)),
+            2 * len * F32
+        );
+        assert_eq!(pool.idle_now(), (0, 0));
+        pool.closed();
     }
 
     #[test]
