@@ -13,7 +13,8 @@
 # decoder and the UCX message parser), clean.
 # Benchmarks: bench-forward, bench-radix, bench-hicache, bench-prefix, bench-overload, bench-pd,
 # bench-transfer (PD room transfer vs raw TCP, PD vs unified TTFT under 10x overload), bench-ucx
-# (PD over the ucx transport vs ucx_perftest and vs the tcp transport), bench-compare.
+# (PD over the ucx transport vs ucx_perftest and vs the tcp transport), bench-compare,
+# bench-burst (bursts of 500 streaming completions at a server and through the router).
 
 CARGO   ?= cargo
 PREFIX  ?= /usr/local
@@ -25,7 +26,7 @@ STAGE   := $(CURDIR)/build/prefix
 VENV    := $(CURDIR)/.venv
 CC      ?= cc
 
-.PHONY: all deps venv lib header install demo demo-pd test kernels-check test-rust test-netns test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-ucx bench-compare fuzz gpu-bundle
+.PHONY: all deps venv lib header install demo demo-pd test kernels-check test-rust test-netns test-c test-valgrind test-pkgconfig test-python stress clean bench-forward bench-radix bench-hicache bench-prefix bench-overload bench-pd bench-transfer bench-ucx bench-compare bench-burst fuzz gpu-bundle
 
 all: lib
 
@@ -64,7 +65,7 @@ install: lib
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/server/dsv4_server.cpp \
 	      $$(pkg-config --cflags --libs cpp-httplib) -L$(PREFIX)/lib -ldsv4 -lpthread \
 	      '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-server
-	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror examples/router/dsv4_router.cpp \
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -DDSV4_ROUTER_VERSION='"$(VERSION)"' examples/router/dsv4_router.cpp \
 	      $$(pkg-config --cflags --libs cpp-httplib) -lpthread -o $(PREFIX)/bin/dsv4-router
 	cp -r configs $(PREFIX)/share/dsv4/
 	# Example params whose model_path is relative to the params file: they work from the prefix.
@@ -180,6 +181,17 @@ bench-forward: deps
 	    else echo "bench-forward: could not install torch/transformers; dsv4 alone"; py=python3; fi; \
 	fi; \
 	$$py scripts/bench_forward.py
+
+# What a new operator does on day one (scripts/bench_burst.py): bursts of 500 concurrent
+# streaming /v1/completions (2,500-token prompts sharing a 2,000-token prefix) straight at a
+# dsv4-server and through dsv4-router to a prefill + decode pair, the tiny model with HiCache on.
+# Every request must end whole (200) or as a 429; then 12 more bursts through the router with
+# every process's RSS read after each (the last <= the second + 64 MiB). Ends with
+# `burst: direct 200=... 429=... other=...; router 200=... 429=... other=...`. About 6 minutes.
+bench-burst: lib
+	@$(MAKE) --no-print-directory install PREFIX=$(STAGE) >/dev/null
+	@$(CARGO) build --quiet --release --example tiny_model
+	@python3 scripts/bench_burst.py --bin $(STAGE)/bin --model "$$($(REL)/examples/tiny_model)"
 
 # Prefix-cache match/insert vs memcmp on a 1.2M-token tree, page alloc/free rate.
 bench-radix: deps

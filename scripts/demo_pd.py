@@ -12,6 +12,7 @@ Standard library only, so it runs on a fresh machine:
 
 import argparse
 import json
+import secrets
 import signal
 import subprocess
 import sys
@@ -37,14 +38,18 @@ QUESTIONS = [
 
 
 def start(argv, what):
-    """A child process and the URL it printed on its first line."""
+    """A child process and the URL it printed on its "listening on" line (a server prints its
+    memory plan first)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()
-    if "listening on http://" not in line:
-        proc.kill()
-        rest = proc.stdout.read()
-        sys.exit(f"demo-pd: {what} did not start: {line}{rest}")
-    return proc, line.strip().rsplit(" ", 1)[1]
+    lines = []
+    while True:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "listening on http://" in line:
+            return proc, line.strip().rsplit(" ", 1)[1]
+        if not line:
+            proc.kill()
+            sys.exit(f"demo-pd: {what} did not start: {''.join(lines)}")
 
 
 def metrics(url):
@@ -115,16 +120,22 @@ def main():
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         try:
+            # The servers honour the router's PD fields (room, prefill endpoint) only with the
+            # token they share with it.
+            token = Path(tmp) / "router.token"
+            token.write_text(secrets.token_urlsafe(32) + "\n")
             urls = {}
             for role in ("prefill", "decode"):
                 conf = Path(tmp) / f"{role}.json"
                 conf.write_text(json.dumps({**base, "role": role,
                                             "metrics": {"labels": {"engine": f"demo-{role}"}}}))
                 proc, urls[role] = start([str(binary / "dsv4-server"), "--params", str(conf),
-                                          "--port", "0"], f"the {role} server")
+                                          "--port", "0", "--router-token-file", str(token)],
+                                         f"the {role} server")
                 procs.append(proc)
             proc, router = start([str(binary / "dsv4-router"), "--prefill", urls["prefill"],
-                                  "--decode", urls["decode"], "--port", "0"], "the router")
+                                  "--decode", urls["decode"], "--port", "0",
+                                  "--router-token-file", str(token)], "the router")
             procs.append(proc)
             print(f"prefill {urls['prefill']}   decode {urls['decode']}   router {router}"
                   f"   (up in {time.perf_counter() - t_start:.1f} s)")

@@ -1,41 +1,54 @@
 // dsv4-router: one HTTP front end over dsv4-server instances in the prefill and decode roles.
 //
-//   dsv4-router --prefill URL [URL...] --decode URL [URL...] [--host 127.0.0.1] [--port 30080]
-//               [--timeout SECONDS] [--wait SECONDS] [--http-threads N] [--retries 2] [--poll-ms 500]
+//   dsv4-router --prefill URL [URL...] --decode URL [URL...] [--router-token-file FILE]
+//               [--host 127.0.0.1] [--port 30080] [--timeout SECONDS] [--wait SECONDS]
+//               [--http-threads N] [--retries 2] [--poll-ms 500] [--health-misses 3]
 //
 // For each request (POST /generate, /v1/completions, /v1/chat/completions, the bodies
 // dsv4-server takes) it picks the least loaded prefill and decode server in rotation (each
 // server's /metrics, polled every --poll-ms: requests queued and running, PD rooms in flight, KV
-// usage; plus the calls the router has open to it), assigns a room, and
-// sends the same body to both at once: to the prefill with the room, to the decode with the
-// room and the prefill's endpoint (bootstrap_host/bootstrap_port, read from the prefill's
-// /server_info at start). The client gets the decode's answer, streamed as it comes when it
-// asked for a stream. When one side refuses or fails, the router aborts the other side's half
-// (POST /abort_request with the "rid" it gave both) and answers with the failing side's status
-// and body: a 429 from a prefill reaches the client as that 429, not as a decode timeout. A
-// refusal with 429 or 503, or a server that does not answer, is first tried again (up to
-// --retries times) on other servers, as long as nothing has reached the client. A server whose
-// /health fails (or that refuses connections) leaves the rotation until /health answers again.
+// usage; plus the calls the router has open to it), assigns a room from the kernel's CSPRNG, and
+// sends the same body to both at once over kept-alive connections: to the prefill with the room,
+// to the decode with the room and the prefill's endpoint (bootstrap_host/bootstrap_port, read
+// from the prefill's /server_info at start), both with the X-DSV4-Router-Token the servers check
+// before they honour those fields. A client's own PD fields are refused (400): only the router
+// steers PD traffic. The client gets the decode's answer, streamed as it comes when it asked for
+// a stream. When one side refuses or fails, the router aborts the other side's half (POST
+// /abort_request) and answers with the failing side's status and body: a 429 from a prefill
+// reaches the client as that 429 with Retry-After. A refusal with 429 or 503, or a server that
+// does not answer, is first tried again (up to --retries times) on other servers, as long as
+// nothing has reached the client. A stream whose decode breaks off ends with an error event in
+// the endpoint's shape, then [DONE]. A server leaves the rotation after --health-misses failed
+// /health polls in a row and comes back at its next answer.
 //
-// GET /health   200 when every server answers its /health with 200, else 503; per-server states
-// GET /metrics  the router's own counters (requests by outcome, in flight, per server)
+// GET  /health         200 when every server answers its /health with 200, else 503; per server
+// GET  /metrics        the router's counters, build info and resident memory
+// GET  /server_info    the router's version and its servers, each with its /server_info model
+// GET  /v1/models      OpenAI's model list (the servers' model)
+// POST /abort_request  {"rid"}: aborts the request the client sent with that rid, on both halves
 // SIGTERM or SIGINT: stop accepting, let the requests in flight end, exit 0.
 // docs/serving.md has the details.
 #include <httplib.h>
+#include <malloc.h>
 #include <nlohmann/json.hpp>
 
+#include "../http/rids.hpp"
 #include "../http/serve.hpp"
+#include "../http/trust.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <random>
+#include <optional>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -45,21 +58,82 @@ using json = nlohmann::json;
 
 namespace {
 
+#ifndef DSV4_ROUTER_VERSION
+#define DSV4_ROUTER_VERSION "unknown"
+#endif
+
 json error_json(int code, const std::string &status, const std::string &message) {
     return {{"error", {{"message", message}, {"status", status}, {"code", code}}}};
 }
 
+using clock_type = std::chrono::steady_clock;
+
+// A server's kept-alive connections: a call takes one (or a new one) and gives it back when it
+// ended whole, so a burst reuses connections instead of opening (and leaving in TIME_WAIT) one
+// per call. Connections idle longer than `max_idle` are closed rather than reused: the server
+// closes its side after 15 s idle, and a connection it closed is not worth a failed send.
+class connection_pool {
+public:
+    connection_pool(std::string url, std::chrono::seconds max_idle) : url_(std::move(url)), max_idle_(max_idle) {}
+
+    std::unique_ptr<httplib::Client> take(time_t timeout_s) {
+        std::unique_ptr<httplib::Client> c;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            const auto now = clock_type::now();
+            while (!idle_.empty()) {
+                idle_client last = std::move(idle_.back());
+                idle_.pop_back();
+                if (now - last.since < max_idle_) {
+                    c = std::move(last.client);
+                    break;
+                }
+            }
+        }
+        if (!c) {
+            c = std::make_unique<httplib::Client>(url_);
+            c->set_keep_alive(true);
+            c->set_tcp_nodelay(true);  // a request's head and body, and aborts, go out at once
+            c->set_connection_timeout(5);
+        }
+        c->set_read_timeout(timeout_s);
+        c->set_write_timeout(timeout_s);
+        return c;
+    }
+
+    // A client whose last call ended whole (status and body read), for the next call.
+    void give_back(std::unique_ptr<httplib::Client> c) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (idle_.size() < kMaxIdle) idle_.push_back({std::move(c), clock_type::now()});
+    }
+
+private:
+    struct idle_client {
+        std::unique_ptr<httplib::Client> client;
+        clock_type::time_point since;
+    };
+    static constexpr size_t kMaxIdle = 512;
+    const std::string url_;
+    const std::chrono::seconds max_idle_;
+    std::mutex mu_;
+    std::vector<idle_client> idle_;
+};
+
 // One dsv4-server the router sends requests to.
 struct backend {
-    std::string url;   // http://host:port
-    std::string role;  // "prefill" or "decode"
+    backend(std::string url, std::string role) : url(url), role(std::move(role)), pool(url, std::chrono::seconds(10)) {}
+
+    const std::string url;   // http://host:port
+    const std::string role;  // "prefill" or "decode"
     // A prefill's PD endpoint, which the decode's half of a request names.
     std::string bootstrap_host;
     int bootstrap_port = 0;
+    json model;  // its /server_info "model"
+    connection_pool pool;
     std::atomic<uint64_t> requests{0};
-    // In rotation: its /health answered 200 at the last poll, and no call to it has failed to
-    // connect since.
-    mutable std::atomic<bool> up{true};  // taken out of rotation through const references too
+    // In rotation: it answered /health with 200 at one of its last --health-misses polls.
+    std::atomic<bool> up{true};
+    int misses = 0;  // failed polls in a row (the poller's thread alone)
     // Its load at the last poll of its /metrics: requests queued and running; on a prefill
     // also its computed rooms waiting for their claim (they hold pages but no longer run); on a
     // decode plus twice its KV usage (0..1), so the one with more pages free breaks ties (a
@@ -94,8 +168,38 @@ double load_of(const std::string &exposition, bool decode) {
     return load;
 }
 
-// A refusal worth trying on another server: queue full (429), draining (503), no answer (502).
+// A refusal worth trying on another server: queue full (429), unavailable (503: draining, or a
+// PD room whose peer died), no answer (502).
 bool retryable(int status) { return status == 429 || status == 502 || status == 503; }
+
+// Client-facing text never names a room or an internal endpoint (the router's log does): room
+// ids would let a client aim at another user's room, endpoints map the internal network.
+std::string redact(const std::string &text) {
+    static const std::regex endpoint(R"(([a-zA-Z][a-zA-Z0-9+.-]*://[^\s"',;()<>]*[^\s"',;()<>:.])|(\b\d{1,3}(\.\d{1,3}){3}(:\d+)?\b)|(\[[0-9a-fA-F:.]+\](:\d+)?))");
+    static const std::regex room(R"(\b(room|rooms|bootstrap_room|pd_room)( |=|: ?)\d+)");
+    std::string out = std::regex_replace(text, endpoint, "<internal endpoint>");
+    return std::regex_replace(out, room, "$1$2<room>");
+}
+
+// A JSON error body with its message redacted; other bodies as they are.
+std::string redact_body(const std::string &body) {
+    json j = json::parse(body, nullptr, false);
+    if (!j.is_object()) return body;
+    bool changed = false;
+    auto fix = [&](json &holder, const char *key) {
+        if (holder.is_object() && holder.contains(key) && holder[key].is_string()) {
+            std::string m = holder[key].get<std::string>(), r = redact(m);
+            if (r != m) {
+                holder[key] = r;
+                changed = true;
+            }
+        }
+    };
+    if (j.contains("error")) fix(j["error"], "message");
+    if (j.contains("meta_info") && j["meta_info"].is_object() && j["meta_info"].contains("finish_reason"))
+        fix(j["meta_info"]["finish_reason"], "message");
+    return changed ? j.dump() : body;
+}
 
 // The answer of one call to a server: its status (0: no answer), content type and body.
 struct reply {
@@ -104,42 +208,25 @@ struct reply {
     std::string body;
 };
 
-std::unique_ptr<httplib::Client> client(const std::string &url, time_t timeout_s) {
-    auto c = std::make_unique<httplib::Client>(url);
-    c->set_connection_timeout(5);
-    c->set_read_timeout(timeout_s);
-    c->set_write_timeout(timeout_s);
-    return c;
+void log_line(const std::string &line) {
+    std::printf("dsv4-router: %s\n", line.c_str());
+    std::fflush(stdout);
 }
 
-// A body for "the server did not answer": 502, naming the server and why.
-reply unreachable(const backend &b, const std::string &why) {
+// "The server did not answer": 502 for the client (naming the role only), the server in the log.
+reply unreachable(const backend &b, const std::string &why, const std::string &rid) {
+    log_line(b.role + " server " + b.url + " did not answer (" + why + ") for rid " + rid);
     reply r;
     r.status = 502;
-    r.body = error_json(502, "BAD_GATEWAY", b.role + " server " + b.url + " did not answer: " + why).dump();
+    r.body = error_json(502, "BAD_GATEWAY", "the " + b.role + " server did not answer (" + why +
+                                                "); the router's log names it")
+                 .dump();
     return r;
 }
 
-reply post(const backend &b, const std::string &path, const std::string &body, time_t timeout_s) {
-    auto c = client(b.url, timeout_s);
-    httplib::Result res = c->Post(path.c_str(), body, "application/json");
-    if (!res) return unreachable(b, httplib::to_string(res.error()));
-    reply r;
-    r.status = res->status;
-    r.content_type = res->get_header_value("Content-Type");
-    r.body = res->body;
-    return r;
-}
-
-// Aborts a request's half on a server by the rid the router gave it; best effort (the server
-// remembers an abort that arrives before its request).
-void abort_on(const backend &b, const std::string &rid) {
-    auto c = client(b.url, 5);
-    (void)c->Post("/abort_request", json{{"rid", rid}}.dump(), "application/json");
-}
-
-// One routed request: what the prefill and the decode answered, the decode's body as it
-// arrives, shared by the two calls' threads and the client's handler.
+// One routed request's halves: what the prefill and the decode answered, the decode's body as
+// it arrives (whole server-sent events when streamed), shared by the two calls' threads and the
+// client's handler.
 struct exchange {
     std::mutex mu;
     std::condition_variable cv;
@@ -149,24 +236,56 @@ struct exchange {
     // The decode's answer broke off after its headers (the server died mid-answer).
     bool decode_broken = false;
     reply decode;                     // status and content type; body only when not streamed
-    std::deque<std::string> chunks;   // the decode's body, streamed
+    std::deque<std::string> events;   // the decode's body, streamed: whole events
+    std::string partial;              // the bytes of an event not yet whole
+    std::string last_event;           // the last whole event (for an error event's shape)
     bool client_gone = false;
 
     bool prefill_failed() const { return prefill_done && prefill.status != 200; }
     bool decode_failed() const { return decode_done && decode.status != 200; }
+
+    // Streamed bytes from the decode: whole events ("...\n\n") go out, the rest waits.
+    void add_stream_bytes(const char *data, size_t n) {
+        partial.append(data, n);
+        size_t start = 0, end;
+        while ((end = partial.find("\n\n", start)) != std::string::npos) {
+            std::string event = partial.substr(start, end + 2 - start);
+            if (event.find("\"error\"") != std::string::npos || event.find("\"abort\"") != std::string::npos)
+                event = redact_event(event);
+            if (event.rfind("data: [DONE]", 0) != 0) last_event = event;
+            events.push_back(std::move(event));
+            start = end + 2;
+        }
+        partial.erase(0, start);
+    }
+
+    static std::string redact_event(const std::string &event) {
+        const std::string prefix = "data: ";
+        if (event.rfind(prefix, 0) != 0) return event;
+        return prefix + redact_body(event.substr(prefix.size(), event.size() - prefix.size() - 2)) + "\n\n";
+    }
+};
+
+// Where a client's request went, for POST /abort_request: the servers of its current try and
+// the rid it carries there.
+struct route {
+    backend *prefill = nullptr, *decode = nullptr;
+    std::string rid;
 };
 
 class router {
 public:
     router(std::vector<std::unique_ptr<backend>> prefills, std::vector<std::unique_ptr<backend>> decodes,
-           time_t timeout_s, int retries, std::chrono::milliseconds poll)
-        : prefills_(std::move(prefills)), decodes_(std::move(decodes)), timeout_s_(timeout_s), retries_(retries) {
-        // Rooms from a random 63-bit start, so two routers (or a restarted one) in front of the
-        // same servers do not hand out the same rooms.
-        std::random_device rd;
-        next_room_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) & (UINT64_MAX >> 2);
-        poll_once();  // health and loads known before the first request
-        poller_ = std::thread([this, poll] { poll_loop(poll); });
+           std::string token, time_t timeout_s, int retries, std::chrono::milliseconds poll, int health_misses)
+        : prefills_(std::move(prefills)), decodes_(std::move(decodes)), token_(std::move(token)), timeout_s_(timeout_s),
+          retries_(retries), health_misses_(health_misses) {
+        // Health and loads known before the first request; then each server on its own thread
+        // (a server slow to answer delays no other's poll).
+        for (auto *group : {&prefills_, &decodes_})
+            for (auto &b : *group) poll_once(*b);
+        for (auto *group : {&prefills_, &decodes_})
+            for (auto &b : *group) pollers_.emplace_back([this, b = b.get(), poll] { poll_loop(*b, poll); });
+        pollers_.emplace_back([this, poll] { trim_loop(poll); });
     }
 
     ~router() {
@@ -175,7 +294,7 @@ public:
             polling_ = false;
         }
         poll_cv_.notify_all();
-        poller_.join();
+        for (auto &t : pollers_) t.join();
     }
 
     void routes(httplib::Server &http) {
@@ -187,6 +306,9 @@ public:
         http.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
             res.set_content(metrics(), "text/plain; version=0.0.4");
         });
+        http.Get("/server_info", [this](const httplib::Request &, httplib::Response &res) { server_info(res); });
+        http.Get("/v1/models", [this](const httplib::Request &, httplib::Response &res) { models(res); });
+        http.Post("/abort_request", [this](const httplib::Request &req, httplib::Response &res) { abort(req, res); });
     }
 
     // SIGTERM: new requests get 503; waits (at most `limit`) for the streams still open.
@@ -204,6 +326,52 @@ private:
 
     void count(outcome o) { outcomes_[o].fetch_add(1); }
 
+    static void send_error(httplib::Response &res, int code, const std::string &status, const std::string &message) {
+        res.status = code;
+        if (code == 429 || code == 503) res.set_header("Retry-After", "1");
+        res.set_content(error_json(code, status, message).dump(), "application/json");
+    }
+
+    static void send(httplib::Response &res, const reply &r) {
+        res.status = r.status;
+        if (r.status == 429 || r.status == 503) res.set_header("Retry-After", "1");
+        res.set_content(r.status == 200 ? r.body : redact_body(r.body),
+                        r.content_type.empty() ? "application/json" : r.content_type);
+    }
+
+    // One call to a server over a kept-alive connection: the whole reply (status 0 and a 502 body
+    // when it did not answer).
+    reply post(backend &b, const std::string &path, const std::string &body, time_t timeout_s, const std::string &rid) {
+        std::unique_ptr<httplib::Client> c = b.pool.take(timeout_s);
+        httplib::Headers headers;
+        if (!token_.empty()) headers.emplace(serve::kRouterTokenHeader, token_);
+        httplib::Result res = c->Post(path.c_str(), headers, body, "application/json");
+        if (!res) return unreachable(b, httplib::to_string(res.error()), rid);
+        b.pool.give_back(std::move(c));
+        reply r;
+        r.status = res->status;
+        r.content_type = res->get_header_value("Content-Type");
+        r.body = res->body;
+        return r;
+    }
+
+    httplib::Result get(backend &b, const char *path, time_t timeout_s) {
+        std::unique_ptr<httplib::Client> c = b.pool.take(timeout_s);
+        httplib::Headers headers;
+        if (!token_.empty()) headers.emplace(serve::kRouterTokenHeader, token_);
+        httplib::Result r = c->Get(path, headers);
+        if (r) b.pool.give_back(std::move(c));
+        return r;
+    }
+
+    // Aborts a request's half on a server by its rid; true when the server had it in flight
+    // (best effort: the server remembers an abort that arrives before its request).
+    bool abort_on(backend &b, const std::string &rid) {
+        const reply r = post(b, "/abort_request", json{{"rid", rid}}.dump(), 5, rid);
+        const json j = json::parse(r.body, nullptr, false);
+        return r.status == 200 && j.is_object() && j.value("aborted", false);
+    }
+
     // Starts `f` on a detached thread; if the thread cannot start, takes back its counts and
     // rethrows (httplib answers 500).
     template <typename F>
@@ -217,31 +385,53 @@ private:
         }
     }
 
+    // The reason a client body is refused before any server sees it, or empty.
+    static std::string refusal(const json &j) {
+        if (!j.is_object() || (j.contains("stream") && !j["stream"].is_boolean()))
+            return "the body must be a JSON object whose stream is a boolean";
+        for (const char *name : serve::kPdFields)
+            if (j.contains(name) && !j[name].is_null())
+                return std::string(name) + " is a PD routing field: dsv4-router assigns rooms and prefill endpoints " +
+                       "itself; drop it from the request";
+        if (j.contains("rid") && !j["rid"].is_null()) {
+            if (!j["rid"].is_string()) return "rid must be a string";
+            if (j["rid"].get<std::string>().size() > kMaxClientRid)
+                return "rid is longer than " + std::to_string(kMaxClientRid) +
+                       " bytes (the router appends a retry's mark to it): use a shorter id";
+        }
+        return "";
+    }
+
     void forward(const std::string &path, const httplib::Request &req, httplib::Response &res) {
         if (stopping_.load()) {
-            res.status = 503;
-            res.set_content(error_json(503, "DSV4_ERR_SHUTDOWN", "the router is shutting down (SIGTERM)").dump(),
-                            "application/json");
+            send_error(res, 503, "DSV4_ERR_SHUTDOWN", "the router is shutting down (SIGTERM)");
             return;
         }
-        json j;
-        try {
-            j = json::parse(req.body);
-        } catch (const json::exception &e) {
+        json j = json::parse(req.body, nullptr, false);
+        if (j.is_discarded()) {
             count(bad_request);
-            res.status = 400;
-            res.set_content(error_json(400, "DSV4_ERR_INVALID_ARGUMENT", std::string("the body is not valid JSON: ") + e.what()).dump(),
-                            "application/json");
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", "the body is not valid JSON");
             return;
         }
-        if (!j.is_object() || (j.contains("stream") && !j["stream"].is_boolean())) {
+        if (const std::string why = refusal(j); !why.empty()) {
             count(bad_request);
-            res.status = 400;
-            res.set_content(error_json(400, "DSV4_ERR_INVALID_ARGUMENT", "the body must be a JSON object whose stream is a boolean").dump(),
-                            "application/json");
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", why);
             return;
         }
         const bool stream = j.value("stream", false);
+        // The client's rid names the request on both halves (a generated one when it gave none),
+        // so POST /abort_request here reaches them.
+        const bool client_rid = j.contains("rid") && j["rid"].is_string() && !j["rid"].get<std::string>().empty();
+        const std::string rid = client_rid ? j["rid"].get<std::string>() : "dsv4-router-" + hex(serve::random_u64());
+        std::shared_ptr<serve::rid_entry<route>> entry;
+        switch (rids_.add(rid, route{})) {
+        case serve::rid_registry<route>::added::ok: entry = std::make_shared<serve::rid_entry<route>>(rids_, rid); break;
+        case serve::rid_registry<route>::added::in_flight:
+            count(bad_request);
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", "rid " + rid + " is already in flight: pick another");
+            return;
+        case serve::rid_registry<route>::added::aborted_early: break;  // not remembered here
+        }
         // Tries on other servers while a server refuses with 429 / 503 or does not answer and
         // nothing has reached the client yet.
         std::vector<const backend *> refused;
@@ -251,21 +441,27 @@ private:
             backend *p = pick(prefills_, next_prefill_, refused, attempt == 0);
             backend *d = pick(decodes_, next_decode_, refused, attempt == 0);
             if (!p || !d) {
-                // Every server of a role refused this request (or is down): the last answer.
+                // Every server of a role refused this request (or is out of rotation).
                 count(last_outcome);
-                send(res, last.status ? last : unreachable_all(!p ? "prefill" : "decode"));
+                if (last.status) send(res, last);
+                else send_error(res, 503, "DSV4_ERR_SHUTDOWN",
+                                std::string("no ") + (!p ? "prefill" : "decode") +
+                                    " server is in rotation (their /health polls failed): see the router's /health");
                 return;
             }
-            outcome_of_try t = try_once(path, j, stream, *p, *d);
+            if (attempt > 0) retries_total_.fetch_add(1);  // a retry only once it goes out
+            // A retry's halves carry a rid of their own: an abort of the failed try's halves may
+            // reach a server after the retry's request and must not abort that.
+            const std::string try_rid = attempt == 0 ? rid : rid + "~retry" + std::to_string(attempt);
+            rids_.update(rid, route{p, d, try_rid});
+            outcome_of_try t = try_once(path, j, stream, *p, *d, try_rid);
             if (t.x) {  // a stream whose headers came: it is the client's now
                 count(ok);
-                stream_to(res, t.x);
+                stream_to(res, t.x, path == "/generate", entry);
                 return;
             }
             if (t.refused_by && retryable(t.r.status) && attempt < retries_) {
                 refused.push_back(t.refused_by);
-                if (t.r.status == 502) mark_down(*t.refused_by, "a call did not connect or broke off");
-                retries_total_.fetch_add(1);
                 last = std::move(t.r);
                 last_outcome = t.refused_by->role == "prefill" ? refused_prefill : refused_decode;
                 continue;
@@ -274,6 +470,12 @@ private:
             send(res, t.r);
             return;
         }
+    }
+
+    static std::string hex(uint64_t v) {
+        char buf[17];
+        std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+        return buf;
     }
 
     // What one try of a request came to: a stream for the client (`x`), or an answer `r`, with
@@ -303,18 +505,15 @@ private:
         return nullptr;
     }
 
-    reply unreachable_all(const std::string &role) const {
-        reply r;
-        r.status = 502;
-        r.body = error_json(502, "BAD_GATEWAY", "no " + role + " server is in rotation (every /health failed): see the router's /health").dump();
-        return r;
-    }
-
-    outcome_of_try try_once(const std::string &path, const json &j, bool stream, backend &p, backend &d) {
+    outcome_of_try try_once(const std::string &path, const json &j, bool stream, backend &p, backend &d,
+                            const std::string &rid) {
         p.requests.fetch_add(1);
         d.requests.fetch_add(1);
-        const uint64_t room = next_room_.fetch_add(1) & (UINT64_MAX >> 1);
-        const std::string rid = "dsv4-router-" + std::to_string(room);
+        tries_total_.fetch_add(1);
+        // Unpredictable rooms: a room id is what a PD peer claims, so a guessable one would let
+        // whoever reaches a prefill's PD port aim at another user's room.
+        uint64_t room = 0;
+        while (room == 0) room = serve::random_u64() >> 1;
         json pj = j, dj = j;
         pj["bootstrap_room"] = dj["bootstrap_room"] = room;
         pj["rid"] = dj["rid"] = rid;
@@ -328,9 +527,12 @@ private:
         // no count behind.
         in_flight_.fetch_add(1);
         p.open_calls.fetch_add(1);
-        start_or_uncount(p, [this, x, &p, &d, path, rid, body = pj.dump(), timeout] {
-            reply r = post(p, path, body, timeout);
+        start_or_uncount(p, [this, x, &p, &d, path, rid, room, body = pj.dump(), timeout] {
+            reply r = post(p, path, body, timeout, rid);
             const bool failed = r.status != 200;
+            if (failed && r.status != 429 && r.status != 0)
+                log_line("prefill " + p.url + " answered " + std::to_string(r.status) + " for rid " + rid + " (room " +
+                         std::to_string(room) + "): " + r.body);
             {
                 std::lock_guard<std::mutex> lock(x->mu);
                 x->prefill = std::move(r);
@@ -343,12 +545,16 @@ private:
         });
         in_flight_.fetch_add(1);
         d.open_calls.fetch_add(1);
-        start_or_uncount(d, [this, x, &p, &d, path, rid, body = dj.dump(), timeout, stream] {
-            call_decode(*x, d, path, body, timeout, stream);
+        start_or_uncount(d, [this, x, &p, &d, path, rid, room, body = dj.dump(), timeout, stream] {
+            call_decode(*x, d, path, body, timeout, stream, rid);
             bool failed;
             {
                 std::lock_guard<std::mutex> lock(x->mu);
                 failed = x->decode.status != 200 || x->decode_broken;
+                if (failed && x->decode.status != 429 && x->decode.status != 502)
+                    log_line("decode " + d.url + " answered " + std::to_string(x->decode.status) +
+                             (x->decode_broken ? " and broke off" : "") + " for rid " + rid + " (room " +
+                             std::to_string(room) + ")" + (x->decode.body.empty() ? "" : ": " + x->decode.body));
             }
             if (failed) abort_on(p, rid);  // else the prefill holds the room's pages until the timeout
             d.open_calls.fetch_sub(1);
@@ -371,7 +577,8 @@ private:
         if (x->decode_failed() || !stream) {
             x->cv.wait(lock, [&] { return x->decode_done; });
             if (x->decode_broken) {
-                t.r = unreachable(d, "the answer broke off");
+                lock.unlock();
+                t.r = unreachable(d, "the answer broke off", rid);
                 t.refused_by = &d;
             } else {
                 t.r = x->decode;
@@ -390,84 +597,123 @@ private:
         return t;
     }
 
-    void stream_to(httplib::Response &res, const std::shared_ptr<exchange> &x) {
+    // The event that ends a stream whose decode broke off, in the endpoint's shape: SGLang's
+    // native API ends with finish_reason {"type": "abort", "message"} on the output so far (its
+    // events are cumulative), OpenAI's with an error object.
+    static std::string broken_stream_event(const exchange &x, bool sglang) {
+        const std::string message =
+            "the decode server stopped answering mid-stream; the output is incomplete (the router's log names the server)";
+        if (!sglang) return "data: " + error_json(502, "BAD_GATEWAY", message).dump() + "\n\n";
+        json last = json::object();
+        if (x.last_event.rfind("data: ", 0) == 0) {
+            last = json::parse(x.last_event.substr(6), nullptr, false);
+            if (!last.is_object()) last = json::object();
+        }
+        if (!last.contains("output_ids")) last["output_ids"] = json::array();
+        if (!last.contains("meta_info") || !last["meta_info"].is_object()) last["meta_info"] = json::object();
+        last["meta_info"]["finish_reason"] = {{"type", "abort"}, {"message", message}, {"status_code", 502}};
+        return "data: " + last.dump() + "\n\n";
+    }
+
+    void stream_to(httplib::Response &res, const std::shared_ptr<exchange> &x, bool sglang,
+                   std::shared_ptr<serve::rid_entry<route>> entry) {
         res.set_header("Cache-Control", "no-cache");
+        auto ended = std::make_shared<bool>(false);
         res.set_chunked_content_provider(
             x->decode.content_type.empty() ? "text/event-stream" : x->decode.content_type,
-            [x](size_t, httplib::DataSink &sink) {
-                std::unique_lock<std::mutex> lock(x->mu);
-                x->cv.wait(lock, [&] { return !x->chunks.empty() || x->decode_done; });
-                if (x->chunks.empty()) {
-                    if (x->decode_broken) return false;  // the client sees the stream break too
+            [this, x, sglang, ended, entry](size_t, httplib::DataSink &sink) {
+                if (*ended) {
                     sink.done();
                     return true;
                 }
-                std::string chunk = std::move(x->chunks.front());
-                x->chunks.pop_front();
+                std::unique_lock<std::mutex> lock(x->mu);
+                x->cv.wait(lock, [&] { return !x->events.empty() || x->decode_done; });
+                std::string chunk;
+                if (!x->events.empty()) {
+                    chunk = std::move(x->events.front());
+                    x->events.pop_front();
+                } else if (x->decode_broken) {
+                    // The server died mid-answer: the client gets an ending, not a cut.
+                    broken_streams_.fetch_add(1);
+                    chunk = broken_stream_event(*x, sglang) + "data: [DONE]\n\n";
+                    *ended = true;
+                } else {
+                    if (!x->partial.empty()) chunk = std::move(x->partial);  // a body not in events
+                    x->partial.clear();
+                    *ended = true;
+                }
                 lock.unlock();
-                if (!sink.write(chunk.data(), chunk.size())) {
+                if (!chunk.empty() && !sink.write(chunk.data(), chunk.size())) {
                     // The client went away: the decode call stops reading and closes its
                     // connection, and the server aborts the request at its next write.
                     std::lock_guard<std::mutex> relock(x->mu);
                     x->client_gone = true;
                     return false;
                 }
+                if (*ended) sink.done();
                 return true;
             },
             streams_.open());
     }
 
-    // Takes a server out of rotation until its /health answers again.
-    void mark_down(const backend &b, const std::string &why) {
-        if (b.up.exchange(false)) {
-            std::printf("dsv4-router: %s server %s out of rotation: %s\n", b.role.c_str(), b.url.c_str(), why.c_str());
-            std::fflush(stdout);
-        }
-    }
-
-    // poll_once every `every`, until the router goes.
-    void poll_loop(std::chrono::milliseconds every) {
+    // Polls one server's /health (and /metrics for its load) every `every`, until the router
+    // goes: out of rotation after --health-misses failed polls in a row, back at the next answer.
+    void poll_loop(backend &b, std::chrono::milliseconds every) {
         std::unique_lock<std::mutex> lock(poll_mu_);
-        while (polling_) {
+        while (true) {
             poll_cv_.wait_for(lock, every, [this] { return !polling_; });
             if (!polling_) break;
             lock.unlock();
-            poll_once();
+            poll_once(b);
             lock.lock();
         }
     }
 
-    // Each server's /health (in or out of rotation) and /metrics (its load).
-    void poll_once() {
-        for (const auto *group : {&prefills_, &decodes_}) {
-            for (const auto &b : *group) {
-                auto c = client(b->url, 1);
-                c->set_connection_timeout(1);
-                httplib::Result h = c->Get("/health");
-                if (!h || h->status != 200) {
-                    mark_down(*b, h ? "/health answered " + std::to_string(h->status) : "/health: " + httplib::to_string(h.error()));
-                    continue;
-                }
-                if (httplib::Result m = c->Get("/metrics"); m && m->status == 200)
-                    b->polled_load = load_of(m->body, b->role == "decode");
-                if (!b->up.exchange(true)) {
-                    std::printf("dsv4-router: %s server %s back in rotation\n", b->role.c_str(), b->url.c_str());
-                    std::fflush(stdout);
-                }
+    // Every `every`: once a burst is over (no call open, some since the last look), malloc's
+    // free pages go back to the kernel. A burst's request bodies, parsed and copied for both
+    // halves, come from a dozen per-thread heaps that keep their freed memory otherwise, and the
+    // router's resident memory would step up with each burst of a new size.
+    void trim_loop(std::chrono::milliseconds every) {
+        uint64_t seen = 0;
+        std::unique_lock<std::mutex> lock(poll_mu_);
+        while (true) {
+            poll_cv_.wait_for(lock, every, [this] { return !polling_; });
+            if (!polling_) break;
+            const uint64_t tries = tries_total_.load();
+            if (tries != seen && in_flight_.load() == 0) {
+                seen = tries;
+                malloc_trim(0);
             }
         }
     }
 
+    void poll_once(backend &b) {
+        httplib::Result h = get(b, "/health", kPollTimeoutS);
+        if (!h || h->status != 200) {
+            b.misses++;
+            if (b.misses >= health_misses_ && b.up.exchange(false))
+                log_line(b.role + " server " + b.url + " out of rotation: " + std::to_string(b.misses) +
+                         " /health polls failed in a row, the last " +
+                         (h ? "answered " + std::to_string(h->status) : httplib::to_string(h.error())));
+            return;
+        }
+        b.misses = 0;
+        if (httplib::Result m = get(b, "/metrics", kPollTimeoutS); m && m->status == 200)
+            b.polled_load = load_of(m->body, b.role == "decode");
+        if (!b.up.exchange(true)) log_line(b.role + " server " + b.url + " back in rotation");
+    }
+
     // The decode's half: its status as soon as the headers come, then its body, streamed into
-    // the exchange's chunks when the client streams (else whole into decode.body).
-    void call_decode(exchange &x, const backend &d, const std::string &path, const std::string &body,
-                     time_t timeout, bool stream) {
-        auto c = client(d.url, timeout);
+    // the exchange's events when the client streams (else whole into decode.body).
+    void call_decode(exchange &x, backend &d, const std::string &path, const std::string &body, time_t timeout,
+                     bool stream, const std::string &rid) {
+        std::unique_ptr<httplib::Client> c = d.pool.take(timeout);
         httplib::Request req;
         req.method = "POST";
         req.path = path;
         req.body = body;
         req.set_header("Content-Type", "application/json");
+        if (!token_.empty()) req.set_header(serve::kRouterTokenHeader, token_);
         req.response_handler = [&](const httplib::Response &r) {
             {
                 std::lock_guard<std::mutex> lock(x.mu);
@@ -482,7 +728,7 @@ private:
             {
                 std::lock_guard<std::mutex> lock(x.mu);
                 if (x.client_gone) return false;
-                if (stream && x.decode.status == 200) x.chunks.emplace_back(data, n);
+                if (stream && x.decode.status == 200) x.add_stream_bytes(data, n);
                 else x.decode.body.append(data, n);
             }
             x.cv.notify_all();
@@ -491,32 +737,57 @@ private:
         httplib::Response res;
         httplib::Error err = httplib::Error::Success;
         const bool answered = c->send(req, res, err);
+        if (answered) d.pool.give_back(std::move(c));
+        bool headers;
+        {
+            std::lock_guard<std::mutex> lock(x.mu);
+            headers = x.decode_headers;
+        }
+        reply failed;
+        if (!answered && !headers) failed = unreachable(d, httplib::to_string(err), rid);
         std::lock_guard<std::mutex> lock(x.mu);
-        if (!answered && !x.decode_headers) x.decode = unreachable(d, httplib::to_string(err));
+        if (!answered && !headers) x.decode = failed;
         // Cut off after the headers, not by us (a client that left cancels the call).
         else if (!answered && !x.client_gone) x.decode_broken = true;
         x.decode_done = true;
         x.cv.notify_all();
     }
 
-    static void send(httplib::Response &res, const reply &r) {
-        res.status = r.status;
-        if (r.status == 429) res.set_header("Retry-After", "1");
-        res.set_content(r.body, r.content_type.empty() ? "application/json" : r.content_type);
+    // POST /abort_request {"rid"}: the request the client sent with that rid, aborted on the two
+    // servers its current try went to. {"aborted": false} when no such request is in flight.
+    void abort(const httplib::Request &req, httplib::Response &res) {
+        const json j = json::parse(req.body, nullptr, false);
+        if (!j.is_object() || !j.contains("rid") || !j["rid"].is_string() || j["rid"].get<std::string>().empty()) {
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", "pass {\"rid\": ...}, the rid of the request to abort");
+            return;
+        }
+        const std::string rid = j["rid"].get<std::string>();
+        if (rid.size() > kMaxClientRid) {
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", "rid is longer than 240 bytes: no request has it");
+            return;
+        }
+        std::optional<route> r = rids_.take_for_abort(rid, false);
+        bool aborted = false;
+        if (r && r->prefill && r->decode) {
+            // Both halves: the decode's ends the client's answer, the prefill's frees its room.
+            const bool d = abort_on(*r->decode, r->rid), p = abort_on(*r->prefill, r->rid);
+            aborted = d || p;
+        }
+        res.set_content(json{{"aborted", aborted}}.dump(), "application/json");
     }
 
-    void health(httplib::Response &res) const {
+    void health(httplib::Response &res) {
         bool all = true;
         json out = json::object();
-        for (const auto *group : {&prefills_, &decodes_}) {
-            for (const auto &b : *group) {
-                auto c = client(b->url, 2);
-                httplib::Result r = c->Get("/health");
+        for (auto *group : {&prefills_, &decodes_}) {
+            for (auto &b : *group) {
+                httplib::Result r = get(*b, "/health", kPollTimeoutS);
                 json state = r ? json::parse(r->body, nullptr, false) : json();
                 const bool up = r && r->status == 200;
                 all = all && up;
                 out[b->role].push_back({{"url", b->url},
                                         {"status", r ? r->status : 0},
+                                        {"in_rotation", b->up.load()},
                                         {"state", state.is_object() ? state.value("state", "unknown") : std::string("unreachable")}});
             }
         }
@@ -524,9 +795,33 @@ private:
         res.set_content(out.dump(), "application/json");
     }
 
+    void server_info(httplib::Response &res) const {
+        json out = {{"version", DSV4_ROUTER_VERSION}, {"role", "router"}, {"model", first_model()}};
+        for (const auto *group : {&prefills_, &decodes_})
+            for (const auto &b : *group)
+                out[b->role + "_servers"].push_back({{"url", b->url}, {"in_rotation", b->up.load()}});
+        res.set_content(out.dump(), "application/json");
+    }
+
+    json first_model() const { return decodes_.front()->model; }
+
+    void models(httplib::Response &res) const {
+        const json model = {{"id", first_model().value("name", std::string("dsv4"))},
+                            {"object", "model"},
+                            {"created", static_cast<int64_t>(started_)},
+                            {"owned_by", "dsv4"}};
+        res.set_content(json{{"object", "list"}, {"data", json::array({model})}}.dump(), "application/json");
+    }
+
     std::string metrics() const {
         static const char *names[] = {"ok", "refused_by_prefill", "refused_by_decode", "bad_request"};
         std::ostringstream m;
+        m << "# HELP dsv4_build_info The router's version (role \"router\"; servers export their own).\n"
+             "# TYPE dsv4_build_info gauge\ndsv4_build_info{version=\""
+          << DSV4_ROUTER_VERSION << "\",backend=\"none\",role=\"router\"} 1\n";
+        m << "# HELP dsv4_process_resident_memory_bytes The router process's resident set.\n"
+             "# TYPE dsv4_process_resident_memory_bytes gauge\ndsv4_process_resident_memory_bytes "
+          << serve::resident_bytes() << "\n";
         m << "# HELP dsv4_router_requests_total Requests routed, by outcome (refused: the server's error status "
              "reached the client).\n# TYPE dsv4_router_requests_total counter\n";
         for (int o = 0; o < n_outcomes; o++)
@@ -534,9 +829,12 @@ private:
         m << "# HELP dsv4_router_calls_in_flight Calls to servers not yet answered (two per request).\n"
              "# TYPE dsv4_router_calls_in_flight gauge\ndsv4_router_calls_in_flight "
           << in_flight_.load() << "\n";
-        m << "# HELP dsv4_router_retries_total Requests tried again on another server after a 429, 503 or no answer.\n"
+        m << "# HELP dsv4_router_retries_total Requests sent again to other servers after a 429, 503 or no answer.\n"
              "# TYPE dsv4_router_retries_total counter\ndsv4_router_retries_total "
           << retries_total_.load() << "\n";
+        m << "# HELP dsv4_router_broken_streams_total Streams whose decode broke off mid-answer, ended with an "
+             "error event.\n# TYPE dsv4_router_broken_streams_total counter\ndsv4_router_broken_streams_total "
+          << broken_streams_.load() << "\n";
         auto per_server = [&](const char *name, const char *type, const char *help, auto value) {
             m << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
             for (const auto *group : {&prefills_, &decodes_})
@@ -545,7 +843,8 @@ private:
         };
         per_server("dsv4_router_server_requests_total", "counter", "Requests sent to each server (tries included).",
                    [](const backend &b) { return static_cast<double>(b.requests.load()); });
-        per_server("dsv4_router_server_up", "gauge", "1 while a server is in rotation (its /health answers 200).",
+        per_server("dsv4_router_server_up", "gauge",
+                   "1 while a server is in rotation (it answered /health at one of its last --health-misses polls).",
                    [](const backend &b) { return b.up.load() ? 1.0 : 0.0; });
         per_server("dsv4_router_server_load", "gauge",
                    "The load the router picks by: queued + running requests (+ rooms awaiting a claim on a prefill, + 2 x KV usage on a decode) at the last poll, plus its open calls.",
@@ -553,38 +852,57 @@ private:
         return m.str();
     }
 
+    static constexpr size_t kMaxClientRid = serve::kMaxRidBytes - 16;
+    static constexpr time_t kPollTimeoutS = 2;
+
     std::vector<std::unique_ptr<backend>> prefills_, decodes_;
-    time_t timeout_s_;
-    std::atomic<uint64_t> next_room_{0};
+    const std::string token_;
+    const time_t timeout_s_;
+    const int retries_, health_misses_;
+    const std::time_t started_ = std::time(nullptr);
     std::atomic<int64_t> in_flight_{0};
     std::atomic<bool> stopping_{false};
     serve::streams streams_;
+    serve::rid_registry<route> rids_;
     std::atomic<uint64_t> outcomes_[n_outcomes] = {};
-    int retries_;
-    std::atomic<uint64_t> retries_total_{0}, next_prefill_{0}, next_decode_{0};
+    std::atomic<uint64_t> retries_total_{0}, broken_streams_{0}, tries_total_{0}, next_prefill_{0}, next_decode_{0};
     std::mutex poll_mu_;
     std::condition_variable poll_cv_;
     bool polling_ = true;
-    std::thread poller_;  // last: started once the rest is built
+    std::vector<std::thread> pollers_;  // last: started once the rest is built
 };
 
 // Reads a server's /server_info until it answers (servers may still be loading), checks its
-// role, and takes a prefill's PD endpoint.
-std::unique_ptr<backend> discover(const std::string &url, const std::string &role, int wait_s) {
-    auto b = std::make_unique<backend>();
-    b->url = url;
-    b->role = role;
+// role and that it takes this router's PD fields, and takes a prefill's PD endpoint.
+std::unique_ptr<backend> discover(const std::string &url, const std::string &role, int wait_s, const std::string &token,
+                                  const std::string &token_file) {
+    auto b = std::make_unique<backend>(url, role);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(wait_s);
     std::string why;
     while (true) {
-        auto c = client(url, 10);
-        httplib::Result r = c->Get("/server_info");
+        httplib::Client c(url);
+        c.set_connection_timeout(2);
+        c.set_read_timeout(10);
+        httplib::Headers headers;
+        if (!token.empty()) headers.emplace(serve::kRouterTokenHeader, token);
+        httplib::Result r = c.Get("/server_info", headers);
         if (r && r->status == 200) {
             const json info = json::parse(r->body, nullptr, false);
             const std::string got = info.is_object() ? info.value("role", std::string("?")) : "?";
             if (got != role)
                 throw std::runtime_error(url + " is a " + got + " server, but was given as --" + role +
                                          ": start it with \"role\": \"" + role + "\" in its params");
+            const std::string fields = info.value("pd_fields", std::string("trusted"));
+            if (fields == "refused")
+                throw std::runtime_error(url + " takes no PD fields from requests: start it with --router-token-file FILE "
+                                               "and give this router the same file (or --trust-pd-fields there)");
+            if (fields == "router_token" && token.empty())
+                throw std::runtime_error(url + " takes PD fields only with its router token: pass --router-token-file "
+                                               "with the file that server was given");
+            if (fields == "router_token" && info.value("router_token", std::string()) != "accepted")
+                throw std::runtime_error(url + " rejects the token in --router-token-file " + token_file +
+                                         ": give both the same file");
+            b->model = info.value("model", json::object());
             if (role == "prefill") {
                 b->bootstrap_host = info.value("bootstrap_host", std::string());
                 b->bootstrap_port = info.value("bootstrap_port", 0);
@@ -599,11 +917,36 @@ std::unique_ptr<backend> discover(const std::string &url, const std::string &rol
     }
 }
 
-int usage(const char *why) {
-    std::fprintf(stderr,
-                 "dsv4-router: %s\nusage: dsv4-router --prefill URL [URL...] --decode URL [URL...] [--host H] "
-                 "[--port P] [--timeout S] [--wait S] [--http-threads N] [--retries N] [--poll-ms MS]\n",
-                 why);
+const char *kUsage =
+    "usage: dsv4-router --prefill URL [URL...] --decode URL [URL...] [--router-token-file FILE]\n"
+    "                   [--host H] [--port P] [--timeout S] [--wait S] [--http-threads N]\n"
+    "                   [--retries N] [--poll-ms MS] [--health-misses N]\n";
+
+const char *kHelp =
+    "dsv4-router: one HTTP front end over dsv4-server instances in the prefill and decode roles.\n"
+    "Each request goes to the least loaded prefill and decode server in rotation, with a room of\n"
+    "its own; the client gets the decode's answer.\n\n"
+    "  --prefill URL...         prefill servers (http://host:port)\n"
+    "  --decode URL...          decode servers\n"
+    "  --router-token-file FILE the token the servers were given with --router-token-file: sent as\n"
+    "                           X-DSV4-Router-Token so they honour the router's PD fields\n"
+    "  --host H                 address to listen on (127.0.0.1)\n"
+    "  --port P                 port (30080; 0 picks a free one, named on the \"listening\" line)\n"
+    "  --timeout S              longest call to a server (3600)\n"
+    "  --wait S                 how long to wait at start for servers still loading (60)\n"
+    "  --http-threads N         most client connections served at once (4096)\n"
+    "  --retries N              tries on other servers after a 429, 503 or no answer, while\n"
+    "                           nothing has reached the client (2)\n"
+    "  --poll-ms MS             how often each server's /health and /metrics are polled (500)\n"
+    "  --health-misses N        failed /health polls in a row that take a server out of\n"
+    "                           rotation (3); one answer puts it back\n"
+    "  --help                   this text\n\n"
+    "Endpoints: POST /generate, /v1/completions, /v1/chat/completions, /abort_request;\n"
+    "GET /health, /metrics, /server_info, /v1/models.\n"
+    "Exit status: 0 stopped by a signal, 1 failed (a server missing or misconfigured), 2 usage.\n";
+
+int usage(const std::string &why) {
+    std::fprintf(stderr, "dsv4-router: %s\n%s(--help says more)\n", why.c_str(), kUsage);
     return 2;
 }
 
@@ -611,21 +954,25 @@ int usage(const char *why) {
 
 int main(int argc, char **argv) {
     std::vector<std::string> prefill_urls, decode_urls;
-    std::string host = "127.0.0.1";
-    int port = 30080, wait_s = 60, threads = 256, retries = 2, poll_ms = 500;
+    std::string host = "127.0.0.1", token_file;
+    int port = 30080, wait_s = 60, threads = 4096, retries = 2, poll_ms = 500, health_misses = 3;
     long timeout_s = 3600;
     std::vector<std::string> *list = nullptr;
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
+        if (a == "--help" || a == "-h") {
+            std::fputs(kHelp, stdout);
+            return 0;
+        }
         if (a == "--prefill") { list = &prefill_urls; continue; }
         if (a == "--decode") { list = &decode_urls; continue; }
         if (a.rfind("--", 0) != 0) {
-            if (!list) return usage(("unexpected argument " + a).c_str());
+            if (!list) return usage("unexpected argument " + a);
             list->push_back(a);
             continue;
         }
         list = nullptr;
-        if (i + 1 >= argc) return usage(("missing the value of " + a).c_str());
+        if (i + 1 >= argc) return usage("missing the value of " + a);
         const char *v = argv[++i];
         if (a == "--host") host = v;
         else if (a == "--port") port = std::atoi(v);
@@ -634,28 +981,32 @@ int main(int argc, char **argv) {
         else if (a == "--http-threads") threads = std::atoi(v);
         else if (a == "--retries") retries = std::atoi(v);
         else if (a == "--poll-ms") poll_ms = std::atoi(v);
-        else return usage(("unknown option " + a).c_str());
+        else if (a == "--health-misses") health_misses = std::atoi(v);
+        else if (a == "--router-token-file") token_file = v;
+        else return usage("unknown option " + a);
     }
     if (prefill_urls.empty() || decode_urls.empty()) return usage("pass at least one --prefill and one --decode URL");
     if (port < 0 || port > 65535) return usage("--port must be 0..65535");
-    if (timeout_s <= 0 || wait_s < 0 || threads <= 0 || retries < 0 || poll_ms <= 0)
-        return usage("--timeout, --http-threads and --poll-ms must be positive, --retries and --wait not negative");
+    if (timeout_s <= 0 || wait_s < 0 || threads <= 0 || retries < 0 || poll_ms <= 0 || health_misses <= 0)
+        return usage("--timeout, --http-threads, --poll-ms and --health-misses must be positive, --retries and --wait not negative");
 
     const sigset_t signals = serve::block_stop_signals();
+    // A client's connection and one to each of its two servers per request in flight.
+    serve::raise_open_files_limit("dsv4-router", 3 * static_cast<rlim_t>(threads) + 256);
 
     try {
+        const std::string token = token_file.empty() ? "" : serve::read_token_file(token_file);
         std::vector<std::unique_ptr<backend>> prefills, decodes;
-        for (const std::string &u : prefill_urls) prefills.push_back(discover(u, "prefill", wait_s));
-        for (const std::string &u : decode_urls) decodes.push_back(discover(u, "decode", wait_s));
-        router r(std::move(prefills), std::move(decodes), static_cast<time_t>(timeout_s), retries,
-                 std::chrono::milliseconds(poll_ms));
+        for (const std::string &u : prefill_urls) prefills.push_back(discover(u, "prefill", wait_s, token, token_file));
+        for (const std::string &u : decode_urls) decodes.push_back(discover(u, "decode", wait_s, token, token_file));
+        router r(std::move(prefills), std::move(decodes), token, static_cast<time_t>(timeout_s), retries,
+                 std::chrono::milliseconds(poll_ms), health_misses);
         httplib::Server http;
-        // A thread per open request (a stream holds one for its length): more than a server's
-        // running + queued requests, so a burst reaches the servers' admission control (and
-        // its 429s) instead of waiting unseen in the router.
-        http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+        serve::options o;
+        o.max_threads = static_cast<size_t>(threads);
+        serve::listener listener(http, o);
         r.routes(http);
-        const int bound = serve::bind(http, "dsv4-router", host, port);
+        const int bound = listener.bind("dsv4-router", host, port);
         if (bound < 0) return 1;
         std::printf("dsv4-router: %zu prefill, %zu decode; listening on http://%s:%d\n", prefill_urls.size(),
                     decode_urls.size(), host.c_str(), bound);

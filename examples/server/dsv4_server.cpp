@@ -1,27 +1,36 @@
 // dsv4-server: one dsv4 engine behind HTTP, on the C++ wrapper (bindings/cpp/dsv4.hpp).
 //
-//   dsv4-server --params FILE [--host 127.0.0.1] [--port 30000]
+//   dsv4-server --params FILE [--host 127.0.0.1] [--port 30000] [--http-threads N]
+//               [--router-token-file FILE | --trust-pd-fields]
 //
 // GET  /health                200 when the engine is READY, 503 otherwise; {"state", "reason"}
 // GET  /metrics               the Prometheus exposition (text/plain; version=0.0.4)
 // GET  /server_info           version, role, model facts, resolved params, PD endpoint
+// GET  /v1/models             OpenAI's model list: the checkpoint's name
 // POST /generate              SGLang's native API: input_ids or text, sampling_params, stream
 // POST /v1/completions        OpenAI completions: prompt as text or token ids, SSE streaming
 // POST /v1/chat/completions   OpenAI chat: messages through the checkpoint's chat template
 // POST /abort_request         {"rid"}: aborts the request submitted with that "rid"
 //
 // Refusals map to HTTP: QUEUE_FULL 429 (with Retry-After), CAPACITY 413, INVALID_ARGUMENT 400,
-// UNSUPPORTED 400 (e.g. text on a checkpoint without a tokenizer), SHUTDOWN 503, others 500;
-// the body is {"error": {"message", "status", "code"}} with the library's message. A streaming
-// client that disconnects aborts its request at the next token. SIGTERM or SIGINT drains: the
-// health check turns 503 and new requests are refused while those in flight finish, then the
-// server exits 0. docs/serving.md has the details.
+// UNSUPPORTED 400 (e.g. text on a checkpoint without a tokenizer), SHUTDOWN 503, KV_TRANSFER 503
+// (a PD room failed: its peer died or refused; another pair may serve it), TIMEOUT 504, others
+// 500; the body is {"error": {"message", "status", "code"}} with the library's message. A request
+// that fails mid-stream ends its stream with an error event in the endpoint's own shape, then
+// [DONE]. PD routing fields in a body (bootstrap_room, bootstrap_host, bootstrap_port, pd_room,
+// pd_peer) are honoured only from the router (X-DSV4-Router-Token matching --router-token-file)
+// or with --trust-pd-fields; otherwise the request is refused with 400 naming the field. A
+// streaming client that disconnects aborts its request at the next token. SIGTERM or SIGINT
+// drains: the health check turns 503 and new requests are refused while those in flight finish,
+// then the server exits 0. docs/serving.md has the details.
 #include <dsv4.hpp>
 
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "../http/rids.hpp"
 #include "../http/serve.hpp"
+#include "../http/trust.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +39,9 @@
 #include <ctime>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <cerrno>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -56,6 +68,10 @@ int http_status(dsv4::status s) {
     case dsv4::status::invalid_argument:
     case dsv4::status::unsupported: return 400;
     case dsv4::status::shutdown: return 503;
+    // A PD room that failed (its peer died, refused or could not hold the state): retryable on
+    // another prefill/decode pair, so not a 500.
+    case dsv4::status::kv_transfer: return 503;
+    case dsv4::status::timeout: return 504;
     case dsv4::status::not_found: return 404;
     default: return 500;
     }
@@ -129,81 +145,38 @@ struct job {
     uint32_t prompt_tokens = 0;
 };
 
-// The PD and request-id fields every generation API takes (SGLang's names): "bootstrap_room",
-// the prefill's endpoint as "bootstrap_host" + "bootstrap_port" (or "pd_peer",
+// Whether a request's PD routing fields are honoured (see trust.hpp).
+enum class pd_trust { refused, router_token, trusted };
+
+// Refuses a body with a PD routing field unless `why_untrusted` is empty (they are honoured),
+// naming the field and why. Checked before any work on the body.
+void refuse_pd_fields(const json &j, const std::string &why_untrusted) {
+    if (why_untrusted.empty()) return;
+    for (const char *name : serve::kPdFields) {
+        auto it = j.find(name);
+        if (it != j.end() && !it->is_null())
+            throw bad_request(std::string(name) + " is a PD routing field: " + why_untrusted);
+    }
+}
+
+// The PD and request-id fields every generation API takes (SGLang's names): "bootstrap_room"
+// (or "pd_room"), the prefill's endpoint as "bootstrap_host" + "bootstrap_port" (or "pd_peer",
 // tcp://host:port), and "rid", the caller's id for POST /abort_request.
 void routing_fields(const json &j, job &jb) {
-    if (j.contains("bootstrap_room")) jb.request.pd_room(field<uint64_t>(j, "bootstrap_room", 0));
-    if (j.contains("pd_peer")) {
+    auto present = [&](const char *name) { return j.contains(name) && !j[name].is_null(); };
+    if (present("bootstrap_room")) jb.request.pd_room(field<uint64_t>(j, "bootstrap_room", 0));
+    else if (present("pd_room")) jb.request.pd_room(field<uint64_t>(j, "pd_room", 0));
+    if (present("pd_peer")) {
         jb.request.pd_peer(field<std::string>(j, "pd_peer", ""));
-    } else if (j.contains("bootstrap_host")) {
+    } else if (present("bootstrap_host")) {
         jb.request.pd_peer("tcp://" + field<std::string>(j, "bootstrap_host", "") + ":" +
                            std::to_string(field<int>(j, "bootstrap_port", 0)));
     }
     jb.rid = field<std::string>(j, "rid", "");
-    if (jb.rid.size() > 256) throw bad_request("rid is longer than 256 bytes: use a shorter id");
+    if (jb.rid.size() > serve::kMaxRidBytes) throw bad_request("rid is longer than 256 bytes: use a shorter id");
 }
 
-// Requests by their caller's "rid", so POST /abort_request can reach them. An abort may arrive
-// before its request (a router aborts the decode's half when the prefill refuses, and the two
-// race): such a rid is remembered for a minute and its request is answered as aborted without
-// running. Rids that ended recently are remembered too, so a late abort of one (a router's,
-// after its request finished) is not taken for an early one.
-class rid_registry {
-public:
-    // True (and forgotten) when `rid` was aborted before its request came.
-    bool aborted_before(const std::string &rid) {
-        std::lock_guard<std::mutex> lock(mu_);
-        return early_.erase(rid) > 0;
-    }
-
-    // Registers a submitted request; false when the rid was aborted meanwhile (the caller
-    // aborts the request then).
-    bool add(const std::string &rid, uint64_t id) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (early_.erase(rid)) return false;
-        if (!live_.emplace(rid, id).second) throw bad_request("rid " + rid + " is already in flight: pick another");
-        return true;
-    }
-
-    void remove(const std::string &rid) {
-        std::lock_guard<std::mutex> lock(mu_);
-        live_.erase(rid);
-        remember(ended_, rid);
-    }
-
-    // The request's id, or nothing (then the rid is remembered as aborted early, unless its
-    // request already ended).
-    std::optional<uint64_t> take_for_abort(const std::string &rid) {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = live_.find(rid);
-        if (it != live_.end()) return it->second;
-        if (!ended_.count(rid)) remember(early_, rid);
-        return std::nullopt;
-    }
-
-private:
-    using clock = std::chrono::steady_clock;
-    using recent = std::unordered_map<std::string, clock::time_point>;
-    static constexpr size_t kMax = 4096;
-
-    // Adds `rid` to `set`, dropping what is older than a minute and, when still full, the
-    // oldest entry (never the new one).
-    static void remember(recent &set, const std::string &rid) {
-        const auto now = clock::now();
-        for (auto it = set.begin(); it != set.end();) it = now - it->second > std::chrono::seconds(60) ? set.erase(it) : std::next(it);
-        if (set.size() >= kMax) {
-            auto oldest = std::min_element(set.begin(), set.end(),
-                                           [](const auto &a, const auto &b) { return a.second < b.second; });
-            set.erase(oldest);
-        }
-        set[rid] = now;
-    }
-
-    std::mutex mu_;
-    std::unordered_map<std::string, uint64_t> live_;
-    recent early_, ended_;
-};
+using rid_registry = serve::rid_registry<uint64_t>;
 
 dsv4::request build(const dsv4::engine &engine, std::vector<int32_t> prompt, const sampling &s) {
     dsv4::request r(std::move(prompt));
@@ -238,7 +211,8 @@ enum class api { sglang, completions, chat };
 
 class server {
 public:
-    server(dsv4::engine &engine) : engine_(engine) {
+    server(dsv4::engine &engine, pd_trust trust, std::string router_token)
+        : engine_(engine), trust_(trust), router_token_(std::move(router_token)) {
         const json info = json::parse(engine_.model_info());
         has_tokenizer_ = info.value("has_tokenizer", false);
         model_name_ = info.value("name", std::string("dsv4"));
@@ -255,12 +229,20 @@ public:
         });
         // What a router needs to know about this server: its role and, in a PD role, the
         // endpoint a decode request names as its prefill (`bootstrap_host`/`bootstrap_port`).
-        http.Get("/server_info", [this](const httplib::Request &, httplib::Response &res) {
+        // `pd_fields` says whom the PD routing fields are taken from ("trusted": anyone,
+        // "router_token": the router, "refused": no one); with an X-DSV4-Router-Token header,
+        // `router_token` says whether it is this server's ("accepted" or "rejected"), so a router
+        // checks its token at start instead of at its first request.
+        http.Get("/server_info", [this](const httplib::Request &req, httplib::Response &res) {
             const json params = json::parse(engine_.params_resolved());
+            const char *trust_names[] = {"refused", "router_token", "trusted"};
             json out = {{"version", dsv4::version()},
                         {"role", params.value("role", std::string("unified"))},
                         {"model", json::parse(engine_.model_info())},
-                        {"params", params}};
+                        {"params", params},
+                        {"pd_fields", trust_names[static_cast<int>(trust_)]}};
+            if (req.has_header(serve::kRouterTokenHeader))
+                out["router_token"] = token_matches(req) ? "accepted" : "rejected";
             if (out["role"] != "unified") {
                 const std::string endpoint = engine_.pd_endpoint();  // tcp://host:port
                 out["pd_endpoint"] = endpoint;
@@ -272,6 +254,11 @@ public:
         });
         http.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
             res.set_content(engine_.prometheus(), "text/plain; version=0.0.4");
+        });
+        // OpenAI's model discovery: the one model this server runs.
+        http.Get("/v1/models", [this](const httplib::Request &, httplib::Response &res) {
+            const json model = {{"id", model_name_}, {"object", "model"}, {"created", started_}, {"owned_by", "dsv4"}};
+            res.set_content(json{{"object", "list"}, {"data", json::array({model})}}.dump(), "application/json");
         });
         http.Post("/generate", [this](const httplib::Request &req, httplib::Response &res) {
             guarded(res, [&] { generate(req, res); });
@@ -289,6 +276,7 @@ public:
                 const json j = body(req);
                 const std::string rid = field<std::string>(j, "rid", "");
                 if (rid.empty()) throw bad_request("pass the rid of the request to abort");
+                if (rid.size() > serve::kMaxRidBytes) throw bad_request("rid is longer than 256 bytes: no request has it");
                 std::optional<uint64_t> id = rids_.take_for_abort(rid);
                 bool aborted = false;
                 if (id) {
@@ -305,6 +293,27 @@ public:
     }
 
 private:
+    bool token_matches(const httplib::Request &req) const {
+        return !router_token_.empty() &&
+               serve::same_secret(req.get_header_value(serve::kRouterTokenHeader), router_token_);
+    }
+
+    // Empty when this request's PD routing fields are honoured, else why not.
+    std::string why_untrusted(const httplib::Request &req) const {
+        switch (trust_) {
+        case pd_trust::trusted: return "";
+        case pd_trust::router_token:
+            if (token_matches(req)) return "";
+            return req.has_header(serve::kRouterTokenHeader)
+                       ? "the request's X-DSV4-Router-Token is not this server's --router-token-file token"
+                       : "this server takes PD fields only from its router (X-DSV4-Router-Token); send the request "
+                         "through dsv4-router, or drop the field";
+        case pd_trust::refused: break;
+        }
+        return "this server takes no PD fields from requests; start it with --router-token-file FILE (the file "
+               "dsv4-router is given) or, behind a router you trust, --trust-pd-fields";
+    }
+
     template <typename F>
     void guarded(httplib::Response &res, F &&f) {
         try {
@@ -328,6 +337,7 @@ private:
     // "bootstrap_room", "bootstrap_host" + "bootstrap_port" (or "pd_peer"), "rid"}.
     void generate(const httplib::Request &http_req, httplib::Response &res) {
         const json j = body(http_req);
+        refuse_pd_fields(j, why_untrusted(http_req));
         const json sp = j.value("sampling_params", json::object());
         if (!sp.is_object()) throw bad_request("sampling_params must be an object");
         sampling s;
@@ -350,12 +360,13 @@ private:
         } else {
             throw bad_request("pass input_ids (token ids) or text");
         }
-        serve(j, std::move(prompt), s, res, api::sglang);
+        answer(j, std::move(prompt), s, res, api::sglang);
     }
 
     // POST /v1/completions and /v1/chat/completions.
     void openai(const httplib::Request &http_req, httplib::Response &res, bool chat) {
         const json j = body(http_req);
+        refuse_pd_fields(j, why_untrusted(http_req));
         sampling s;
         s.max_new_tokens = field<uint32_t>(j, chat ? "max_completion_tokens" : "max_tokens",
                                            field<uint32_t>(j, "max_tokens", 128));
@@ -381,11 +392,11 @@ private:
                 throw bad_request("prompt must be a string or a list of token ids");
             }
         }
-        serve(j, std::move(prompt), s, res, chat ? api::chat : api::completions);
+        answer(j, std::move(prompt), s, res, chat ? api::chat : api::completions);
     }
 
     // A request from its prompt, sampling and the body's routing fields and "stream".
-    void serve(const json &j, std::vector<int32_t> prompt, const sampling &s, httplib::Response &res, api a) {
+    void answer(const json &j, std::vector<int32_t> prompt, const sampling &s, httplib::Response &res, api a) {
         job jb;
         jb.prompt_tokens = static_cast<uint32_t>(prompt.size());
         jb.request = build(engine_, std::move(prompt), s);
@@ -425,18 +436,23 @@ private:
                 {"usage", usage}};
     }
 
-    // Keeps a request's rid registered while its answer is being produced.
-    struct rid_entry {
-        rid_entry(rid_registry &registry, std::string rid) : registry(registry), rid(std::move(rid)) {}
-        rid_entry(const rid_entry &) = delete;
-        rid_entry &operator=(const rid_entry &) = delete;
-        ~rid_entry() { registry.remove(rid); }
-        rid_registry &registry;
-        std::string rid;
-    };
+    using rid_entry = serve::rid_entry<uint64_t>;
 
-    // A request whose rid was aborted before it came: answered as aborted, never submitted (a
-    // PD decode's half must not claim its room).
+    // A stream's last event for a request that failed mid-stream, in the endpoint's shape:
+    // SGLang's final answer with finish_reason {"type": "abort", "message", "status_code"} (what
+    // SGLang's own server sends), OpenAI's {"error": {...}}.
+    json error_chunk(api a, const outcome &o) const {
+        const int code = http_status(o.last.status);
+        const char *status = dsv4_status_name(static_cast<int32_t>(o.last.status));
+        if (a != api::sglang) return error_json(code, status, o.last.message);
+        json meta = {{"prompt_tokens", o.last.prompt_tokens},
+                     {"completion_tokens", o.ids.size()},
+                     {"finish_reason", {{"type", "abort"}, {"message", o.last.message}, {"status_code", code}, {"status", status}}}};
+        json out = {{"output_ids", o.ids}, {"meta_info", meta}};
+        if (has_tokenizer_) out["text"] = o.text;
+        return out;
+    }
+
     // A stream's last event: SGLang's final answer, or OpenAI's chunk with the finish reason
     // and the usage.
     json last_chunk(api a, const outcome &o, const std::string &id) const {
@@ -451,6 +467,8 @@ private:
                 {"usage", final_json(api::completions, o, id)["usage"]}};
     }
 
+    // A request whose rid was aborted before it came: answered as aborted, never submitted (a
+    // PD decode's half must not claim its room).
     void answer_aborted(const job &jb, httplib::Response &res, api a) {
         outcome o;
         o.last.kind = dsv4::event_kind::finished;
@@ -474,15 +492,13 @@ private:
         const std::string id = "cmpl-" + std::to_string(stream->id());
         std::shared_ptr<rid_entry> rid;
         if (!jb.rid.empty()) {
-            bool fresh;
-            try {
-                fresh = rids_.add(jb.rid, stream->id());
-            } catch (...) {
+            switch (rids_.add(jb.rid, stream->id())) {
+            case rid_registry::added::ok: rid = std::make_shared<rid_entry>(rids_, jb.rid); break;
+            case rid_registry::added::aborted_early: stream->abort(); break;  // between the check and the submit
+            case rid_registry::added::in_flight:
                 stream->abort();
-                throw;
+                throw bad_request("rid " + jb.rid + " is already in flight: pick another");
             }
-            if (fresh) rid = std::make_shared<rid_entry>(rids_, jb.rid);
-            else stream->abort();  // aborted between the check above and the submit
         }
         std::shared_ptr<dsv4::detokenizer> detok;
         if (has_tokenizer_) detok = std::make_shared<dsv4::detokenizer>(engine_);
@@ -544,8 +560,7 @@ private:
                 } else {
                     state->last = *e;
                     if (e->kind == dsv4::event_kind::error) {
-                        chunk = sse(error_json(http_status(e->status),
-                                               dsv4_status_name(static_cast<int32_t>(e->status)), e->message));
+                        chunk = sse(error_chunk(a, *state));
                     } else {
                         chunk = sse(last_chunk(a, *state, id));
                     }
@@ -562,8 +577,10 @@ public:
     bool wait_streams(std::chrono::milliseconds limit) const { return streams_.wait(limit); }
 
 private:
-
     dsv4::engine &engine_;
+    const pd_trust trust_;
+    const std::string router_token_;
+    const std::time_t started_ = std::time(nullptr);
     rid_registry rids_;
     serve::streams streams_;
     bool has_tokenizer_ = false;
@@ -572,57 +589,112 @@ private:
 
 std::string read_file(const std::string &path) {
     std::ifstream f(path, std::ios::binary);
-    if (!f) throw std::runtime_error("cannot read --params " + path);
+    if (!f) throw std::runtime_error("cannot read --params " + path + ": " + std::strerror(errno));
     std::stringstream ss;
     ss << f.rdbuf();
     return ss.str();
 }
 
-int usage(const char *why) {
-    std::fprintf(stderr, "dsv4-server: %s\nusage: dsv4-server --params FILE [--host H] [--port P] [--http-threads N]\n", why);
+// The params with a relative "model_path" looked up next to the params file first (so a params
+// file and its checkpoint move together, e.g. the installed share/dsv4/examples), then in the
+// working directory, as before.
+std::string with_model_path_resolved(const std::string &text, const std::string &params_path) {
+    json p = json::parse(text, nullptr, false);
+    if (!p.is_object() || !p.contains("model_path") || !p["model_path"].is_string()) return text;
+    const std::filesystem::path model = p["model_path"].get<std::string>();
+    if (model.empty() || model.is_absolute()) return text;
+    const std::filesystem::path beside = std::filesystem::path(params_path).parent_path() / model;
+    std::error_code ec;
+    if (!std::filesystem::exists(beside, ec)) return text;
+    p["model_path"] = beside.lexically_normal().string();
+    return p.dump();
+}
+
+const char *kUsage =
+    "usage: dsv4-server --params FILE [--host H] [--port P] [--http-threads N]\n"
+    "                   [--router-token-file FILE | --trust-pd-fields]\n";
+
+const char *kHelp =
+    "dsv4-server: one dsv4 engine behind HTTP (SGLang's /generate, OpenAI's /v1/completions and\n"
+    "/v1/chat/completions, /health, /metrics, /server_info, /v1/models, /abort_request).\n\n"
+    "  --params FILE            the engine's params (JSON, docs/params.md); a relative model_path\n"
+    "                           is looked up next to FILE first, then in the working directory\n"
+    "  --host H                 address to listen on (127.0.0.1)\n"
+    "  --port P                 port (30000; 0 picks a free one, named on the \"listening\" line)\n"
+    "  --http-threads N         most connections served at once (4096); a thread each, started\n"
+    "                           as connections come and ended when idle for 30 s\n"
+    "  --router-token-file FILE honour PD routing fields (bootstrap_room/host/port, pd_room,\n"
+    "                           pd_peer) from requests whose X-DSV4-Router-Token header holds the\n"
+    "                           token in FILE: give dsv4-router the same file\n"
+    "  --trust-pd-fields        honour PD routing fields from every request (only behind a router\n"
+    "                           that strips them from its clients, such as SGLang's)\n"
+    "  --help                   this text\n\n"
+    "At start it prints the memory plan, then \"dsv4-server: listening on http://H:P\".\n"
+    "Without either PD option a body with a PD routing field is refused (400).\n"
+    "SIGTERM or SIGINT drains (503 for new requests, those in flight finish) and exits 0.\n"
+    "Exit status: 0 stopped by a signal, 1 failed (params refused, port taken), 2 usage.\n";
+
+int usage(const std::string &why) {
+    std::fprintf(stderr, "dsv4-server: %s\n%s(--help says more)\n", why.c_str(), kUsage);
     return 2;
 }
 
 }  // namespace
 
 int main(int argc, char **argv) {
-    std::string params_path, host = "127.0.0.1";
-    int port = 30000, threads = 0;
+    std::string params_path, host = "127.0.0.1", token_file;
+    int port = 30000, threads = 4096;
+    bool trust_pd_fields = false;
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
-        if (i + 1 >= argc) return usage(("missing the value of " + a).c_str());
+        if (a == "--help" || a == "-h") {
+            std::fputs(kHelp, stdout);
+            return 0;
+        }
+        if (a == "--trust-pd-fields") {
+            trust_pd_fields = true;
+            continue;
+        }
+        if (i + 1 >= argc) return usage("missing the value of " + a);
         if (a == "--params") params_path = argv[++i];
         else if (a == "--host") host = argv[++i];
         else if (a == "--port") port = std::atoi(argv[++i]);
         else if (a == "--http-threads") threads = std::atoi(argv[++i]);
-        else return usage(("unknown option " + a).c_str());
+        else if (a == "--router-token-file") token_file = argv[++i];
+        else return usage("unknown option " + a);
     }
     if (params_path.empty()) return usage("--params is required");
     if (port < 0 || port > 65535) return usage("--port must be 0..65535");
+    if (threads <= 0) return usage("--http-threads must be positive");
+    if (trust_pd_fields && !token_file.empty())
+        return usage("--trust-pd-fields and --router-token-file exclude each other: the first trusts every request");
 
     // SIGTERM and SIGINT are taken by a thread of their own, so they are blocked in every
     // thread, the engine's and the HTTP pool's included: block them before any starts.
     const sigset_t signals = serve::block_stop_signals();
+    // A connection each, plus the engine's own (PD links, the checkpoint's files).
+    serve::raise_open_files_limit("dsv4-server", static_cast<rlim_t>(threads) + 256);
 
     try {
-        dsv4::engine engine(read_file(params_path));
-        server routes(engine);
-        httplib::Server http;
-        // A connection holds a thread for its request's length (a stream for all of it), so the
-        // pool covers every request admission control lets in, running or queued, with room to
-        // answer the rest: a burst past the queue gets its 429 at once instead of waiting unseen
-        // in httplib's own queue (its default pool is 8 threads).
-        if (threads <= 0) {
-            const json p = json::parse(engine.params_resolved());
-            const int64_t want = p["kv"].value("max_running_requests", int64_t{32}) +
-                                 p["admission"].value("max_queued_requests", int64_t{256}) + 16;
-            // httplib starts every thread up front: a huge queue gets 4096 (the rest wait in
-            // httplib's queue; --http-threads sets more).
-            threads = static_cast<int>(std::min<int64_t>(want, 4096));
+        const std::string token = token_file.empty() ? "" : serve::read_token_file(token_file);
+        const pd_trust trust = trust_pd_fields ? pd_trust::trusted : token.empty() ? pd_trust::refused : pd_trust::router_token;
+        const std::string params = with_model_path_resolved(read_file(params_path), params_path);
+        // The plan first, where an operator looks: every pool's device and host bytes, HiCache
+        // per NUMA node and its effective ratio. A refused plan is the engine's error below.
+        try {
+            std::istringstream plan(dsv4::plan_text(params));
+            for (std::string line; std::getline(plan, line);) std::printf("dsv4-server: plan: %s\n", line.c_str());
+            std::fflush(stdout);
+        } catch (const dsv4::error &) {
         }
-        http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+        dsv4::engine engine(params);
+        server routes(engine, trust, token);
+        httplib::Server http;
+        serve::options o;
+        o.max_threads = static_cast<size_t>(threads);
+        serve::listener listener(http, o);
         routes.routes(http);
-        const int bound = serve::bind(http, "dsv4-server", host, port);
+        const int bound = listener.bind("dsv4-server", host, port);
         if (bound < 0) return 1;
         // The line a supervisor (or a test) waits for.
         std::printf("dsv4-server: listening on http://%s:%d\n", host.c_str(), bound);

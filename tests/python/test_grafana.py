@@ -95,7 +95,7 @@ def orphan_room(decode, prefill_info, room):
     body = {"input_ids": PROMPT, "bootstrap_room": room, "rid": f"orphan-{room}",
             "bootstrap_host": prefill_info["bootstrap_host"],
             "bootstrap_port": prefill_info["bootstrap_port"], "sampling_params": {"max_new_tokens": 2}}
-    t = threading.Thread(target=decode.json, args=("/generate", body))
+    t = threading.Thread(target=decode.routed, args=("/generate", body))
     t.start()
     time.sleep(0.2)
     decode.json("/abort_request", {"rid": f"orphan-{room}"})
@@ -212,3 +212,27 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path):
             prom.stop()
         for s in (router, decode, refusing, prefill):
             s.stop()
+
+
+def test_latency_histograms_resolve_a_quarter_second_to_thirty_seconds(tmp_path):
+    """The latency panels' p50/p99 interpolate within a bucket: between 0.25 s and 30 s every
+    bucket of TTFT, inter-token and end-to-end latency, as a server exports them, spans at most
+    1.25x (a p99 read 24.7 s off a 10-25 s bucket while clients measured 11.3 s)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    s = Server(tmp_path)
+    try:
+        text = s.call("/metrics")[2]
+    finally:
+        s.stop()
+    bounds = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf":
+                bounds.setdefault(sample.name, set()).add(float(sample.labels["le"]))
+    for name in ("dsv4_time_to_first_token_seconds_bucket", "dsv4_inter_token_latency_seconds_bucket",
+                 "dsv4_e2e_request_latency_seconds_bucket"):
+        les = sorted(bounds[name])
+        assert les[0] <= 0.25 and les[-1] >= 30, (name, les)
+        for lo, hi in zip(les, les[1:]):
+            if hi > 0.25 and lo < 30:
+                assert hi / lo <= 1.25 + 1e-9, (name, lo, hi)

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from test_metrics import promtool_check
 from test_server import (FIXTURE, GREEDY, PROMPT, Server, engine, post_raw,  # noqa: F401
-                         server_binary, sse_events)
+                         server_binary, shared_token, sse_events, token_file)
 
 PD = {"listen": "tcp://127.0.0.1:0"}
 
@@ -27,9 +27,13 @@ def router_binary():
 
 
 class Router:
+    """A dsv4-router over `prefills` and `decodes`, with their router token (unless `extra`
+    passes one)."""
+
     def __init__(self, prefills, decodes, *extra):
+        token = [] if "--router-token-file" in extra else ["--router-token-file", str(shared_token()[0])]
         argv = [str(router_binary()), "--prefill", *[s.url for s in prefills],
-                "--decode", *[s.url for s in decodes], "--port", "0", *extra]
+                "--decode", *[s.url for s in decodes], "--port", "0", *token, *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         line = self.proc.stdout.readline()
@@ -235,14 +239,17 @@ def test_health_follows_the_servers_and_sigterm_exits_0(pair):
     d.stop()
     status, _, body = r.json("/health")
     assert status == 503 and body["decode"][0]["state"] == "unreachable", body
-    # A request whose decode server is gone: 502 naming it, and the prefill's half aborted.
+    # A request whose decode server is gone: 502 naming its role (the router's log names the
+    # server; a client learns no internal endpoint), and the prefill's half aborted.
     status, _, body = r.json("/generate", {"input_ids": PROMPT, "sampling_params": {
         "max_new_tokens": 2, **GREEDY}})
-    assert status == 502 and d.url in body["error"]["message"], body
+    assert status == 502 and "the decode server did not answer" in body["error"]["message"], body
+    assert "127.0.0.1" not in json.dumps(body), body
     wait_until("the prefill's half still holds its room", lambda: holds_nothing(p))
     r.proc.send_signal(15)
     assert r.proc.wait(timeout=30) == 0
-    assert "SIGTERM: draining" in r.proc.stdout.read()
+    log = r.proc.stdout.read()
+    assert "SIGTERM: draining" in log and f"decode server {d.url} did not answer" in log, log
 
 
 def test_a_busy_decode_server_is_passed_over(tmp_path, engine):
@@ -352,3 +359,109 @@ def test_the_demo_pd_script_runs_on_a_checkpoint():
     assert "prefill rooms transferred 4" in proc.stdout and "decode  rooms transferred 4" in \
         proc.stdout, proc.stdout
     assert "exited [0, 0, 0]" in proc.stdout
+
+
+def read_stream(sock, data=b""):
+    """(events, ended): the data payloads of a streamed answer read off `sock` to its close
+    (after `data`, what was read of it before), and whether the chunked body ended with its last
+    chunk (not cut off)."""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    text, ended = b"", False
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            ended = True
+            break
+        text += rest[:n]
+        rest = rest[n + 2:]
+    return [e[len("data: "):] for e in text.decode().split("\n\n") if e], ended
+
+
+def test_a_killed_decode_ends_streams_properly_and_a_restarted_one_serves_again(tmp_path, engine):
+    """The operator's replay: a PD pair with HiCache behind the router, streams open, the decode
+    killed. Every stream ends with an error event in its endpoint's shape and [DONE] (no
+    truncated body); requests while it is down get 502/503, never 500; the decode restarted on
+    its port is back in rotation and serves the unified engine's tokens."""
+    (p,) = servers(tmp_path, "prefill", 1, hicache={"enabled": True, "ratio": 2.0})
+    (d,) = servers(tmp_path, "decode", 1)
+    r = Router([p], [d], "--poll-ms", "100")
+    try:
+        long_sglang = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+        long_openai = {"prompt": PROMPT, "stream": True, "max_tokens": 100000, **GREEDY}
+        socks = [(post_raw(r.port, "/generate", long_sglang, close=True), "sglang"),
+                 (post_raw(r.port, "/v1/completions", long_openai, close=True), "openai")]
+        started = []
+        for s, _ in socks:
+            got = b""
+            while got.count(b"data:") < 2:
+                got += s.recv(4096)
+            started.append(got)
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        for (s, shape), got in zip(socks, started):
+            events, ended = read_stream(s, got)
+            s.close()
+            assert ended and events[-1] == "[DONE]", events[-3:]
+            last = json.loads(events[-2])
+            if shape == "sglang":
+                assert last["meta_info"]["finish_reason"]["type"] == "abort", last
+                assert "mid-stream" in last["meta_info"]["finish_reason"]["message"]
+            else:
+                assert last["error"]["code"] == 502 and "mid-stream" in last["error"]["message"], last
+        assert value(r, "dsv4_router_broken_streams_total") == 2
+        for _ in range(3):
+            status, _, body = r.json("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+            assert status in (502, 503), (status, body)
+        wait_until("the dead decode is still in rotation",
+                   lambda: value(r, "dsv4_router_server_up", role="decode", url=d.url) == 0)
+        # Restarted on its port: back in rotation at the next poll, and serving.
+        (tmp_path / "again").mkdir()
+        again = Server(tmp_path / "again", args=["--port", str(d.port)], role="decode", pd=PD)
+        try:
+            wait_until("the restarted decode did not come back",
+                       lambda: value(r, "dsv4_router_server_up", role="decode", url=d.url) == 1)
+            status, _, body = r.json("/generate", {"input_ids": PROMPT, "sampling_params": {
+                "max_new_tokens": 5, **GREEDY}})
+            assert status == 200 and body["output_ids"] == list(engine.generate(PROMPT, max_new_tokens=5, **GREEDY))
+        finally:
+            again.stop()
+    finally:
+        for s in (r, d, p):
+            s.stop()
+
+
+def test_a_burst_through_the_router_gets_200_or_429(tmp_path):
+    """150 streaming completions at once through the router to a pair that admits few: each
+    ends whole (200, [DONE]) or as a 429 with Retry-After, never a reset, a 502 or a cut."""
+    import asyncio
+    import importlib.util
+    import random
+    spec = importlib.util.spec_from_file_location(
+        "bench_burst", Path(__file__).resolve().parents[2] / "scripts" / "bench_burst.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small = {"kv": {"device_memory_bytes": "32MiB", "max_running_requests": 4, "page_size": 128},
+             "admission": {"max_queued_requests": 8}}
+    (p,) = servers(tmp_path, "prefill", 1, **small)
+    (d,) = servers(tmp_path, "decode", 1, **small)
+    r = Router([p], [d])
+    try:
+        rng = random.Random(3)
+        prefix = [rng.randrange(2, 300) for _ in range(200)]
+
+        async def go():
+            bodies = [{"prompt": prefix + [rng.randrange(2, 300) for _ in range(20)], "max_tokens": 8,
+                       "stream": True, "temperature": 0, "ignore_eos": True} for _ in range(150)]
+            return await asyncio.gather(*(bench.one(r.port, b, 120) for b in bodies))
+
+        outcomes = asyncio.run(go())
+        assert set(outcomes) <= {"200", "429"}, [o for o in outcomes if o not in ("200", "429")]
+        # Each side admits 12 (4 running, 8 queued) of the 150, not always the same ones.
+        assert outcomes.count("200") >= 1 and outcomes.count("429") >= 100, outcomes
+    finally:
+        for s in (r, d, p):
+            s.stop()

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -38,30 +39,73 @@ def server_binary():
     return path
 
 
+def token_file(directory):
+    """A router token file (what --router-token-file takes) in `directory`, and its token."""
+    token = "t0k3n-" + os.urandom(16).hex()
+    path = directory / "router.token"
+    path.write_text(token + "\n")
+    return path, token
+
+
+_SHARED_TOKEN = []
+
+
+def shared_token():
+    """(file, token): the router token every PD server of this test run is started with (unless a
+    test passes its own options), so any router over them can use it."""
+    if not _SHARED_TOKEN:
+        _SHARED_TOKEN.append(token_file(Path(tempfile.mkdtemp(prefix="dsv4-token-"))))
+    return _SHARED_TOKEN[0]
+
+
+def start_lines(proc, what):
+    """The lines a server or router prints up to and including its "listening on" line."""
+    lines = []
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"{what} exited before listening:\n" + "".join(lines))
+        lines.append(line)
+        if "listening on http://" in line:
+            return lines
+
+
 class Server:
-    def __init__(self, tmp_path, **extra):
+    """A dsv4-server on a free port; `args` are extra command-line options. In a PD role it takes
+    PD fields from requests carrying `self.token` (its --router-token-file), unless
+    `router_token` is false or `args` has --trust-pd-fields."""
+
+    def __init__(self, tmp_path, args=(), router_token=True, **extra):
         conf = tmp_path / "params.json"
         conf.write_text(json.dumps(params(**extra)))
-        self.proc = subprocess.Popen([str(server_binary()), "--params", str(conf), "--port", "0"],
+        args = list(args)
+        self.token_file, self.token = None, None
+        if router_token and extra.get("role") in ("prefill", "decode") and "--trust-pd-fields" not in args:
+            self.token_file, self.token = shared_token()
+            args += ["--router-token-file", str(self.token_file)]
+        self.proc = subprocess.Popen([str(server_binary()), "--params", str(conf), "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = self.proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line
-        self.port = int(line.rsplit(":", 1)[1])
+        self.start_lines = start_lines(self.proc, "dsv4-server")
+        self.port = int(self.start_lines[-1].rsplit(":", 1)[1])
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def call(self, path, body=None, raw=None):
+    def call(self, path, body=None, raw=None, headers=None):
         """(status, headers, parsed JSON body) of one request."""
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        req = urllib.request.Request(self.url + path, data=data)
+        req = urllib.request.Request(self.url + path, data=data, headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 return r.status, r.headers, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.headers, e.read().decode()
 
-    def json(self, path, body=None, raw=None):
-        status, headers, text = self.call(path, body, raw)
+    def json(self, path, body=None, raw=None, headers=None):
+        status, headers, text = self.call(path, body, raw, headers)
         return status, headers, json.loads(text)
+
+    def routed(self, path, body):
+        """A request as the router sends it: with this server's router token."""
+        return self.json(path, body, headers={"X-DSV4-Router-Token": self.token})
 
     def stop(self):
         if self.proc.poll() is None:
@@ -300,10 +344,10 @@ def test_a_prefill_and_a_decode_server_give_the_unified_engines_tokens(tmp_path,
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, **GREEDY},
                 "bootstrap_room": 7}
         result = {}
-        t = threading.Thread(target=lambda: result.update(p=prefill.json("/generate", body)))
+        t = threading.Thread(target=lambda: result.update(p=prefill.routed("/generate", body)))
         t.start()
-        status, _, got = decode.json("/generate", {**body, "bootstrap_host": info["bootstrap_host"],
-                                                   "bootstrap_port": info["bootstrap_port"]})
+        status, _, got = decode.routed("/generate", {**body, "bootstrap_host": info["bootstrap_host"],
+                                                     "bootstrap_port": info["bootstrap_port"]})
         t.join(timeout=60)
         assert status == 200, got
         assert got["output_ids"] == list(engine.generate(PROMPT, max_new_tokens=6, **GREEDY))
@@ -311,7 +355,7 @@ def test_a_prefill_and_a_decode_server_give_the_unified_engines_tokens(tmp_path,
         assert status == 200 and sent["output_ids"] == [], sent
         assert sent["meta_info"]["finish_reason"] == {"type": "transferred"}
         # A decode request without its prefill's endpoint is the library's refusal, as a 400.
-        status, _, err = decode.json("/generate", {**body, "bootstrap_room": 8})
+        status, _, err = decode.routed("/generate", {**body, "bootstrap_room": 8})
         assert status == 400 and "pd_peer" in err["error"]["message"], err
     finally:
         prefill.stop()
@@ -358,3 +402,210 @@ def test_abort_request_by_rid(server):
     assert status == 400 and "256 bytes" in err["error"]["message"]
     status, _, err = server.json("/abort_request", {})
     assert status == 400 and "rid" in err["error"]["message"]
+
+
+def test_pd_fields_are_honoured_only_from_the_router(tmp_path, engine):
+    """A body's PD routing fields steer a decode's connection and name a room: without
+    --router-token-file or --trust-pd-fields a server refuses them (400 naming the field),
+    with a token only from requests carrying it, and --trust-pd-fields takes them from anyone."""
+    pd = {"listen": "tcp://127.0.0.1:0"}
+    for d in ("plain", "p", "d", "t"):
+        (tmp_path / d).mkdir()
+    prefill = Server(tmp_path / "p", role="prefill", pd=pd)
+    decode = Server(tmp_path / "d", role="decode", pd=pd)
+    trusting = Server(tmp_path / "t", args=["--trust-pd-fields"], role="decode", pd=pd)
+    refusing = Server(tmp_path / "plain", router_token=False, role="decode", pd=pd)
+    try:
+        info = prefill.json("/server_info")[2]
+        assert (info["pd_fields"], "router_token" not in info) == ("router_token", True), info
+        assert prefill.json("/server_info", headers={"X-DSV4-Router-Token": prefill.token})[2][
+            "router_token"] == "accepted"
+        assert prefill.json("/server_info", headers={"X-DSV4-Router-Token": "nope" * 5})[2][
+            "router_token"] == "rejected"
+        assert trusting.json("/server_info")[2]["pd_fields"] == "trusted"
+        assert refusing.json("/server_info")[2]["pd_fields"] == "refused"
+        forged = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        for name, field in (("bootstrap_room", 9), ("pd_room", 9), ("pd_peer", "tcp://127.0.0.1:1"),
+                            ("bootstrap_host", "127.0.0.1"), ("bootstrap_port", 1)):
+            for path in ("/generate", "/v1/completions"):
+                status, _, err = decode.json(path, {**forged, name: field})
+                assert status == 400 and err["error"]["message"].startswith(
+                    f"{name} is a PD routing field: this server takes PD fields only from its router"), err
+                status, _, err = refusing.json(path, {**forged, name: field})
+                assert status == 400 and "--router-token-file" in err["error"]["message"], err
+            status, _, err = decode.json("/generate", {**forged, name: field},
+                                         headers={"X-DSV4-Router-Token": decode.token + "x"})
+            assert status == 400 and "is not this server's --router-token-file token" in \
+                err["error"]["message"], err
+        assert value(decode, "dsv4_num_requests_total") in (None, 0)
+        # With the token, or from anyone with --trust-pd-fields: the room is served.
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **GREEDY}}
+        for room, d in ((11, decode), (12, trusting)):
+            t = threading.Thread(target=prefill.routed, args=("/generate", {**body, "bootstrap_room": room}))
+            t.start()
+            peer = {"bootstrap_room": room, "bootstrap_host": info["bootstrap_host"],
+                    "bootstrap_port": info["bootstrap_port"]}
+            status, _, got = (d.routed if d is decode else d.json)("/generate", {**body, **peer})
+            t.join(timeout=60)
+            assert status == 200 and got["output_ids"] == list(engine.generate(PROMPT, max_new_tokens=4,
+                                                                                **GREEDY)), got
+    finally:
+        for s in (prefill, decode, trusting, refusing):
+            s.stop()
+
+
+def value(server, name, **labels):
+    from prometheus_client.parser import text_string_to_metric_families
+    for family in text_string_to_metric_families(server.call("/metrics")[2]):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None
+
+
+def test_a_room_whose_peer_is_gone_is_503_and_ends_a_stream_in_shape(tmp_path):
+    """A decode whose prefill does not answer: the room fails (its peer is dead), which is
+    retryable on another pair: 503, not 500. Streamed, the stream ends with the endpoint's own
+    error event (SGLang: finish_reason abort with the message), then [DONE]."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # bound, never listening: connections are refused
+        d = Server(tmp_path, role="decode", pd={"listen": "tcp://127.0.0.1:0"})
+        try:
+            body = {"input_ids": PROMPT, "bootstrap_room": 5, "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": closed, "sampling_params": {"max_new_tokens": 3}}
+            status, headers, err = d.routed("/generate", body)
+            assert status == 503 and err["error"]["status"] == "DSV4_ERR_KV_TRANSFER", err
+            req = urllib.request.Request(d.url + "/generate", data=json.dumps(
+                {**body, "bootstrap_room": 6, "stream": True}).encode(),
+                headers={"X-DSV4-Router-Token": d.token})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                events = [e[len("data: "):] for e in r.read().decode().split("\n\n") if e]
+            assert events[-1] == "[DONE]" and len(events) == 2, events
+            last = json.loads(events[0])
+            assert last["output_ids"] == [] and last["meta_info"]["finish_reason"]["type"] == "abort", last
+            assert last["meta_info"]["finish_reason"]["status_code"] == 503
+            assert last["meta_info"]["finish_reason"]["message"], last
+        finally:
+            d.stop()
+
+
+def test_health_answers_at_once_while_every_request_slot_is_busy(tmp_path):
+    """/health must not wait behind generations: with every admitted request holding its
+    connection (2 running, 40 queued) and 40 refused clients keeping their connections open,
+    it answers within a second (a fixed pool sized running + queued + 16 would hold it until a
+    kept-alive connection timed out)."""
+    s = Server(tmp_path, kv={"device_memory_bytes": "32MiB", "max_running_requests": 2, "page_size": 128},
+               admission={"max_queued_requests": 40})
+    socks = []
+    try:
+        long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+        # Two running (each to the context's end, about a second here), then forty queued
+        # behind them (sent together with the first two, some would be refused instead).
+        socks = [post_raw(s.port, "/generate", long) for _ in range(2)]
+        wait_for_metrics(s, ["dsv4_num_running_reqs 2"], "the first two are not running")
+        socks += [post_raw(s.port, "/generate", long) for _ in range(40)]
+        # Forty more, refused (429) and kept open by their clients (HTTP/1.1 keep-alive);
+        # any the queue still took hold their connections too.
+        socks += [post_raw(s.port, "/generate", long) for _ in range(40)]
+        for path in ("/health", "/metrics", "/health"):
+            t = time.time()
+            status, _, body = s.call(path)
+            took = time.time() - t
+            assert status == 200 and took < 1.0, (path, took, body)
+    finally:
+        for c in socks:
+            c.close()
+        s.stop()
+
+
+def test_models_help_plan_and_a_model_path_beside_the_params(tmp_path):
+    """GET /v1/models; --help; the memory plan printed at start; a relative model_path found
+    next to the params file from another working directory; bad options refused."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "model").symlink_to(FIXTURE)
+    conf = tmp_path / "conf" / "params.json"
+    conf.write_text(json.dumps({**params(), "model_path": "model",
+                                "hicache": {"enabled": True, "ratio": 2.0}}))
+    proc = subprocess.Popen([str(server_binary()), "--params", str(conf), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/")
+    try:
+        lines = start_lines(proc, "dsv4-server")
+        plan = "".join(line for line in lines if line.startswith("dsv4-server: plan: "))
+        for want in ("DeepSeek V4 memory plan", "c4_kv", "snapshots", "hicache  ratio 2", "effective ratio: 2.00",
+                     "numa     node"):
+            assert want in plan, plan
+        port = int(lines[-1].rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+            models = json.loads(r.read())
+        assert models["object"] == "list" and len(models["data"]) == 1, models
+        assert models["data"][0]["object"] == "model" and models["data"][0]["id"], models
+    finally:
+        proc.kill()
+        proc.wait()
+    out = subprocess.run([str(server_binary()), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "--router-token-file" in out.stdout and "--trust-pd-fields" in out.stdout
+    out = subprocess.run([str(server_binary()), "--params", str(conf), "--trust-pd-fields",
+                          "--router-token-file", "x"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "exclude each other" in out.stderr, out.stderr
+    short = tmp_path / "short.token"
+    short.write_text("abc\n")
+    out = subprocess.run([str(server_binary()), "--params", str(conf), "--router-token-file", str(short)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "under the 16 required" in out.stderr, out.stderr
+
+
+def test_a_burst_of_connections_is_accepted_not_reset(server):
+    """600 clients connecting at once (each GET /health, then close): every one answered 200.
+    The listen backlog takes the burst (httplib's own is 5, which dropped or reset about a fifth
+    of 500 simultaneous connections)."""
+    import asyncio
+
+    async def one():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            line = await reader.readline()
+            await reader.read()
+            writer.close()
+            return line.split(b" ")[1].decode() if line else "closed"
+        except OSError as e:
+            return type(e).__name__
+
+    async def burst():
+        return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(600))), 60)
+
+    t = time.time()
+    outcomes = asyncio.run(burst())
+    took = time.time() - t
+    assert outcomes.count("200") == 600, {o: outcomes.count(o) for o in set(outcomes)}
+    # No client waited for a dropped SYN's retransmission (1 s, then 3 s).
+    assert took < 5, took
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_limit(tmp_path):
+    """Started with the usual soft limit of 1024 open files (under a higher hard one), the
+    server raises it: a burst needs a descriptor per connection."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit on open files is {hard}: nothing to raise it to")
+
+    def low():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+    conf = tmp_path / "params.json"
+    conf.write_text(json.dumps(params()))
+    proc = subprocess.Popen([str(server_binary()), "--params", str(conf), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=low)
+    try:
+        start_lines(proc, "dsv4-server")
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+        want = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        assert line.split()[3] == want, line
+    finally:
+        proc.kill()
+        proc.wait()
