@@ -30,10 +30,8 @@ def rate(metric, extra=""):
 HOST = sel('tier="host"')
 
 
-def router_rate(metric):
-    # The router has no dsv4_build_info, so it is not among $instance: its panels take every
-    # router Prometheus scrapes.
-    return f"rate({metric}[$__rate_interval])"
+# dsv4-router exports dsv4_build_info{role="router"} too, so it is among $job and $instance.
+ROUTER = 'and on (job, instance) dsv4_build_info{role="router"}'
 
 
 def quantiles(metric, by=""):
@@ -144,22 +142,31 @@ ROWS = [
          "Host-tier memory placed on each NUMA node, per pool."),
         ("Build", "short", [
             (f"dsv4_build_info{sel()}", "{{instance}} {{version}} {{backend}} {{role}}")],
-         "Version, backend and role of each server."),
+         "Version, backend and role of each server and router."),
+        ("Targets up", "short", [
+            (f"up{sel()}", "{{job}} {{instance}}")],
+         "1 while Prometheus scrapes a target, every server and the router; 0 when one "
+         "stopped answering (a dead or hung process, a network fault)."),
     ]),
     ("Router", [
         ("Routed requests by outcome", "reqps", [
-            (f"sum by (outcome) ({router_rate('dsv4_router_requests_total')})", "{{outcome}}")],
+            (f"sum by (outcome) ({rate('dsv4_router_requests_total')})", "{{outcome}}")],
          "dsv4-router: requests per second; refused_by_prefill / refused_by_decode carried "
          "that server's error status to the client."),
         ("Requests per server", "reqps", [
-            (f"sum by (role, url) ({router_rate('dsv4_router_server_requests_total')})",
+            (f"sum by (role, url) ({rate('dsv4_router_server_requests_total')})",
              "{{role}} {{url}}"),
-            (f"sum({router_rate('dsv4_router_retries_total')})", "retried elsewhere")],
+            (f"sum({rate('dsv4_router_retries_total')})", "retried elsewhere")],
          "dsv4-router: requests (tries included) sent to each server, and retries."),
         ("Servers in rotation and their load", "short", [
-            ("max by (role, url) (dsv4_router_server_up)", "{{role}} {{url}} up"),
-            ("max by (role, url) (dsv4_router_server_load)", "{{role}} {{url}} load")],
-         "dsv4-router: 1 while a server's /health answers; the load it picks by."),
+            (f"max by (role, url) (dsv4_router_server_up{sel()})", "{{role}} {{url}} up"),
+            (f"max by (role, url) (dsv4_router_server_load{sel()})", "{{role}} {{url}} load")],
+         "dsv4-router: 1 while a server is in rotation (it answered one of its last "
+         "--health-misses /health polls); the load it picks by."),
+        ("Router build and memory", "bytes", [
+            (f"dsv4_process_resident_memory_bytes{sel()} {ROUTER}", "{{instance}} resident"),
+            ("dsv4_build_info" + sel('role="router"'), "{{instance}} {{version}}")],
+         "dsv4-router: its resident memory and version (the build line reads 1)."),
     ]),
 ]
 
