@@ -45,9 +45,11 @@ class Router:
         self.json = Server.json.__get__(self)
 
     def stop(self):
+        """Stops the router; what it printed since it started listening (its log)."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
+        return self.proc.stdout.read()
 
 
 def samples(text):

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_metrics import promtool_check
-from test_router import router_binary, wait_until
+from test_router import Router, read_stream, router_binary, wait_until
 from test_server import post_raw, token_file
 
 MODEL = {"name": "fake-model", "has_tokenizer": True}
@@ -122,26 +122,6 @@ class Fake:
         self.http.shutdown()
 
 
-class FakeRouter:
-    def __init__(self, prefills, decodes, token_path, *extra):
-        argv = [str(router_binary()), "--prefill", *[f.url for f in prefills], "--decode",
-                *[f.url for f in decodes], "--port", "0", "--router-token-file", str(token_path), *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = self.proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line + self.proc.stdout.read()
-        self.port = int(line.rsplit(":", 1)[1])
-        from test_server import Server
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.call = Server.call.__get__(self)
-        self.json = Server.json.__get__(self)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        return self.proc.stdout.read()
-
-
 @pytest.fixture
 def fakes(tmp_path):
     path, token = token_file(tmp_path)
@@ -150,7 +130,7 @@ def fakes(tmp_path):
     def make(prefill=None, decode=None, *extra, n_prefill=1):
         ps = [Fake("prefill", token, prefill) for _ in range(n_prefill)]
         d = Fake("decode", token, decode)
-        r = FakeRouter(ps, [d], path, *extra)
+        r = Router(ps, [d], "--router-token-file", str(path), *extra)
         made.extend(ps + [d])
         made.append(r)
         return ps[0] if n_prefill == 1 else ps, d, r
@@ -164,21 +144,7 @@ def raw_events(port, path, body):
     """The data payloads of a streamed answer read off a raw socket, and whether the chunked
     body ended properly (its last chunk came)."""
     with post_raw(port, path, body, close=True) as s:
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    assert b" 200 " in head.split(b"\r\n")[0], head
-    text, ended = b"", False
-    while rest:
-        size, _, rest = rest.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            ended = True
-            break
-        text += rest[:n]
-        rest = rest[n + 2:]
-    return [e[len("data: "):] for e in text.decode().split("\n\n") if e], ended
+        return read_stream(s)
 
 
 def test_every_call_carries_the_token_and_rooms_are_unpredictable(fakes):
