@@ -7,8 +7,8 @@ mod common;
 
 use dsv4::config::params::Params;
 use dsv4::engine::Engine;
-use dsv4::error::ErrorKind;
-use dsv4::tokenizer::TextCodec;
+use dsv4::error::{ErrorKind, Result};
+use dsv4::tokenizer::{ChatTemplate, TextCodec};
 use serde_json::{json, Value};
 
 fn read_json(path: &std::path::Path) -> Value {
@@ -171,7 +171,7 @@ fn a_rejected_id_leaves_the_stream_unchanged() {
 #[test]
 fn chat_renderings_match_transformers() {
     for (codec, reference) in suites() {
-        chat_renderings_match(&codec, &reference);
+        chat_renderings_match(&reference, |m, add| codec.chat_apply(m, add));
     }
     let codec = codec();
     let err = codec.chat_apply("{\"role\": \"user\"}", true).unwrap_err();
@@ -179,11 +179,23 @@ fn chat_renderings_match_transformers() {
     assert!(err.message().contains("not a JSON array"));
 }
 
-fn chat_renderings_match(codec: &TextCodec, reference: &Value) {
+/// The checkpoints' template is rendered natively (tests/chat_template_property.rs compares that
+/// with minijinja); both renderers must also give what transformers gave.
+#[test]
+fn native_and_minijinja_renderings_match_transformers() {
+    let config = read_json(&common::fixture("tokenizer/tokenizer_config.json"));
+    let template = ChatTemplate::from_config(&config).unwrap();
+    assert!(template.is_native());
+    let reference = reference();
+    chat_renderings_match(&reference, |m, add| template.render(m, add));
+    chat_renderings_match(&reference, |m, add| template.render_with_minijinja(m, add));
+}
+
+fn chat_renderings_match(reference: &Value, render: impl Fn(&str, bool) -> Result<String>) {
     for chat in reference["chats"].as_array().unwrap() {
         let messages = chat["messages"].to_string();
         let add = chat["add_generation_prompt"].as_bool().unwrap();
-        let got = codec.chat_apply(&messages, add);
+        let got = render(&messages, add);
         match (chat.get("rendered"), got) {
             (Some(want), Ok(text)) => assert_eq!(text, want.as_str().unwrap(), "{}", chat["name"]),
             (None, Err(e)) => {

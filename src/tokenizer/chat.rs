@@ -3,20 +3,30 @@
 //! `lstrip_blocks`, loop controls, Python string methods, `raise_exception`, a Python-style
 //! `tojson`, and the context `messages`, `add_generation_prompt`, `tools`/`documents` (none) and
 //! every special token the config names (`bos_token`, `eos_token`, ...).
+//!
+//! A template the project knows (`deepseek::KNOWN`) is rendered natively instead, with the
+//! same output and refusals in time linear in the conversation; minijinja renders the rest.
 
 use minijinja::value::{Kwargs, Value as JValue};
 use minijinja::{Environment, ErrorKind as JErrorKind};
 use serde_json::{Map, Value};
 
+use super::deepseek::Native;
 use crate::error::{Error, Result};
 
 /// Templates this large are not chat templates (DeepSeek's is ~3 KiB).
 const MAX_TEMPLATE_BYTES: usize = 1 << 20;
 
+/// The template's name in the environment, which minijinja's errors quote (`(in
+/// chat_template:26)`); the native renderer's refusals quote it too.
+pub(super) const TEMPLATE_NAME: &str = "chat_template";
+
 /// A compiled chat template with the special tokens its context carries.
 pub struct ChatTemplate {
     env: Environment<'static>,
     special_tokens: Map<String, Value>,
+    /// Set when the source is a template rendered natively (see `deepseek.rs`).
+    native: Option<Native>,
 }
 
 impl ChatTemplate {
@@ -84,49 +94,93 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat_template", source)
-            .map_err(|e| {
-                Error::model_format(format!(
-                    "chat_template does not compile ({e:#}): replace it with the checkpoint's \
-                     original"
-                ))
-            })?;
+        let native = Native::for_template(&source, &special_tokens);
+        env.add_template_owned(TEMPLATE_NAME, source).map_err(|e| {
+            Error::model_format(format!(
+                "chat_template does not compile ({e:#}): replace it with the checkpoint's \
+                 original"
+            ))
+        })?;
         Ok(Self {
             env,
             special_tokens,
+            native,
         })
+    }
+
+    /// Whether [`render`](Self::render) uses the native renderer: the source is the DeepSeek
+    /// template the project's checkpoints carry, rendered in linear time with minijinja's
+    /// output. Other templates render with minijinja, in whatever time the template takes.
+    pub fn is_native(&self) -> bool {
+        self.native.is_some()
     }
 
     /// Renders `messages_json` (a JSON array of messages such as `{"role": "user", "content":
     /// "hi"}`) to the prompt text; `add_generation_prompt` appends the assistant turn's opening.
     pub fn render(&self, messages_json: &str, add_generation_prompt: bool) -> Result<String> {
-        let messages: Value = serde_json::from_str(messages_json).map_err(|e| {
-            Error::invalid_argument(format!(
-                "messages_json is not valid JSON ({e}): pass an array of messages such as \
-                 [{{\"role\": \"user\", \"content\": \"Hello\"}}]"
-            ))
-        })?;
-        if !messages.is_array() {
-            return Err(Error::invalid_argument(
-                "messages_json is not a JSON array: pass an array of messages such as \
-                 [{\"role\": \"user\", \"content\": \"Hello\"}]",
-            ));
+        let messages = parse_messages(messages_json)?;
+        match &self.native {
+            Some(native) => native
+                .render(&messages, add_generation_prompt, messages_json.len())
+                .map_err(refusal),
+            None => self.render_minijinja(messages, add_generation_prompt),
         }
+    }
+
+    /// Tests only: [`render`](Self::render) with minijinja even where the native renderer
+    /// applies, to compare the two.
+    #[doc(hidden)]
+    pub fn render_with_minijinja(
+        &self,
+        messages_json: &str,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.render_minijinja(parse_messages(messages_json)?, add_generation_prompt)
+    }
+
+    fn render_minijinja(
+        &self,
+        messages: Vec<Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let mut ctx = self.special_tokens.clone();
-        ctx.insert("messages".into(), messages);
+        ctx.insert("messages".into(), Value::Array(messages));
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         ctx.insert("tools".into(), Value::Null);
         ctx.insert("documents".into(), Value::Null);
         let template = self
             .env
-            .get_template("chat_template")
+            .get_template(TEMPLATE_NAME)
             .map_err(|e| Error::internal(format!("chat template missing: {e}")))?;
-        template.render(minijinja::value::Serde(&ctx)).map_err(|e| {
-            Error::invalid_argument(format!(
-                "the chat template could not render these messages: {e:#}"
-            ))
-        })
+        template
+            .render(minijinja::value::Serde(&ctx))
+            .map_err(|e| refusal(format!("{e:#}")))
     }
+}
+
+/// `messages_json` parsed, refused unless it is a JSON array.
+fn parse_messages(messages_json: &str) -> Result<Vec<Value>> {
+    let messages: Value = serde_json::from_str(messages_json).map_err(|e| {
+        Error::invalid_argument(format!(
+            "messages_json is not valid JSON ({e}): pass an array of messages such as \
+             [{{\"role\": \"user\", \"content\": \"Hello\"}}]"
+        ))
+    })?;
+    match messages {
+        Value::Array(list) => Ok(list),
+        _ => Err(Error::invalid_argument(
+            "messages_json is not a JSON array: pass an array of messages such as \
+             [{\"role\": \"user\", \"content\": \"Hello\"}]",
+        )),
+    }
+}
+
+/// A template's refusal (`raise_exception`'s message, or the operation that failed and where),
+/// worded the same whichever renderer made it.
+fn refusal(detail: String) -> Error {
+    Error::invalid_argument(format!(
+        "the chat template could not render these messages: {detail}"
+    ))
 }
 
 /// `raise_exception(message)`: how Hugging Face templates refuse a conversation (e.g. roles
@@ -151,7 +205,13 @@ fn tojson(value: JValue, kwargs: Kwargs) -> std::result::Result<JValue, minijinj
 
 /// Python's `json.dumps` layout: `", "` and `": "` separators without an indent, newlines and
 /// `indent` spaces per level with one, non-ASCII characters as they are.
-fn py_dumps(v: &Value, indent: Option<usize>, sort: bool, level: usize, out: &mut String) {
+pub(super) fn py_dumps(
+    v: &Value,
+    indent: Option<usize>,
+    sort: bool,
+    level: usize,
+    out: &mut String,
+) {
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {
             out.push('\n');

@@ -9,6 +9,7 @@
 //! the file could not be used.
 
 mod chat;
+mod deepseek;
 mod stream;
 
 use std::path::Path;
