@@ -63,10 +63,9 @@ install: lib
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/c/serve.c \
 	      -L$(PREFIX)/lib -ldsv4 '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-serve-demo
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -I$(PREFIX)/include examples/server/dsv4_server.cpp \
-	      $$(pkg-config --cflags --libs cpp-httplib) -L$(PREFIX)/lib -ldsv4 -lpthread \
-	      '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-server
+	      -L$(PREFIX)/lib -ldsv4 -lpthread '-Wl,-rpath,$$ORIGIN/../lib' -o $(PREFIX)/bin/dsv4-server
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -DDSV4_ROUTER_VERSION='"$(VERSION)"' examples/router/dsv4_router.cpp \
-	      $$(pkg-config --cflags --libs cpp-httplib) -lpthread -o $(PREFIX)/bin/dsv4-router
+	      -lpthread -o $(PREFIX)/bin/dsv4-router
 	cp -r configs $(PREFIX)/share/dsv4/
 	# Example params whose model_path is relative to the params file: they work from the prefix.
 	install -d $(PREFIX)/share/dsv4/examples/params

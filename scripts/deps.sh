@@ -2,7 +2,7 @@
 # Installs what `make` needs on a fresh Debian/Ubuntu machine that has only Rust, gcc, make and
 # python3: the C libraries hwlocality links (hwloc, udev), cmake and pkg-config for the
 # packaging tests, g++ for the C++ example, valgrind for `make test-valgrind` and promtool
-# (package prometheus) for the metrics tests, cpp-httplib and nlohmann-json for dsv4-server,
+# (package prometheus) for the metrics tests, Boost (Beast) and nlohmann-json for dsv4-server,
 # iproute2 (`ip netns`) for `make test-netns`, UCX (libucx0, loaded at run time; ucx-utils for
 # ucx_perftest) for the ucx transport's tests. Does nothing when everything is present.
 set -eu
@@ -16,8 +16,8 @@ command -v valgrind >/dev/null 2>&1 || missing="$missing valgrind"
 command -v promtool >/dev/null 2>&1 || missing="$missing prometheus"
 pkg-config --exists hwloc 2>/dev/null || missing="$missing libhwloc-dev"
 pkg-config --exists libudev 2>/dev/null || missing="$missing libudev-dev"
-# dsv4-server's HTTP and JSON libraries.
-pkg-config --exists cpp-httplib 2>/dev/null || missing="$missing libcpp-httplib-dev"
+# dsv4-server's and dsv4-router's HTTP parser (Boost.Beast, header-only) and JSON library.
+[ -f /usr/include/boost/beast/http.hpp ] || missing="$missing libboost-dev"
 [ -f /usr/include/nlohmann/json.hpp ] || missing="$missing nlohmann-json3-dev"
 # Network namespaces and veth pairs for the two-host tests.
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"

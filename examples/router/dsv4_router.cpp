@@ -28,10 +28,11 @@
 // POST /abort_request  {"rid"}: aborts the request the client sent with that rid, on both halves
 // SIGTERM or SIGINT: stop accepting, let the requests in flight end, exit 0.
 // docs/serving.md has the details.
-#include <httplib.h>
 #include <malloc.h>
 #include <nlohmann/json.hpp>
 
+#include "../http/http_client.hpp"
+#include "../http/http_server.hpp"
 #include "../http/rids.hpp"
 #include "../http/serve.hpp"
 #include "../http/trust.hpp"
@@ -66,62 +67,10 @@ json error_json(int code, const std::string &status, const std::string &message)
     return {{"error", {{"message", message}, {"status", status}, {"code", code}}}};
 }
 
-using clock_type = std::chrono::steady_clock;
-
-// A server's kept-alive connections: a call takes one (or a new one) and gives it back when it
-// ended whole, so a burst reuses connections instead of opening (and leaving in TIME_WAIT) one
-// per call. Connections idle longer than `max_idle` are closed rather than reused: the server
-// closes its side after 15 s idle, and a connection it closed is not worth a failed send.
-class connection_pool {
-public:
-    connection_pool(std::string url, std::chrono::seconds max_idle) : url_(std::move(url)), max_idle_(max_idle) {}
-
-    std::unique_ptr<httplib::Client> take(time_t timeout_s) {
-        std::unique_ptr<httplib::Client> c;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            const auto now = clock_type::now();
-            while (!idle_.empty()) {
-                idle_client last = std::move(idle_.back());
-                idle_.pop_back();
-                if (now - last.since < max_idle_) {
-                    c = std::move(last.client);
-                    break;
-                }
-            }
-        }
-        if (!c) {
-            c = std::make_unique<httplib::Client>(url_);
-            c->set_keep_alive(true);
-            c->set_tcp_nodelay(true);  // a request's head and body, and aborts, go out at once
-            c->set_connection_timeout(5);
-        }
-        c->set_read_timeout(timeout_s);
-        c->set_write_timeout(timeout_s);
-        return c;
-    }
-
-    // A client whose last call ended whole (status and body read), for the next call.
-    void give_back(std::unique_ptr<httplib::Client> c) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (idle_.size() < kMaxIdle) idle_.push_back({std::move(c), clock_type::now()});
-    }
-
-private:
-    struct idle_client {
-        std::unique_ptr<httplib::Client> client;
-        clock_type::time_point since;
-    };
-    static constexpr size_t kMaxIdle = 512;
-    const std::string url_;
-    const std::chrono::seconds max_idle_;
-    std::mutex mu_;
-    std::vector<idle_client> idle_;
-};
-
 // One dsv4-server the router sends requests to.
 struct backend {
-    backend(std::string url, std::string role) : url(url), role(std::move(role)), pool(url, std::chrono::seconds(10)) {}
+    backend(const web::endpoint &where, std::string role)
+        : url(where.url), role(std::move(role)), pool(where, std::chrono::seconds(10)) {}
 
     const std::string url;   // http://host:port
     const std::string role;  // "prefill" or "decode"
@@ -129,7 +78,8 @@ struct backend {
     std::string bootstrap_host;
     int bootstrap_port = 0;
     json model;  // its /server_info "model"
-    connection_pool pool;
+    // Kept-alive connections: reused for 10 s idle, under the servers' 15 s.
+    web::connection_pool pool;
     std::atomic<uint64_t> requests{0};
     // In rotation: it answered /health with 200 at one of its last --health-misses polls.
     std::atomic<bool> up{true};
@@ -244,6 +194,16 @@ struct exchange {
     bool prefill_failed() const { return prefill_done && prefill.status != 200; }
     bool decode_failed() const { return decode_done && decode.status != 200; }
 
+    // The client left: both calls drop their connections (their servers abort the halves).
+    void drop() {
+        std::lock_guard<std::mutex> lock(mu);
+        client_gone = true;
+    }
+    bool dropped() {
+        std::lock_guard<std::mutex> lock(mu);
+        return client_gone;
+    }
+
     // Streamed bytes from the decode: whole events ("...\n\n") go out, the rest waits.
     void add_stream_bytes(const char *data, size_t n) {
         partial.append(data, n);
@@ -297,71 +257,78 @@ public:
         for (auto &t : pollers_) t.join();
     }
 
-    void routes(httplib::Server &http) {
+    void routes(web::server &http) {
         for (const char *path : {"/generate", "/v1/completions", "/v1/chat/completions"}) {
             std::string p = path;
-            http.Post(path, [this, p](const httplib::Request &req, httplib::Response &res) { forward(p, req, res); });
+            http.post(path, [this, p](const web::request &req, web::reply &res) {
+                handling_.fetch_add(1);
+                forward(p, req, res);
+                handling_.fetch_sub(1);
+            });
         }
-        http.Get("/health", [this](const httplib::Request &, httplib::Response &res) { health(res); });
-        http.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
-            res.set_content(metrics(), "text/plain; version=0.0.4");
+        http.get("/health", [this](const web::request &, web::reply &res) { health(res); });
+        http.get("/metrics", [this](const web::request &, web::reply &res) {
+            res.send(200, "text/plain; version=0.0.4", metrics());
         });
-        http.Get("/server_info", [this](const httplib::Request &, httplib::Response &res) { server_info(res); });
-        http.Get("/v1/models", [this](const httplib::Request &, httplib::Response &res) { models(res); });
-        http.Post("/abort_request", [this](const httplib::Request &req, httplib::Response &res) { abort(req, res); });
+        http.get("/server_info", [this](const web::request &, web::reply &res) { server_info(res); });
+        http.get("/v1/models", [this](const web::request &, web::reply &res) { models(res); });
+        http.post("/abort_request", [this](const web::request &req, web::reply &res) { abort(req, res); });
     }
 
-    // SIGTERM: new requests get 503; waits (at most `limit`) for the streams still open.
-    void stop_accepting(std::chrono::seconds limit) {
-        stopping_ = true;
-        (void)streams_.wait(limit);
-    }
+    // SIGTERM: new requests get 503 from now on.
+    void refuse_new() { stopping_ = true; }
+
+    // Waits (at most `limit`) for the requests still open, their streams included.
+    void wait_requests(std::chrono::seconds limit) { (void)serve::wait_for_zero(handling_, limit); }
 
     // Waits until the calls to servers have ended (the last aborts), at most `limit`; false if
     // some have not (their threads use this router: the caller must not destroy it then).
     bool drain(std::chrono::seconds limit) { return serve::wait_for_zero(in_flight_, limit); }
 
 private:
-    enum outcome { ok, refused_prefill, refused_decode, bad_request, n_outcomes };
+    enum outcome { ok, refused_prefill, refused_decode, bad_request, client_gone, n_outcomes };
 
     void count(outcome o) { outcomes_[o].fetch_add(1); }
 
-    static void send_error(httplib::Response &res, int code, const std::string &status, const std::string &message) {
-        res.status = code;
-        if (code == 429 || code == 503) res.set_header("Retry-After", "1");
-        res.set_content(error_json(code, status, message).dump(), "application/json");
+    static void send_error(web::reply &res, int code, const std::string &status, const std::string &message) {
+        if (code == 429 || code == 503) res.header("Retry-After", "1");
+        res.send(code, "application/json", error_json(code, status, message).dump());
     }
 
-    static void send(httplib::Response &res, const reply &r) {
-        res.status = r.status;
-        if (r.status == 429 || r.status == 503) res.set_header("Retry-After", "1");
-        res.set_content(r.status == 200 ? r.body : redact_body(r.body),
-                        r.content_type.empty() ? "application/json" : r.content_type);
+    static void send(web::reply &res, const reply &r) {
+        if (r.status == 429 || r.status == 503) res.header("Retry-After", "1");
+        res.send(r.status, r.content_type.empty() ? "application/json" : r.content_type,
+                 r.status == 200 ? r.body : redact_body(r.body));
     }
 
-    // One call to a server over a kept-alive connection: the whole reply (status 0 and a 502 body
-    // when it did not answer).
-    reply post(backend &b, const std::string &path, const std::string &body, time_t timeout_s, const std::string &rid) {
-        std::unique_ptr<httplib::Client> c = b.pool.take(timeout_s);
-        httplib::Headers headers;
-        if (!token_.empty()) headers.emplace(serve::kRouterTokenHeader, token_);
-        httplib::Result res = c->Post(path.c_str(), headers, body, "application/json");
-        if (!res) return unreachable(b, httplib::to_string(res.error()), rid);
-        b.pool.give_back(std::move(c));
+    // The headers of every call: the JSON body's type and the router's token.
+    std::vector<std::pair<std::string, std::string>> call_headers() const {
+        std::vector<std::pair<std::string, std::string>> h{{"Content-Type", "application/json"}};
+        if (!token_.empty()) h.emplace_back(serve::kRouterTokenHeader, token_);
+        return h;
+    }
+
+    // One call to a server over a kept-alive connection: the whole reply (a 502 body when it
+    // did not answer), dropped once `cancelled` says so.
+    reply post(backend &b, const std::string &path, const std::string &body, time_t timeout_s, const std::string &rid,
+               std::function<bool()> cancelled = nullptr) {
+        web::call_options o;
+        o.timeout = std::chrono::seconds(timeout_s);
+        o.cancelled = std::move(cancelled);
+        web::call_result res = web::call(b.pool, "POST", path, call_headers(), body, o);
+        if (res.status == 0 || res.broken) return unreachable(b, res.cancelled ? "cancelled" : res.error, rid);
         reply r;
-        r.status = res->status;
-        r.content_type = res->get_header_value("Content-Type");
-        r.body = res->body;
+        r.status = res.status;
+        r.content_type = res.content_type;
+        r.body = std::move(res.body);
         return r;
     }
 
-    httplib::Result get(backend &b, const char *path, time_t timeout_s) {
-        std::unique_ptr<httplib::Client> c = b.pool.take(timeout_s);
-        httplib::Headers headers;
-        if (!token_.empty()) headers.emplace(serve::kRouterTokenHeader, token_);
-        httplib::Result r = c->Get(path, headers);
-        if (r) b.pool.give_back(std::move(c));
-        return r;
+    web::call_result get(backend &b, const char *path, time_t timeout_s) {
+        web::call_options o;
+        o.timeout = std::chrono::seconds(timeout_s);
+        o.connect_timeout = std::chrono::seconds(timeout_s);
+        return web::call(b.pool, "GET", path, call_headers(), "", o);
     }
 
     // Aborts a request's half on a server by its rid; true when the server had it in flight
@@ -373,7 +340,7 @@ private:
     }
 
     // Starts `f` on a detached thread; if the thread cannot start, takes back its counts and
-    // rethrows (httplib answers 500).
+    // rethrows (the HTTP layer answers 500).
     template <typename F>
     void start_or_uncount(backend &b, F &&f) {
         try {
@@ -402,9 +369,15 @@ private:
         return "";
     }
 
-    void forward(const std::string &path, const httplib::Request &req, httplib::Response &res) {
+    void forward(const std::string &path, const web::request &req, web::reply &res) {
         if (stopping_.load()) {
             send_error(res, 503, "DSV4_ERR_SHUTDOWN", "the router is shutting down (SIGTERM)");
+            return;
+        }
+        if (const size_t bad = web::utf8_error_offset(req.body); bad != std::string::npos) {
+            count(bad_request);
+            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT",
+                       "the body is not valid UTF-8: byte " + std::to_string(bad) + " starts no valid sequence");
             return;
         }
         json j = json::parse(req.body, nullptr, false);
@@ -454,10 +427,14 @@ private:
             // reach a server after the retry's request and must not abort that.
             const std::string try_rid = attempt == 0 ? rid : rid + "~retry" + std::to_string(attempt);
             rids_.update(rid, route{p, d, try_rid});
-            outcome_of_try t = try_once(path, j, stream, *p, *d, try_rid);
+            outcome_of_try t = try_once(path, j, stream, *p, *d, try_rid, res);
+            if (t.client_gone) {  // both halves are being dropped and aborted
+                count(client_gone);
+                return;
+            }
             if (t.x) {  // a stream whose headers came: it is the client's now
                 count(ok);
-                stream_to(res, t.x, path == "/generate", entry);
+                stream_to(res, *t.x, path == "/generate");
                 return;
             }
             if (t.refused_by && retryable(t.r.status) && attempt < retries_) {
@@ -484,6 +461,7 @@ private:
         std::shared_ptr<exchange> x;
         reply r;
         const backend *refused_by = nullptr;
+        bool client_gone = false;
     };
 
     // The least loaded server of `group` in rotation and not in `refused` (ties: round robin);
@@ -506,7 +484,7 @@ private:
     }
 
     outcome_of_try try_once(const std::string &path, const json &j, bool stream, backend &p, backend &d,
-                            const std::string &rid) {
+                            const std::string &rid, web::reply &client) {
         p.requests.fetch_add(1);
         d.requests.fetch_add(1);
         tries_total_.fetch_add(1);
@@ -523,12 +501,12 @@ private:
 
         auto x = std::make_shared<exchange>();
         const time_t timeout = timeout_s_;
-        // Counted as each starts: a thread that fails to start (httplib answers 500) leaves
-        // no count behind.
+        // Counted as each starts: a thread that fails to start (the HTTP layer answers 500)
+        // leaves no count behind.
         in_flight_.fetch_add(1);
         p.open_calls.fetch_add(1);
         start_or_uncount(p, [this, x, &p, &d, path, rid, room, body = pj.dump(), timeout] {
-            reply r = post(p, path, body, timeout, rid);
+            reply r = post(p, path, body, timeout, rid, [x] { return x->dropped(); });
             const bool failed = r.status != 200;
             if (failed && r.status != 429 && r.status != 0)
                 log_line("prefill " + p.url + " answered " + std::to_string(r.status) + " for rid " + rid + " (room " +
@@ -563,10 +541,27 @@ private:
 
         outcome_of_try t;
         std::unique_lock<std::mutex> lock(x->mu);
+        // Waits for `ready`, looking at the client every 100 ms: one that left drops both calls
+        // (their servers see their client gone and abort the halves).
+        auto wait = [&](auto ready) {
+            while (!x->cv.wait_for(lock, std::chrono::milliseconds(100), ready)) {
+                lock.unlock();
+                const bool gone = client.client_gone();
+                lock.lock();
+                if (gone) {
+                    x->client_gone = true;
+                    return false;
+                }
+            }
+            return true;
+        };
         // The prefill's answer comes when its room has been handed over, about when the decode's
         // first token does; waiting for it lets a refusal on either side reach the client as
         // its status (or be tried elsewhere), not as a broken stream.
-        x->cv.wait(lock, [&] { return x->prefill_done || x->decode_failed(); });
+        if (!wait([&] { return x->prefill_done || x->decode_failed(); })) {
+            t.client_gone = true;
+            return t;
+        }
         if (x->prefill_failed()) {
             // At once: the decode's half is being aborted by the prefill's thread (which, with
             // the decode's, holds `x` until it ends).
@@ -575,7 +570,10 @@ private:
             return t;
         }
         if (x->decode_failed() || !stream) {
-            x->cv.wait(lock, [&] { return x->decode_done; });
+            if (!wait([&] { return x->decode_done; })) {
+                t.client_gone = true;
+                return t;
+            }
             if (x->decode_broken) {
                 lock.unlock();
                 t.r = unreachable(d, "the answer broke off", rid);
@@ -586,9 +584,15 @@ private:
             }
             return t;
         }
-        x->cv.wait(lock, [&] { return x->decode_headers || x->decode_done; });
+        if (!wait([&] { return x->decode_headers || x->decode_done; })) {
+            t.client_gone = true;
+            return t;
+        }
         if (x->decode.status != 200) {
-            x->cv.wait(lock, [&] { return x->decode_done; });
+            if (!wait([&] { return x->decode_done; })) {
+                t.client_gone = true;
+                return t;
+            }
             t.r = x->decode;
             t.refused_by = &d;
             return t;
@@ -615,45 +619,49 @@ private:
         return "data: " + last.dump() + "\n\n";
     }
 
-    void stream_to(httplib::Response &res, const std::shared_ptr<exchange> &x, bool sglang,
-                   std::shared_ptr<serve::rid_entry<route>> entry) {
-        res.set_header("Cache-Control", "no-cache");
-        auto ended = std::make_shared<bool>(false);
-        res.set_chunked_content_provider(
-            x->decode.content_type.empty() ? "text/event-stream" : x->decode.content_type,
-            [this, x, sglang, ended, entry](size_t, httplib::DataSink &sink) {
-                if (*ended) {
-                    sink.done();
-                    return true;
-                }
-                std::unique_lock<std::mutex> lock(x->mu);
-                x->cv.wait(lock, [&] { return !x->events.empty() || x->decode_done; });
-                std::string chunk;
-                if (!x->events.empty()) {
-                    chunk = std::move(x->events.front());
-                    x->events.pop_front();
-                } else if (x->decode_broken) {
-                    // The server died mid-answer: the client gets an ending, not a cut.
-                    broken_streams_.fetch_add(1);
-                    chunk = broken_stream_event(*x, sglang) + "data: [DONE]\n\n";
-                    *ended = true;
-                } else {
-                    if (!x->partial.empty()) chunk = std::move(x->partial);  // a body not in events
-                    x->partial.clear();
-                    *ended = true;
-                }
+    // The decode's events to the client as they come, whole; a decode that breaks off ends the
+    // stream with an error event and [DONE]; a client that leaves drops the decode's call.
+    void stream_to(web::reply &res, exchange &x, bool sglang) {
+        res.header("Cache-Control", "no-cache");
+        if (!res.begin(200, x.decode.content_type.empty() ? "text/event-stream" : x.decode.content_type)) {
+            x.drop();
+            return;
+        }
+        while (true) {
+            std::unique_lock<std::mutex> lock(x.mu);
+            if (!x.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return !x.events.empty() || x.decode_done; })) {
                 lock.unlock();
-                if (!chunk.empty() && !sink.write(chunk.data(), chunk.size())) {
-                    // The client went away: the decode call stops reading and closes its
-                    // connection, and the server aborts the request at its next write.
-                    std::lock_guard<std::mutex> relock(x->mu);
-                    x->client_gone = true;
-                    return false;
+                if (res.client_gone()) {
+                    x.drop();
+                    return;
                 }
-                if (*ended) sink.done();
-                return true;
-            },
-            streams_.open());
+                continue;
+            }
+            std::string chunk;
+            bool ended = false;
+            if (!x.events.empty()) {
+                chunk = std::move(x.events.front());
+                x.events.pop_front();
+            } else if (x.decode_broken) {
+                // The server died mid-answer: the client gets an ending, not a cut.
+                broken_streams_.fetch_add(1);
+                chunk = broken_stream_event(x, sglang) + "data: [DONE]\n\n";
+                ended = true;
+            } else {
+                chunk = std::move(x.partial);  // a body that was not events
+                x.partial.clear();
+                ended = true;
+            }
+            lock.unlock();
+            if (!res.write(chunk)) {
+                x.drop();
+                return;
+            }
+            if (ended) {
+                res.end();
+                return;
+            }
+        }
     }
 
     // Polls one server's /health (and /metrics for its load) every `every`, until the router
@@ -688,43 +696,40 @@ private:
     }
 
     void poll_once(backend &b) {
-        httplib::Result h = get(b, "/health", kPollTimeoutS);
-        if (!h || h->status != 200) {
+        const web::call_result h = get(b, "/health", kPollTimeoutS);
+        if (h.status != 200) {
             b.misses++;
             if (b.misses >= health_misses_ && b.up.exchange(false))
                 log_line(b.role + " server " + b.url + " out of rotation: " + std::to_string(b.misses) +
                          " /health polls failed in a row, the last " +
-                         (h ? "answered " + std::to_string(h->status) : httplib::to_string(h.error())));
+                         (h.status ? "answered " + std::to_string(h.status) : h.error));
             return;
         }
         b.misses = 0;
-        if (httplib::Result m = get(b, "/metrics", kPollTimeoutS); m && m->status == 200)
-            b.polled_load = load_of(m->body, b.role == "decode");
+        if (const web::call_result m = get(b, "/metrics", kPollTimeoutS); m.status == 200)
+            b.polled_load = load_of(m.body, b.role == "decode");
         if (!b.up.exchange(true)) log_line(b.role + " server " + b.url + " back in rotation");
     }
 
     // The decode's half: its status as soon as the headers come, then its body, streamed into
-    // the exchange's events when the client streams (else whole into decode.body).
+    // the exchange's events when the client streams (else whole into decode.body); dropped when
+    // the client leaves.
     void call_decode(exchange &x, backend &d, const std::string &path, const std::string &body, time_t timeout,
                      bool stream, const std::string &rid) {
-        std::unique_ptr<httplib::Client> c = d.pool.take(timeout);
-        httplib::Request req;
-        req.method = "POST";
-        req.path = path;
-        req.body = body;
-        req.set_header("Content-Type", "application/json");
-        if (!token_.empty()) req.set_header(serve::kRouterTokenHeader, token_);
-        req.response_handler = [&](const httplib::Response &r) {
+        web::call_options o;
+        o.timeout = std::chrono::seconds(timeout);
+        o.cancelled = [&x] { return x.dropped(); };
+        o.on_head = [&](int status, const web::bhttp::fields &headers) {
             {
                 std::lock_guard<std::mutex> lock(x.mu);
-                x.decode.status = r.status;
-                x.decode.content_type = r.get_header_value("Content-Type");
+                x.decode.status = status;
+                auto ct = headers.find(web::bhttp::field::content_type);
+                x.decode.content_type = ct == headers.end() ? "" : std::string(ct->value());
                 x.decode_headers = true;
             }
             x.cv.notify_all();
-            return true;
         };
-        req.content_receiver = [&](const char *data, size_t n, uint64_t, uint64_t) {
+        o.on_body = [&](const char *data, size_t n) {
             {
                 std::lock_guard<std::mutex> lock(x.mu);
                 if (x.client_gone) return false;
@@ -734,28 +739,22 @@ private:
             x.cv.notify_all();
             return true;
         };
-        httplib::Response res;
-        httplib::Error err = httplib::Error::Success;
-        const bool answered = c->send(req, res, err);
-        if (answered) d.pool.give_back(std::move(c));
-        bool headers;
-        {
-            std::lock_guard<std::mutex> lock(x.mu);
-            headers = x.decode_headers;
-        }
+        const web::call_result r = web::call(d.pool, "POST", path, call_headers(), body, o);
+        const bool headers = r.status != 0;
         reply failed;
-        if (!answered && !headers) failed = unreachable(d, httplib::to_string(err), rid);
+        if (!headers) failed = unreachable(d, r.cancelled ? "cancelled" : r.error, rid);
         std::lock_guard<std::mutex> lock(x.mu);
-        if (!answered && !headers) x.decode = failed;
-        // Cut off after the headers, not by us (a client that left cancels the call).
-        else if (!answered && !x.client_gone) x.decode_broken = true;
+        if (!headers) x.decode = failed;
+        // Cut off after the headers, not by us (a client that left drops the call).
+        else if (r.broken && !x.client_gone) x.decode_broken = true;
+        else if (!r.error.empty() && !r.cancelled) x.decode_broken = true;
         x.decode_done = true;
         x.cv.notify_all();
     }
 
     // POST /abort_request {"rid"}: the request the client sent with that rid, aborted on the two
     // servers its current try went to. {"aborted": false} when no such request is in flight.
-    void abort(const httplib::Request &req, httplib::Response &res) {
+    void abort(const web::request &req, web::reply &res) {
         const json j = json::parse(req.body, nullptr, false);
         if (!j.is_object() || !j.contains("rid") || !j["rid"].is_string() || j["rid"].get<std::string>().empty()) {
             send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", "pass {\"rid\": ...}, the rid of the request to abort");
@@ -773,48 +772,47 @@ private:
             const bool d = abort_on(*r->decode, r->rid), p = abort_on(*r->prefill, r->rid);
             aborted = d || p;
         }
-        res.set_content(json{{"aborted", aborted}}.dump(), "application/json");
+        res.send(200, "application/json", json{{"aborted", aborted}}.dump());
     }
 
-    void health(httplib::Response &res) {
+    void health(web::reply &res) {
         bool all = true;
         json out = json::object();
         for (auto *group : {&prefills_, &decodes_}) {
             for (auto &b : *group) {
-                httplib::Result r = get(*b, "/health", kPollTimeoutS);
-                json state = r ? json::parse(r->body, nullptr, false) : json();
-                const bool up = r && r->status == 200;
+                const web::call_result r = get(*b, "/health", kPollTimeoutS);
+                json state = r.status ? json::parse(r.body, nullptr, false) : json();
+                const bool up = r.status == 200;
                 all = all && up;
                 out[b->role].push_back({{"url", b->url},
-                                        {"status", r ? r->status : 0},
+                                        {"status", r.status},
                                         {"in_rotation", b->up.load()},
                                         {"state", state.is_object() ? state.value("state", "unknown") : std::string("unreachable")}});
             }
         }
-        res.status = all ? 200 : 503;
-        res.set_content(out.dump(), "application/json");
+        res.send(all ? 200 : 503, "application/json", out.dump());
     }
 
-    void server_info(httplib::Response &res) const {
+    void server_info(web::reply &res) const {
         json out = {{"version", DSV4_ROUTER_VERSION}, {"role", "router"}, {"model", first_model()}};
         for (const auto *group : {&prefills_, &decodes_})
             for (const auto &b : *group)
                 out[b->role + "_servers"].push_back({{"url", b->url}, {"in_rotation", b->up.load()}});
-        res.set_content(out.dump(), "application/json");
+        res.send(200, "application/json", out.dump());
     }
 
     json first_model() const { return decodes_.front()->model; }
 
-    void models(httplib::Response &res) const {
+    void models(web::reply &res) const {
         const json model = {{"id", first_model().value("name", std::string("dsv4"))},
                             {"object", "model"},
                             {"created", static_cast<int64_t>(started_)},
                             {"owned_by", "dsv4"}};
-        res.set_content(json{{"object", "list"}, {"data", json::array({model})}}.dump(), "application/json");
+        res.send(200, "application/json", json{{"object", "list"}, {"data", json::array({model})}}.dump());
     }
 
     std::string metrics() const {
-        static const char *names[] = {"ok", "refused_by_prefill", "refused_by_decode", "bad_request"};
+        static const char *names[] = {"ok", "refused_by_prefill", "refused_by_decode", "bad_request", "client_gone"};
         std::ostringstream m;
         m << "# HELP dsv4_build_info The router's version (role \"router\"; servers export their own).\n"
              "# TYPE dsv4_build_info gauge\ndsv4_build_info{version=\""
@@ -823,7 +821,8 @@ private:
              "# TYPE dsv4_process_resident_memory_bytes gauge\ndsv4_process_resident_memory_bytes "
           << serve::resident_bytes() << "\n";
         m << "# HELP dsv4_router_requests_total Requests routed, by outcome (refused: the server's error status "
-             "reached the client).\n# TYPE dsv4_router_requests_total counter\n";
+             "reached the client; client_gone: it left before its answer, both halves dropped).\n"
+             "# TYPE dsv4_router_requests_total counter\n";
         for (int o = 0; o < n_outcomes; o++)
             m << "dsv4_router_requests_total{outcome=\"" << names[o] << "\"} " << outcomes_[o].load() << "\n";
         m << "# HELP dsv4_router_calls_in_flight Calls to servers not yet answered (two per request).\n"
@@ -862,7 +861,7 @@ private:
     const std::time_t started_ = std::time(nullptr);
     std::atomic<int64_t> in_flight_{0};
     std::atomic<bool> stopping_{false};
-    serve::streams streams_;
+    std::atomic<int64_t> handling_{0};  // client requests being answered, streams included
     serve::rid_registry<route> rids_;
     std::atomic<uint64_t> outcomes_[n_outcomes] = {};
     std::atomic<uint64_t> retries_total_{0}, broken_streams_{0}, tries_total_{0}, next_prefill_{0}, next_decode_{0};
@@ -876,18 +875,19 @@ private:
 // role and that it takes this router's PD fields, and takes a prefill's PD endpoint.
 std::unique_ptr<backend> discover(const std::string &url, const std::string &role, int wait_s, const std::string &token,
                                   const std::string &token_file) {
-    auto b = std::make_unique<backend>(url, role);
+    const std::optional<web::endpoint> where = web::endpoint::parse(url);
+    if (!where) throw std::runtime_error(url + " is not a server URL: give http://host:port");
+    auto b = std::make_unique<backend>(*where, role);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(wait_s);
-    std::string why;
+    std::vector<std::pair<std::string, std::string>> headers;
+    if (!token.empty()) headers.emplace_back(serve::kRouterTokenHeader, token);
+    web::call_options o;
+    o.connect_timeout = std::chrono::seconds(2);
+    o.timeout = std::chrono::seconds(10);
     while (true) {
-        httplib::Client c(url);
-        c.set_connection_timeout(2);
-        c.set_read_timeout(10);
-        httplib::Headers headers;
-        if (!token.empty()) headers.emplace(serve::kRouterTokenHeader, token);
-        httplib::Result r = c.Get("/server_info", headers);
-        if (r && r->status == 200) {
-            const json info = json::parse(r->body, nullptr, false);
+        const web::call_result r = web::call(b->pool, "GET", "/server_info", headers, "", o);
+        if (r.status == 200) {
+            const json info = json::parse(r.body, nullptr, false);
             const std::string got = info.is_object() ? info.value("role", std::string("?")) : "?";
             if (got != role)
                 throw std::runtime_error(url + " is a " + got + " server, but was given as --" + role +
@@ -909,7 +909,7 @@ std::unique_ptr<backend> discover(const std::string &url, const std::string &rol
             }
             return b;
         }
-        why = r ? "status " + std::to_string(r->status) : httplib::to_string(r.error());
+        const std::string why = r.status ? "status " + std::to_string(r.status) : r.error;
         if (std::chrono::steady_clock::now() > deadline)
             throw std::runtime_error(url + "/server_info did not answer within " + std::to_string(wait_s) +
                                      " s (" + why + "): is a dsv4-server running there? (--wait sets how long to wait)");
@@ -919,8 +919,8 @@ std::unique_ptr<backend> discover(const std::string &url, const std::string &rol
 
 const char *kUsage =
     "usage: dsv4-router --prefill URL [URL...] --decode URL [URL...] [--router-token-file FILE]\n"
-    "                   [--host H] [--port P] [--timeout S] [--wait S] [--http-threads N]\n"
-    "                   [--retries N] [--poll-ms MS] [--health-misses N]\n";
+    "                   [--host H] [--port P] [--timeout S] [--wait S] [--retries N] [--poll-ms MS]\n"
+    "                   [--health-misses N] [limits: see --help]\n";
 
 const char *kHelp =
     "dsv4-router: one HTTP front end over dsv4-server instances in the prefill and decode roles.\n"
@@ -934,12 +934,20 @@ const char *kHelp =
     "  --port P                 port (30080; 0 picks a free one, named on the \"listening\" line)\n"
     "  --timeout S              longest call to a server (3600)\n"
     "  --wait S                 how long to wait at start for servers still loading (60)\n"
-    "  --http-threads N         most client connections served at once (4096)\n"
     "  --retries N              tries on other servers after a 429, 503 or no answer, while\n"
     "                           nothing has reached the client (2)\n"
     "  --poll-ms MS             how often each server's /health and /metrics are polled (500)\n"
     "  --health-misses N        failed /health polls in a row that take a server out of\n"
     "                           rotation (3); one answer puts it back\n"
+    "limits (what one client may hold; docs/serving.md):\n"
+    "  --max-connections N      client connections open at once, in total; a thread each (4096)\n"
+    "  --max-connections-per-client N   from one address (1024)\n"
+    "  --head-timeout-ms MS     the whole request head, from its first byte (10000)\n"
+    "  --idle-timeout-ms MS     a kept-alive connection between requests (15000)\n"
+    "  --body-timeout-ms MS     the whole body once its head is in (60000)\n"
+    "  --write-timeout-ms MS    a client that takes none of an answer for this long is dropped (30000)\n"
+    "  --max-head-bytes N       request line and headers (16384)\n"
+    "  --max-body-bytes N       a request body (16777216)\n"
     "  --help                   this text\n\n"
     "Endpoints: POST /generate, /v1/completions, /v1/chat/completions, /abort_request;\n"
     "GET /health, /metrics, /server_info, /v1/models.\n"
@@ -955,8 +963,19 @@ int usage(const std::string &why) {
 int main(int argc, char **argv) {
     std::vector<std::string> prefill_urls, decode_urls;
     std::string host = "127.0.0.1", token_file;
-    int port = 30080, wait_s = 60, threads = 4096, retries = 2, poll_ms = 500, health_misses = 3;
+    int port = 30080, wait_s = 60, retries = 2, poll_ms = 500, health_misses = 3;
     long timeout_s = 3600;
+    web::limits limits;
+    limits.max_body_bytes = 16 << 20;
+    serve::flags flags;
+    flags.size("--max-connections", limits.max_connections);
+    flags.size("--max-connections-per-client", limits.max_connections_per_client);
+    flags.millis("--head-timeout-ms", limits.head_timeout);
+    flags.millis("--idle-timeout-ms", limits.idle_timeout);
+    flags.millis("--body-timeout-ms", limits.body_timeout);
+    flags.millis("--write-timeout-ms", limits.write_timeout);
+    flags.size("--max-head-bytes", limits.max_head_bytes);
+    flags.size("--max-body-bytes", limits.max_body_bytes);
     std::vector<std::string> *list = nullptr;
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
@@ -973,26 +992,27 @@ int main(int argc, char **argv) {
         }
         list = nullptr;
         if (i + 1 >= argc) return usage("missing the value of " + a);
-        const char *v = argv[++i];
+        const std::string v = argv[++i];
         if (a == "--host") host = v;
-        else if (a == "--port") port = std::atoi(v);
-        else if (a == "--timeout") timeout_s = std::atol(v);
-        else if (a == "--wait") wait_s = std::atoi(v);
-        else if (a == "--http-threads") threads = std::atoi(v);
-        else if (a == "--retries") retries = std::atoi(v);
-        else if (a == "--poll-ms") poll_ms = std::atoi(v);
-        else if (a == "--health-misses") health_misses = std::atoi(v);
+        else if (a == "--port") port = std::atoi(v.c_str());
+        else if (a == "--timeout") timeout_s = std::atol(v.c_str());
+        else if (a == "--wait") wait_s = std::atoi(v.c_str());
+        else if (a == "--retries") retries = std::atoi(v.c_str());
+        else if (a == "--poll-ms") poll_ms = std::atoi(v.c_str());
+        else if (a == "--health-misses") health_misses = std::atoi(v.c_str());
         else if (a == "--router-token-file") token_file = v;
-        else return usage("unknown option " + a);
+        else if (a == "--http-threads") flags.set("--max-connections", v);  // the name before the limits had flags
+        else if (!flags.known(a)) return usage("unknown option " + a);
+        else if (std::string why = flags.set(a, v); !why.empty()) return usage(why);
     }
     if (prefill_urls.empty() || decode_urls.empty()) return usage("pass at least one --prefill and one --decode URL");
     if (port < 0 || port > 65535) return usage("--port must be 0..65535");
-    if (timeout_s <= 0 || wait_s < 0 || threads <= 0 || retries < 0 || poll_ms <= 0 || health_misses <= 0)
-        return usage("--timeout, --http-threads, --poll-ms and --health-misses must be positive, --retries and --wait not negative");
+    if (timeout_s <= 0 || wait_s < 0 || retries < 0 || poll_ms <= 0 || health_misses <= 0)
+        return usage("--timeout, --poll-ms and --health-misses must be positive, --retries and --wait not negative");
 
     const sigset_t signals = serve::block_stop_signals();
     // A client's connection and one to each of its two servers per request in flight.
-    serve::raise_open_files_limit("dsv4-router", 3 * static_cast<rlim_t>(threads) + 256);
+    serve::raise_open_files_limit("dsv4-router", 3 * static_cast<rlim_t>(limits.max_connections) + 256);
 
     try {
         const std::string token = token_file.empty() ? "" : serve::read_token_file(token_file);
@@ -1001,27 +1021,28 @@ int main(int argc, char **argv) {
         for (const std::string &u : decode_urls) decodes.push_back(discover(u, "decode", wait_s, token, token_file));
         router r(std::move(prefills), std::move(decodes), token, static_cast<time_t>(timeout_s), retries,
                  std::chrono::milliseconds(poll_ms), health_misses);
-        httplib::Server http;
-        serve::options o;
-        o.max_threads = static_cast<size_t>(threads);
-        serve::listener listener(http, o);
+        web::server http(limits);
         r.routes(http);
-        const int bound = listener.bind("dsv4-router", host, port);
-        if (bound < 0) return 1;
+        std::string error;
+        const int bound = http.bind(host, port, serve::listen_backlog(), error);
+        if (bound < 0) {
+            std::fprintf(stderr, "dsv4-router: %s\n", error.c_str());
+            return 1;
+        }
         std::printf("dsv4-router: %zu prefill, %zu decode; listening on http://%s:%d\n", prefill_urls.size(),
                     decode_urls.size(), host.c_str(), bound);
         std::fflush(stdout);
-        // On a signal: refuse new requests and let the streams finish before the listener stops
-        // (it waits for the other requests in flight); then the calls they left (aborts).
-        const bool ok = serve::until_signal(http, signals, "dsv4-router",
-                                            [&] { r.stop_accepting(std::chrono::seconds(timeout_s)); });
+        // On a signal: refuse new requests and let the streams finish before the listener stops;
+        // then the calls they left (aborts).
+        serve::until_signal(http, signals, "dsv4-router", [&] { r.refuse_new(); },
+                            [&] { r.wait_requests(std::chrono::seconds(timeout_s)); });
+        (void)http.wait_connections(std::chrono::seconds(5));
         if (!r.drain(std::chrono::seconds(timeout_s))) {
             // Their threads use the router: leave without destroying it.
             std::fprintf(stderr, "dsv4-router: calls to servers still open after --timeout %ld s; exiting\n", timeout_s);
             std::fflush(stderr);
             std::_Exit(1);
         }
-        if (!ok) return 1;
         std::printf("dsv4-router: stopped\n");
         return 0;
     } catch (const std::exception &e) {

@@ -1,7 +1,9 @@
-// dsv4-server: one dsv4 engine behind HTTP, on the C++ wrapper (bindings/cpp/dsv4.hpp).
+// dsv4-server: one dsv4 engine behind HTTP, on the C++ wrapper (bindings/cpp/dsv4.hpp). This
+// file is the engine glue; the HTTP plumbing (connections, limits, parsing) is
+// examples/http/http_server.hpp.
 //
-//   dsv4-server --params FILE [--host 127.0.0.1] [--port 30000] [--http-threads N]
-//               [--router-token-file FILE | --trust-pd-fields]
+//   dsv4-server --params FILE [--host 127.0.0.1] [--port 30000]
+//               [--router-token-file FILE | --trust-pd-fields] [limits: --help]
 //
 // GET  /health                200 when the engine is READY, 503 otherwise; {"state", "reason"}
 // GET  /metrics               the Prometheus exposition (text/plain; version=0.0.4)
@@ -15,50 +17,55 @@
 // Refusals map to HTTP: QUEUE_FULL 429 (with Retry-After), CAPACITY 413, INVALID_ARGUMENT 400,
 // UNSUPPORTED 400 (e.g. text on a checkpoint without a tokenizer), SHUTDOWN 503, KV_TRANSFER 503
 // (a PD room failed: its peer died or refused; another pair may serve it), TIMEOUT 504, others
-// 500; the body is {"error": {"message", "status", "code"}} with the library's message. A request
-// that fails mid-stream ends its stream with an error event in the endpoint's own shape, then
-// [DONE]. PD routing fields in a body (bootstrap_room, bootstrap_host, bootstrap_port, pd_room,
-// pd_peer) are honoured only from the router (X-DSV4-Router-Token matching --router-token-file)
-// or with --trust-pd-fields; otherwise the request is refused with 400 naming the field. A
-// streaming client that disconnects aborts its request at the next token. SIGTERM or SIGINT
-// drains: the health check turns 503 and new requests are refused while those in flight finish,
-// then the server exits 0. docs/serving.md has the details.
+// 500; the body is {"error": {"message", "status", "code"}} with the library's message. Every
+// field is checked before any work: a body that is not UTF-8 (400 naming the byte), an integer
+// out of its range (400 naming the field and the range), a prompt longer than the context could
+// hold (413, before tokenizing). A request that fails mid-stream ends its stream with an error
+// event in the endpoint's own shape, then [DONE]. PD routing fields in a body (bootstrap_room,
+// bootstrap_host, bootstrap_port, pd_room, pd_peer) are honoured only from the router
+// (X-DSV4-Router-Token matching --router-token-file) or with --trust-pd-fields; otherwise the
+// request is refused with 400 naming the field. A client that disconnects aborts its request
+// (streaming or not). SIGTERM or SIGINT drains: the health check turns 503 and new requests are
+// refused while those in flight finish, then the server exits 0. docs/serving.md has the details.
 #include <dsv4.hpp>
 
-#include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "../http/http_server.hpp"
 #include "../http/rids.hpp"
 #include "../http/serve.hpp"
 #include "../http/trust.hpp"
 
 #include <algorithm>
+#include <initializer_list>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
-#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
-#include <cerrno>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 using json = nlohmann::json;
 
 namespace {
 
-// A request the HTTP layer refuses before the engine sees it.
+// A request the HTTP layer refuses before the engine sees it: 400, or `code` (413: too large).
 struct bad_request : std::runtime_error {
-    using std::runtime_error::runtime_error;
+    explicit bad_request(const std::string &what, int code = 400) : std::runtime_error(what), code(code) {}
+    int code;
 };
 
 int http_status(dsv4::status s) {
@@ -82,10 +89,78 @@ json error_json(int code, const std::string &status, const std::string &message)
     return {{"error", {{"message", message}, {"status", status}, {"code", code}}}};
 }
 
-void send_error(httplib::Response &res, int code, const std::string &status, const std::string &message) {
-    res.status = code;
-    if (code == 429) res.set_header("Retry-After", "1");
-    res.set_content(error_json(code, status, message).dump(), "application/json");
+// What the body's fields may hold: the model's context and vocabulary, the text and message
+// bounds (from the command line).
+struct field_limits {
+    int64_t context = 0;     // tokens a request's prompt + output may take (model_info context_limit)
+    int64_t vocab = 0;       // token ids are below it
+    size_t max_text_bytes = 0;
+    size_t max_messages = 0;
+};
+
+// A field that is absent or null.
+bool absent(const json &j, const char *name) {
+    auto it = j.find(name);
+    return it == j.end() || it->is_null();
+}
+
+// An integer field within [lo, hi] (`fallback` when absent); anything else is a 400 naming the
+// field and the range: a float, a string, a negative or overflowing number.
+int64_t int_field(const json &j, const char *name, int64_t lo, int64_t hi, int64_t fallback) {
+    if (absent(j, name)) return fallback;
+    const json &v = j.at(name);
+    const std::string range = "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+    if (!v.is_number_integer())
+        throw bad_request(std::string(name) + " must be an integer in " + range + ", got " + v.dump());
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi) : (v.get<int64_t>() < lo || v.get<int64_t>() > hi))
+        throw bad_request(std::string(name) + " = " + v.dump() + " is outside " + range);
+    return v.get<int64_t>();
+}
+
+// An unsigned 64-bit field (seeds, rooms): 0 .. 2^64-1.
+std::optional<uint64_t> u64_field(const json &j, const char *name) {
+    if (absent(j, name)) return std::nullopt;
+    const json &v = j.at(name);
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0))
+        throw bad_request(std::string(name) + " must be an integer in [0, 18446744073709551615], got " + v.dump());
+    return v.get<uint64_t>();
+}
+
+// A finite number within [lo, hi].
+float float_field(const json &j, const char *name, double lo, double hi, float fallback) {
+    if (absent(j, name)) return fallback;
+    const json &v = j.at(name);
+    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < lo || v.get<double>() > hi) {
+        char range[64];
+        std::snprintf(range, sizeof(range), "[%g, %g]", lo, hi);
+        throw bad_request(std::string(name) + " must be a number in " + range + ", got " + v.dump());
+    }
+    return v.get<float>();
+}
+
+bool bool_field(const json &j, const char *name, bool fallback) {
+    if (absent(j, name)) return fallback;
+    if (!j.at(name).is_boolean()) throw bad_request(std::string(name) + " must be true or false, got " + j.at(name).dump());
+    return j.at(name).get<bool>();
+}
+
+std::string string_field(const json &j, const char *name, size_t max_bytes) {
+    if (absent(j, name)) return "";
+    const json &v = j.at(name);
+    if (!v.is_string()) throw bad_request(std::string(name) + " must be a string, got " + v.dump().substr(0, 64));
+    const std::string &s = v.get_ref<const std::string &>();
+    if (s.size() > max_bytes) throw bad_request(std::string(name) + " is longer than " + std::to_string(max_bytes) + " bytes");
+    return s;
+}
+
+// The token id at `i` of the array `ids` (named `name`), within [0, last].
+int32_t token_id_at(const json &ids, size_t i, int64_t last, const char *name) {
+    const json &v = ids[i];
+    if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0) ||
+        (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(last) : v.get<int64_t>() > last))
+        throw bad_request(std::string(name) + "[" + std::to_string(i) + "] = " + v.dump().substr(0, 32) +
+                          " is not a token id in [0, " + std::to_string(last) + "]");
+    return static_cast<int32_t>(v.get<int64_t>());
 }
 
 // The sampling fields shared by the three generation APIs.
@@ -95,46 +170,78 @@ struct sampling {
     int32_t top_k = 0;
     std::optional<uint64_t> seed;
     bool ignore_eos = false;
-    std::vector<std::string> stop;         // strings, matched as their token sequences
+    std::vector<std::string> stop;  // strings, matched as their token sequences
     std::vector<int32_t> stop_token_ids;
 };
 
-template <typename T>
-T field(const json &j, const char *name, T fallback) {
-    auto it = j.find(name);
-    if (it == j.end() || it->is_null()) return fallback;
-    try {
-        return it->get<T>();
-    } catch (const json::exception &) {
-        throw bad_request(std::string(name) + " has the wrong type: " + it->dump());
+// Sampling from `s` (SGLang's sampling_params, or an OpenAI body) with every field checked. The
+// output length is the first of `max_names` present (chat: max_completion_tokens, then
+// max_tokens), at most the context.
+sampling sampling_of(const json &s, const field_limits &l, std::initializer_list<const char *> max_names) {
+    sampling out;
+    int64_t max_new = std::min<int64_t>(128, l.context);
+    for (const char *name : max_names) {
+        if (absent(s, name)) continue;
+        max_new = int_field(s, name, 1, l.context, max_new);
+        break;
     }
-}
-
-std::vector<std::string> stop_strings(const json &j) {
-    auto it = j.find("stop");
-    if (it == j.end() || it->is_null()) return {};
-    if (it->is_string()) return {it->get<std::string>()};
-    if (it->is_array()) {
-        std::vector<std::string> out;
-        for (const json &s : *it) {
-            if (!s.is_string()) throw bad_request("stop must be a string or a list of strings");
-            out.push_back(s.get<std::string>());
+    out.max_new_tokens = static_cast<uint32_t>(max_new);
+    out.temperature = float_field(s, "temperature", 0.0, 100.0, 1.0f);
+    out.top_p = float_field(s, "top_p", 0.0, 1.0, 1.0f);
+    out.min_p = float_field(s, "min_p", 0.0, 1.0, 0.0f);
+    out.top_k = static_cast<int32_t>(std::max<int64_t>(0, int_field(s, "top_k", -1, l.vocab, -1)));  // -1: off
+    out.seed = u64_field(s, "seed");
+    out.ignore_eos = bool_field(s, "ignore_eos", false);
+    if (!absent(s, "stop")) {
+        const json &st = s.at("stop");
+        auto add = [&](const json &v) {
+            if (!v.is_string()) throw bad_request("stop must be a string or a list of strings");
+            if (v.get_ref<const std::string &>().size() > 4096) throw bad_request("a stop string is longer than 4096 bytes");
+            out.stop.push_back(v.get<std::string>());
+        };
+        if (st.is_array()) {
+            if (st.size() > 64) throw bad_request("stop holds " + std::to_string(st.size()) + " strings; at most 64");
+            for (const json &v : st) add(v);
+        } else {
+            add(st);
         }
-        return out;
     }
-    throw bad_request("stop must be a string or a list of strings");
+    if (!absent(s, "stop_token_ids")) {
+        const json &ids = s.at("stop_token_ids");
+        if (!ids.is_array() || ids.size() > 1024) throw bad_request("stop_token_ids must be a list of at most 1024 token ids");
+        for (size_t i = 0; i < ids.size(); i++)
+            out.stop_token_ids.push_back(token_id_at(ids, i, l.vocab - 1, "stop_token_ids"));
+    }
+    return out;
 }
 
-std::vector<int32_t> ids_of(const json &j, const char *name) {
+// Token ids from a JSON array, its length checked against the context before any is read.
+std::vector<int32_t> ids_of(const json &j, const char *name, const field_limits &l) {
     if (!j.is_array()) throw bad_request(std::string(name) + " must be a list of token ids");
+    if (static_cast<int64_t>(j.size()) >= l.context)
+        throw bad_request(std::string(name) + " holds " + std::to_string(j.size()) + " ids; the context holds " +
+                              std::to_string(l.context) + " tokens, output included",
+                          413);
     std::vector<int32_t> ids;
-    for (const json &v : j) {
-        if (!v.is_number_integer()) throw bad_request(std::string(name) + " must hold integers");
-        int64_t id = v.get<int64_t>();
-        if (id < 0 || id > INT32_MAX) throw bad_request(std::string(name) + " holds an id out of range: " + v.dump());
-        ids.push_back(static_cast<int32_t>(id));
-    }
+    ids.reserve(j.size());
+    for (size_t i = 0; i < j.size(); i++) ids.push_back(token_id_at(j, i, l.vocab - 1, name));
     return ids;
+}
+
+// A text to tokenize, its length bounded before the tokenizer sees it (a text longer than
+// --max-text-bytes cannot fit the context at any plausible bytes per token).
+const std::string &bounded_text(const std::string &s, const char *name, const field_limits &l) {
+    if (s.size() > l.max_text_bytes)
+        throw bad_request(std::string(name) + " is " + std::to_string(s.size()) + " bytes; at most " +
+                              std::to_string(l.max_text_bytes) + " are tokenized (--max-text-bytes; by default the " +
+                              "context's " + std::to_string(l.context) + " tokens at 8 bytes each)",
+                          413);
+    return s;
+}
+
+const std::string &text_of(const json &j, const char *name, const field_limits &l) {
+    if (!j.is_string()) throw bad_request(std::string(name) + " must be a string");
+    return bounded_text(j.get_ref<const std::string &>(), name, l);
 }
 
 // How one request is served: the request, whether its answer streams, and the caller's id.
@@ -152,28 +259,23 @@ enum class pd_trust { refused, router_token, trusted };
 // naming the field and why. Checked before any work on the body.
 void refuse_pd_fields(const json &j, const std::string &why_untrusted) {
     if (why_untrusted.empty()) return;
-    for (const char *name : serve::kPdFields) {
-        auto it = j.find(name);
-        if (it != j.end() && !it->is_null())
-            throw bad_request(std::string(name) + " is a PD routing field: " + why_untrusted);
-    }
+    for (const char *name : serve::kPdFields)
+        if (!absent(j, name)) throw bad_request(std::string(name) + " is a PD routing field: " + why_untrusted);
 }
 
 // The PD and request-id fields every generation API takes (SGLang's names): "bootstrap_room"
 // (or "pd_room"), the prefill's endpoint as "bootstrap_host" + "bootstrap_port" (or "pd_peer",
 // tcp://host:port), and "rid", the caller's id for POST /abort_request.
 void routing_fields(const json &j, job &jb) {
-    auto present = [&](const char *name) { return j.contains(name) && !j[name].is_null(); };
-    if (present("bootstrap_room")) jb.request.pd_room(field<uint64_t>(j, "bootstrap_room", 0));
-    else if (present("pd_room")) jb.request.pd_room(field<uint64_t>(j, "pd_room", 0));
-    if (present("pd_peer")) {
-        jb.request.pd_peer(field<std::string>(j, "pd_peer", ""));
-    } else if (present("bootstrap_host")) {
-        jb.request.pd_peer("tcp://" + field<std::string>(j, "bootstrap_host", "") + ":" +
-                           std::to_string(field<int>(j, "bootstrap_port", 0)));
+    if (auto room = u64_field(j, "bootstrap_room")) jb.request.pd_room(*room);
+    else if (auto pd_room = u64_field(j, "pd_room")) jb.request.pd_room(*pd_room);
+    if (!absent(j, "pd_peer")) {
+        jb.request.pd_peer(string_field(j, "pd_peer", 1024));
+    } else if (!absent(j, "bootstrap_host")) {
+        jb.request.pd_peer("tcp://" + string_field(j, "bootstrap_host", 1024) + ":" +
+                           std::to_string(int_field(j, "bootstrap_port", 1, 65535, 0)));
     }
-    jb.rid = field<std::string>(j, "rid", "");
-    if (jb.rid.size() > serve::kMaxRidBytes) throw bad_request("rid is longer than 256 bytes: use a shorter id");
+    jb.rid = string_field(j, "rid", serve::kMaxRidBytes);
 }
 
 using rid_registry = serve::rid_registry<uint64_t>;
@@ -211,21 +313,30 @@ enum class api { sglang, completions, chat };
 
 class server {
 public:
-    server(dsv4::engine &engine, pd_trust trust, std::string router_token)
+    server(dsv4::engine &engine, pd_trust trust, std::string router_token, size_t max_text_bytes, size_t max_messages)
         : engine_(engine), trust_(trust), router_token_(std::move(router_token)) {
         const json info = json::parse(engine_.model_info());
         has_tokenizer_ = info.value("has_tokenizer", false);
         model_name_ = info.value("name", std::string("dsv4"));
+        limits_.context = info.value("context_limit", int64_t{4096});
+        limits_.vocab = info.value("vocab_size", int64_t{1});
+        limits_.max_text_bytes = max_text_bytes ? max_text_bytes : static_cast<size_t>(limits_.context) * 8;
+        limits_.max_messages = max_messages;
     }
 
-    void routes(httplib::Server &http) {
-        http.Get("/health", [this](const httplib::Request &, httplib::Response &res) {
+    const field_limits &limits() const { return limits_; }
+
+    void routes(web::server &http) {
+        http.get("/health", [this](const web::request &, web::reply &res) {
             dsv4::engine_state s = engine_.state();
             const char *names[] = {"loading", "ready", "draining", "stopped", "failed"};
-            const int code = static_cast<int>(s.state);
-            res.status = s.state == dsv4::state::ready ? 200 : 503;
-            res.set_content(json{{"state", code >= 0 && code < 5 ? names[code] : "unknown"}, {"reason", s.reason}}.dump(),
-                            "application/json");
+            int code = static_cast<int>(s.state);
+            if (draining_.load() && s.state == dsv4::state::ready) {
+                code = 2;  // SIGTERM came; the engine's drain is about to begin
+                s.reason = "SIGTERM: draining";
+            }
+            res.send(code == 1 ? 200 : 503, "application/json",
+                     json{{"state", code >= 0 && code < 5 ? names[code] : "unknown"}, {"reason", s.reason}}.dump());
         });
         // What a router needs to know about this server: its role and, in a PD role, the
         // endpoint a decode request names as its prefill (`bootstrap_host`/`bootstrap_port`).
@@ -233,7 +344,7 @@ public:
         // "router_token": the router, "refused": no one); with an X-DSV4-Router-Token header,
         // `router_token` says whether it is this server's ("accepted" or "rejected"), so a router
         // checks its token at start instead of at its first request.
-        http.Get("/server_info", [this](const httplib::Request &req, httplib::Response &res) {
+        http.get("/server_info", [this](const web::request &req, web::reply &res) {
             const json params = json::parse(engine_.params_resolved());
             const char *trust_names[] = {"refused", "router_token", "trusted"};
             json out = {{"version", dsv4::version()},
@@ -241,8 +352,7 @@ public:
                         {"model", json::parse(engine_.model_info())},
                         {"params", params},
                         {"pd_fields", trust_names[static_cast<int>(trust_)]}};
-            if (req.has_header(serve::kRouterTokenHeader))
-                out["router_token"] = token_matches(req) ? "accepted" : "rejected";
+            if (req.has(serve::kRouterTokenHeader)) out["router_token"] = token_matches(req) ? "accepted" : "rejected";
             if (out["role"] != "unified") {
                 const std::string endpoint = engine_.pd_endpoint();  // tcp://host:port
                 out["pd_endpoint"] = endpoint;
@@ -250,33 +360,32 @@ public:
                 out["bootstrap_host"] = endpoint.substr(6, colon - 6);
                 out["bootstrap_port"] = std::stoi(endpoint.substr(colon + 1));
             }
-            res.set_content(out.dump(), "application/json");
+            res.send(200, "application/json", out.dump());
         });
-        http.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
-            res.set_content(engine_.prometheus(), "text/plain; version=0.0.4");
+        http.get("/metrics", [this](const web::request &, web::reply &res) {
+            res.send(200, "text/plain; version=0.0.4", engine_.prometheus());
         });
         // OpenAI's model discovery: the one model this server runs.
-        http.Get("/v1/models", [this](const httplib::Request &, httplib::Response &res) {
+        http.get("/v1/models", [this](const web::request &, web::reply &res) {
             const json model = {{"id", model_name_}, {"object", "model"}, {"created", started_}, {"owned_by", "dsv4"}};
-            res.set_content(json{{"object", "list"}, {"data", json::array({model})}}.dump(), "application/json");
+            res.send(200, "application/json", json{{"object", "list"}, {"data", json::array({model})}}.dump());
         });
-        http.Post("/generate", [this](const httplib::Request &req, httplib::Response &res) {
+        http.post("/generate", [this](const web::request &req, web::reply &res) {
             guarded(res, [&] { generate(req, res); });
         });
-        http.Post("/v1/completions", [this](const httplib::Request &req, httplib::Response &res) {
+        http.post("/v1/completions", [this](const web::request &req, web::reply &res) {
             guarded(res, [&] { openai(req, res, false); });
         });
-        http.Post("/v1/chat/completions", [this](const httplib::Request &req, httplib::Response &res) {
+        http.post("/v1/chat/completions", [this](const web::request &req, web::reply &res) {
             guarded(res, [&] { openai(req, res, true); });
         });
         // SGLang's abort: {"rid"} → {"aborted": true} when that request was in flight. An
         // unknown rid answers false and is aborted if it arrives within a minute.
-        http.Post("/abort_request", [this](const httplib::Request &req, httplib::Response &res) {
+        http.post("/abort_request", [this](const web::request &req, web::reply &res) {
             guarded(res, [&] {
                 const json j = body(req);
-                const std::string rid = field<std::string>(j, "rid", "");
+                const std::string rid = string_field(j, "rid", serve::kMaxRidBytes);
                 if (rid.empty()) throw bad_request("pass the rid of the request to abort");
-                if (rid.size() > serve::kMaxRidBytes) throw bad_request("rid is longer than 256 bytes: no request has it");
                 std::optional<uint64_t> id = rids_.take_for_abort(rid);
                 bool aborted = false;
                 if (id) {
@@ -287,24 +396,30 @@ public:
                         if (e.status() != dsv4::status::not_found) throw;  // already ending
                     }
                 }
-                res.set_content(json{{"aborted", aborted}}.dump(), "application/json");
-            });
+                res.send(200, "application/json", json{{"aborted", aborted}}.dump());
+            }, false);
         });
     }
 
+    // SIGTERM: from now on new requests get 503 (the engine's drain refuses them too once it
+    // began); /health says "draining".
+    void refuse_new() { draining_ = true; }
+
+    // SIGTERM: after the engine drained, its streams' last events still have to go out.
+    bool wait_requests(std::chrono::milliseconds limit) const { return serve::wait_for_zero(in_flight_, limit); }
+
 private:
-    bool token_matches(const httplib::Request &req) const {
-        return !router_token_.empty() &&
-               serve::same_secret(req.get_header_value(serve::kRouterTokenHeader), router_token_);
+    bool token_matches(const web::request &req) const {
+        return !router_token_.empty() && serve::same_secret(req.header(serve::kRouterTokenHeader), router_token_);
     }
 
     // Empty when this request's PD routing fields are honoured, else why not.
-    std::string why_untrusted(const httplib::Request &req) const {
+    std::string why_untrusted(const web::request &req) const {
         switch (trust_) {
         case pd_trust::trusted: return "";
         case pd_trust::router_token:
             if (token_matches(req)) return "";
-            return req.has_header(serve::kRouterTokenHeader)
+            return req.has(serve::kRouterTokenHeader)
                        ? "the request's X-DSV4-Router-Token is not this server's --router-token-file token"
                        : "this server takes PD fields only from its router (X-DSV4-Router-Token); send the request "
                          "through dsv4-router, or drop the field";
@@ -314,94 +429,119 @@ private:
                "dsv4-router is given) or, behind a router you trust, --trust-pd-fields";
     }
 
+    static void send_error(web::reply &res, int code, const std::string &status, const std::string &message) {
+        if (code == 429 || code == 503) res.header("Retry-After", "1");
+        res.send(code, "application/json", error_json(code, status, message).dump());
+    }
+
+    // Runs a request's handler, its refusals as HTTP errors. New generations are refused while
+    // draining (`generation`); aborts are not.
     template <typename F>
-    void guarded(httplib::Response &res, F &&f) {
+    void guarded(web::reply &res, F &&f, bool generation = true) {
+        if (generation && draining_.load()) {
+            send_error(res, 503, "DSV4_ERR_SHUTDOWN", "the server is shutting down (SIGTERM): send the request elsewhere");
+            return;
+        }
+        in_flight_.fetch_add(1);
         try {
             f();
         } catch (const dsv4::error &e) {
             send_error(res, http_status(e.status()), e.status_name(), e.what());
         } catch (const bad_request &e) {
-            send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", e.what());
+            send_error(res, e.code, e.code == 413 ? "DSV4_ERR_CAPACITY" : "DSV4_ERR_INVALID_ARGUMENT", e.what());
         } catch (const json::exception &e) {
             send_error(res, 400, "DSV4_ERR_INVALID_ARGUMENT", std::string("the body is not valid JSON: ") + e.what());
         }
+        in_flight_.fetch_sub(1);
     }
 
-    json body(const httplib::Request &req) {
+    // The body as a JSON object: UTF-8 checked first (the 400 names the first bad byte, and no
+    // message quotes it: JSON output cannot hold it).
+    static json body(const web::request &req) {
+        const size_t bad = web::utf8_error_offset(req.body);
+        if (bad != std::string::npos)
+            throw bad_request("the body is not valid UTF-8: byte " + std::to_string(bad) + " (0x" + hex(req.body[bad]) +
+                              ") starts no valid sequence");
         json j = json::parse(req.body);
         if (!j.is_object()) throw bad_request("the body must be a JSON object");
         return j;
     }
 
+    static std::string hex(char c) {
+        char buf[4];
+        std::snprintf(buf, sizeof(buf), "%02x", static_cast<unsigned char>(c));
+        return buf;
+    }
+
     // POST /generate (SGLang): {"input_ids" | "text", "sampling_params", "stream",
     // "bootstrap_room", "bootstrap_host" + "bootstrap_port" (or "pd_peer"), "rid"}.
-    void generate(const httplib::Request &http_req, httplib::Response &res) {
+    void generate(const web::request &http_req, web::reply &res) {
         const json j = body(http_req);
         refuse_pd_fields(j, why_untrusted(http_req));
         const json sp = j.value("sampling_params", json::object());
         if (!sp.is_object()) throw bad_request("sampling_params must be an object");
-        sampling s;
-        s.max_new_tokens = field<uint32_t>(sp, "max_new_tokens", 128);
-        s.temperature = field<float>(sp, "temperature", 1.0f);
-        s.top_p = field<float>(sp, "top_p", 1.0f);
-        s.top_k = std::max(0, field<int32_t>(sp, "top_k", -1));  // SGLang's -1: off
-        s.min_p = field<float>(sp, "min_p", 0.0f);
-        s.ignore_eos = field<bool>(sp, "ignore_eos", false);
-        if (sp.contains("seed") && !sp["seed"].is_null()) s.seed = field<uint64_t>(sp, "seed", 0);
-        s.stop = stop_strings(sp);
-        if (sp.contains("stop_token_ids")) s.stop_token_ids = ids_of(sp["stop_token_ids"], "stop_token_ids");
-
+        sampling s = sampling_of(sp, limits_, {"max_new_tokens"});
         std::vector<int32_t> prompt;
-        if (j.contains("input_ids")) {
-            prompt = ids_of(j["input_ids"], "input_ids");
-        } else if (j.contains("text")) {
-            if (!j["text"].is_string()) throw bad_request("text must be a string");
-            prompt = engine_.tokenize(j["text"].get<std::string>(), true);
+        if (!absent(j, "input_ids")) {
+            prompt = ids_of(j["input_ids"], "input_ids", limits_);
+        } else if (!absent(j, "text")) {
+            prompt = engine_.tokenize(text_of(j["text"], "text", limits_), true);
         } else {
             throw bad_request("pass input_ids (token ids) or text");
         }
         answer(j, std::move(prompt), s, res, api::sglang);
     }
 
+    // OpenAI chat messages, bounded in count and bytes before the template renders them.
+    json messages_of(const json &j) const {
+        if (absent(j, "messages") || !j["messages"].is_array())
+            throw bad_request("messages must be a list of {role, content}");
+        const json &m = j["messages"];
+        if (m.size() > limits_.max_messages)
+            throw bad_request("messages holds " + std::to_string(m.size()) + " messages; at most " +
+                                  std::to_string(limits_.max_messages) + " are accepted (--max-messages)",
+                              413);
+        size_t bytes = 0;
+        for (const json &msg : m) {
+            if (!msg.is_object()) throw bad_request("each message must be an object {role, content}");
+            auto c = msg.find("content");
+            if (c != msg.end() && c->is_string()) bytes += c->get_ref<const std::string &>().size();
+        }
+        if (bytes > limits_.max_text_bytes)
+            throw bad_request("the messages' contents are " + std::to_string(bytes) + " bytes; at most " +
+                                  std::to_string(limits_.max_text_bytes) + " are rendered (--max-text-bytes)",
+                              413);
+        return m;
+    }
+
     // POST /v1/completions and /v1/chat/completions.
-    void openai(const httplib::Request &http_req, httplib::Response &res, bool chat) {
+    void openai(const web::request &http_req, web::reply &res, bool chat) {
         const json j = body(http_req);
         refuse_pd_fields(j, why_untrusted(http_req));
-        sampling s;
-        s.max_new_tokens = field<uint32_t>(j, chat ? "max_completion_tokens" : "max_tokens",
-                                           field<uint32_t>(j, "max_tokens", 128));
-        s.temperature = field<float>(j, "temperature", 1.0f);
-        s.top_p = field<float>(j, "top_p", 1.0f);
-        s.top_k = std::max(0, field<int32_t>(j, "top_k", -1));
-        if (j.contains("seed") && !j["seed"].is_null()) s.seed = field<uint64_t>(j, "seed", 0);
-        s.ignore_eos = field<bool>(j, "ignore_eos", false);
-        s.stop = stop_strings(j);
+        sampling s = chat ? sampling_of(j, limits_, {"max_completion_tokens", "max_tokens"})
+                          : sampling_of(j, limits_, {"max_tokens"});
         std::vector<int32_t> prompt;
         if (chat) {
-            if (!j.contains("messages") || !j["messages"].is_array())
-                throw bad_request("messages must be a list of {role, content}");
+            const json messages = messages_of(j);
             // The template writes the BOS token itself.
-            prompt = engine_.tokenize(engine_.chat_apply(j["messages"].dump(), true), false);
+            const std::string text = engine_.chat_apply(messages.dump(), true);
+            prompt = engine_.tokenize(bounded_text(text, "the rendered chat", limits_), false);
         } else {
             const json p = j.value("prompt", json());
-            if (p.is_string()) {
-                prompt = engine_.tokenize(p.get<std::string>(), true);
-            } else if (p.is_array()) {
-                prompt = ids_of(p, "prompt");
-            } else {
-                throw bad_request("prompt must be a string or a list of token ids");
-            }
+            if (p.is_string()) prompt = engine_.tokenize(text_of(p, "prompt", limits_), true);
+            else if (p.is_array()) prompt = ids_of(p, "prompt", limits_);
+            else throw bad_request("prompt must be a string or a list of token ids");
         }
         answer(j, std::move(prompt), s, res, chat ? api::chat : api::completions);
     }
 
     // A request from its prompt, sampling and the body's routing fields and "stream".
-    void answer(const json &j, std::vector<int32_t> prompt, const sampling &s, httplib::Response &res, api a) {
+    void answer(const json &j, std::vector<int32_t> prompt, const sampling &s, web::reply &res, api a) {
         job jb;
         jb.prompt_tokens = static_cast<uint32_t>(prompt.size());
         jb.request = build(engine_, std::move(prompt), s);
         routing_fields(j, jb);
-        jb.stream = field<bool>(j, "stream", false);
+        jb.stream = bool_field(j, "stream", false);
         run(std::move(jb), res, a);
     }
 
@@ -469,120 +609,125 @@ private:
 
     // A request whose rid was aborted before it came: answered as aborted, never submitted (a
     // PD decode's half must not claim its room).
-    void answer_aborted(const job &jb, httplib::Response &res, api a) {
+    void answer_aborted(const job &jb, web::reply &res, api a) {
         outcome o;
         o.last.kind = dsv4::event_kind::finished;
         o.last.finish_reason = dsv4::finish_reason::aborted;
         o.last.prompt_tokens = jb.prompt_tokens;
         const std::string id = "cmpl-aborted";
         if (!jb.stream) {
-            res.set_content(final_json(a, o, id).dump(), "application/json");
+            res.send(200, "application/json", final_json(a, o, id).dump());
             return;
         }
-        res.set_header("Cache-Control", "no-cache");
-        res.set_content(sse(last_chunk(a, o, id)) + "data: [DONE]\n\n", "text/event-stream");
+        res.header("Cache-Control", "no-cache");
+        res.send(200, "text/event-stream", sse(last_chunk(a, o, id)) + "data: [DONE]\n\n");
     }
 
-    void run(job jb, httplib::Response &res, api a) {
+    // One token event into `o`: the piece of text it completes.
+    std::string take_token(outcome &o, dsv4::detokenizer *detok, const dsv4::event &e) const {
+        o.ids.push_back(e.token);
+        std::string piece = detok ? detok->feed(e.token) : "";
+        o.text += piece;
+        return piece;
+    }
+
+    void run(job jb, web::reply &res, api a) {
         if (!jb.rid.empty() && rids_.aborted_before(jb.rid)) {
             answer_aborted(jb, res, a);
             return;
         }
-        auto stream = std::make_shared<dsv4::stream>(engine_.submit(jb.request));
-        const std::string id = "cmpl-" + std::to_string(stream->id());
-        std::shared_ptr<rid_entry> rid;
+        dsv4::stream stream = engine_.submit(jb.request);
+        const std::string id = "cmpl-" + std::to_string(stream.id());
+        std::unique_ptr<rid_entry> rid;
         if (!jb.rid.empty()) {
-            switch (rids_.add(jb.rid, stream->id())) {
-            case rid_registry::added::ok: rid = std::make_shared<rid_entry>(rids_, jb.rid); break;
-            case rid_registry::added::aborted_early: stream->abort(); break;  // between the check and the submit
+            switch (rids_.add(jb.rid, stream.id())) {
+            case rid_registry::added::ok: rid = std::make_unique<rid_entry>(rids_, jb.rid); break;
+            case rid_registry::added::aborted_early: stream.abort(); break;  // between the check and the submit
             case rid_registry::added::in_flight:
-                stream->abort();
+                stream.abort();
                 throw bad_request("rid " + jb.rid + " is already in flight: pick another");
             }
         }
-        std::shared_ptr<dsv4::detokenizer> detok;
-        if (has_tokenizer_) detok = std::make_shared<dsv4::detokenizer>(engine_);
+        std::unique_ptr<dsv4::detokenizer> detok;
+        if (has_tokenizer_) detok = std::make_unique<dsv4::detokenizer>(engine_);
+        outcome o;
         if (!jb.stream) {
-            outcome o;
-            for (const dsv4::event &e : *stream) {
-                if (e.kind == dsv4::event_kind::token) {
-                    o.ids.push_back(e.token);
-                    if (detok) o.text += detok->feed(e.token);
-                } else {
-                    o.last = e;
+            // The events as they come, and every 100 ms a look at the client: one that left
+            // aborts its request (nothing would read its answer).
+            auto look = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+            bool aborted = false;
+            while (true) {
+                std::optional<dsv4::event> e = stream.next_for(std::chrono::milliseconds(100));
+                if (!aborted && std::chrono::steady_clock::now() >= look) {
+                    look += std::chrono::milliseconds(100);
+                    if (res.client_gone()) {
+                        stream.abort();
+                        aborted = true;
+                    }
                 }
+                if (!e) {
+                    if (stream.done()) break;
+                    continue;
+                }
+                if (e->kind == dsv4::event_kind::token) take_token(o, detok.get(), *e);
+                else o.last = *e;
             }
             if (o.last.kind == dsv4::event_kind::error) {
                 send_error(res, http_status(o.last.status), dsv4_status_name(static_cast<int32_t>(o.last.status)),
                            o.last.message);
                 return;
             }
-            res.set_content(final_json(a, o, id).dump(), "application/json");
+            res.send(200, "application/json", final_json(a, o, id).dump());
             return;
         }
         // Server-sent events: one per token (SGLang: the text and ids so far; OpenAI: the
         // piece), the final one with the finish reason, then [DONE]. A write that fails (the
-        // client went away) drops the stream, which aborts the request.
-        auto state = std::make_shared<outcome>();
-        auto done = std::make_shared<bool>(false);
-        res.set_header("Cache-Control", "no-cache");
-        res.set_chunked_content_provider(
-            "text/event-stream",
-            [this, stream, detok, state, done, a, id, rid](size_t, httplib::DataSink &sink) mutable {
-                if (*done) {
-                    sink.done();
-                    return true;
-                }
-                std::optional<dsv4::event> e = stream->next();
-                if (!e) {
-                    *done = true;
-                    sink.done();
-                    return true;
-                }
-                std::string chunk;
-                if (e->kind == dsv4::event_kind::token) {
-                    state->ids.push_back(e->token);
-                    std::string piece = detok ? detok->feed(e->token) : "";
-                    state->text += piece;
-                    if (a == api::sglang) {
-                        json out = {{"output_ids", state->ids},
-                                    {"meta_info", {{"completion_tokens", state->ids.size()}, {"finish_reason", nullptr}}}};
-                        if (detok) out["text"] = state->text;
-                        chunk = sse(out);
-                    } else {
-                        json delta = a == api::chat ? json{{"index", 0}, {"delta", {{"content", piece}}}, {"finish_reason", nullptr}}
-                                                    : json{{"index", 0}, {"text", piece}, {"finish_reason", nullptr}};
-                        chunk = sse({{"id", id},
-                                     {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
-                                     {"model", model_name_},
-                                     {"choices", json::array({delta})}});
-                    }
+        // client went away, or stopped reading for the write timeout) aborts the request.
+        res.header("Cache-Control", "no-cache");
+        if (!res.begin(200, "text/event-stream")) {
+            stream.abort();
+            return;
+        }
+        while (std::optional<dsv4::event> e = stream.next()) {
+            std::string chunk;
+            if (e->kind == dsv4::event_kind::token) {
+                const std::string piece = take_token(o, detok.get(), *e);
+                if (a == api::sglang) {
+                    json out = {{"output_ids", o.ids},
+                                {"meta_info", {{"completion_tokens", o.ids.size()}, {"finish_reason", nullptr}}}};
+                    if (detok) out["text"] = o.text;
+                    chunk = sse(out);
                 } else {
-                    state->last = *e;
-                    if (e->kind == dsv4::event_kind::error) {
-                        chunk = sse(error_chunk(a, *state));
-                    } else {
-                        chunk = sse(last_chunk(a, *state, id));
-                    }
-                    chunk += "data: [DONE]\n\n";
+                    json delta = a == api::chat ? json{{"index", 0}, {"delta", {{"content", piece}}}, {"finish_reason", nullptr}}
+                                                : json{{"index", 0}, {"text", piece}, {"finish_reason", nullptr}};
+                    chunk = sse({{"id", id},
+                                 {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
+                                 {"model", model_name_},
+                                 {"choices", json::array({delta})}});
                 }
-                if (!sink.write(chunk.data(), chunk.size())) return false;  // gone: abort
-                return true;
-            },
-            streams_.open());
+            } else {
+                o.last = *e;
+                chunk = sse(e->kind == dsv4::event_kind::error ? error_chunk(a, o) : last_chunk(a, o, id));
+                chunk += "data: [DONE]\n\n";
+            }
+            if (!res.write(chunk)) {
+                stream.abort();  // gone; the remaining events are drained by the stream's end
+                while (stream.next()) {
+                }
+                return;
+            }
+        }
+        res.end();
     }
 
-public:
-    // SIGTERM: after the engine drained, its streams' last chunks still have to go out.
-    bool wait_streams(std::chrono::milliseconds limit) const { return streams_.wait(limit); }
-
-private:
     dsv4::engine &engine_;
     const pd_trust trust_;
     const std::string router_token_;
     const std::time_t started_ = std::time(nullptr);
+    field_limits limits_;
     rid_registry rids_;
-    serve::streams streams_;
+    std::atomic<int> in_flight_{0};
+    std::atomic<bool> draining_{false};
     bool has_tokenizer_ = false;
     std::string model_name_;
 };
@@ -611,8 +756,8 @@ std::string with_model_path_resolved(const std::string &text, const std::string 
 }
 
 const char *kUsage =
-    "usage: dsv4-server --params FILE [--host H] [--port P] [--http-threads N]\n"
-    "                   [--router-token-file FILE | --trust-pd-fields]\n";
+    "usage: dsv4-server --params FILE [--host H] [--port P]\n"
+    "                   [--router-token-file FILE | --trust-pd-fields] [limits: see --help]\n";
 
 const char *kHelp =
     "dsv4-server: one dsv4 engine behind HTTP (SGLang's /generate, OpenAI's /v1/completions and\n"
@@ -621,13 +766,22 @@ const char *kHelp =
     "                           is looked up next to FILE first, then in the working directory\n"
     "  --host H                 address to listen on (127.0.0.1)\n"
     "  --port P                 port (30000; 0 picks a free one, named on the \"listening\" line)\n"
-    "  --http-threads N         most connections served at once (4096); a thread each, started\n"
-    "                           as connections come and ended when idle for 30 s\n"
     "  --router-token-file FILE honour PD routing fields (bootstrap_room/host/port, pd_room,\n"
     "                           pd_peer) from requests whose X-DSV4-Router-Token header holds the\n"
     "                           token in FILE: give dsv4-router the same file\n"
     "  --trust-pd-fields        honour PD routing fields from every request (only behind a router\n"
     "                           that strips them from its clients, such as SGLang's)\n"
+    "limits (what one client may hold; docs/serving.md):\n"
+    "  --max-connections N      connections open at once, in total; a thread each (4096)\n"
+    "  --max-connections-per-client N   from one address (1024)\n"
+    "  --head-timeout-ms MS     the whole request head, from its first byte (10000)\n"
+    "  --idle-timeout-ms MS     a kept-alive connection between requests (15000)\n"
+    "  --body-timeout-ms MS     the whole body once its head is in (60000)\n"
+    "  --write-timeout-ms MS    a client that takes none of an answer for this long is dropped (30000)\n"
+    "  --max-head-bytes N       request line and headers (16384)\n"
+    "  --max-body-bytes N       a request body (16 x the context's tokens, at least 1 MiB)\n"
+    "  --max-text-bytes N       a text to tokenize or chat to render (8 x the context's tokens)\n"
+    "  --max-messages N         messages of a chat (4096)\n"
     "  --help                   this text\n\n"
     "At start it prints the memory plan, then \"dsv4-server: listening on http://H:P\".\n"
     "Without either PD option a body with a PD routing field is refused (400).\n"
@@ -643,8 +797,21 @@ int usage(const std::string &why) {
 
 int main(int argc, char **argv) {
     std::string params_path, host = "127.0.0.1", token_file;
-    int port = 30000, threads = 4096;
+    int port = 30000;
     bool trust_pd_fields = false;
+    web::limits limits;
+    size_t max_body = 0, max_text = 0, max_messages = 4096;
+    serve::flags flags;
+    flags.size("--max-connections", limits.max_connections);
+    flags.size("--max-connections-per-client", limits.max_connections_per_client);
+    flags.millis("--head-timeout-ms", limits.head_timeout);
+    flags.millis("--idle-timeout-ms", limits.idle_timeout);
+    flags.millis("--body-timeout-ms", limits.body_timeout);
+    flags.millis("--write-timeout-ms", limits.write_timeout);
+    flags.size("--max-head-bytes", limits.max_head_bytes);
+    flags.size("--max-body-bytes", max_body);
+    flags.size("--max-text-bytes", max_text);
+    flags.size("--max-messages", max_messages);
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
         if (a == "--help" || a == "-h") {
@@ -656,24 +823,25 @@ int main(int argc, char **argv) {
             continue;
         }
         if (i + 1 >= argc) return usage("missing the value of " + a);
-        if (a == "--params") params_path = argv[++i];
-        else if (a == "--host") host = argv[++i];
-        else if (a == "--port") port = std::atoi(argv[++i]);
-        else if (a == "--http-threads") threads = std::atoi(argv[++i]);
-        else if (a == "--router-token-file") token_file = argv[++i];
-        else return usage("unknown option " + a);
+        const std::string v = argv[++i];
+        if (a == "--params") params_path = v;
+        else if (a == "--host") host = v;
+        else if (a == "--port") port = std::atoi(v.c_str());
+        else if (a == "--router-token-file") token_file = v;
+        else if (a == "--http-threads") flags.set("--max-connections", v);  // the name before the limits had flags
+        else if (!flags.known(a)) return usage("unknown option " + a);
+        else if (std::string why = flags.set(a, v); !why.empty()) return usage(why);
     }
     if (params_path.empty()) return usage("--params is required");
     if (port < 0 || port > 65535) return usage("--port must be 0..65535");
-    if (threads <= 0) return usage("--http-threads must be positive");
     if (trust_pd_fields && !token_file.empty())
         return usage("--trust-pd-fields and --router-token-file exclude each other: the first trusts every request");
 
     // SIGTERM and SIGINT are taken by a thread of their own, so they are blocked in every
-    // thread, the engine's and the HTTP pool's included: block them before any starts.
+    // thread, the engine's and the HTTP connections' included: block them before any starts.
     const sigset_t signals = serve::block_stop_signals();
     // A connection each, plus the engine's own (PD links, the checkpoint's files).
-    serve::raise_open_files_limit("dsv4-server", static_cast<rlim_t>(threads) + 256);
+    serve::raise_open_files_limit("dsv4-server", static_cast<rlim_t>(limits.max_connections) + 256);
 
     try {
         const std::string token = token_file.empty() ? "" : serve::read_token_file(token_file);
@@ -688,27 +856,31 @@ int main(int argc, char **argv) {
         } catch (const dsv4::error &) {
         }
         dsv4::engine engine(params);
-        server routes(engine, trust, token);
-        httplib::Server http;
-        serve::options o;
-        o.max_threads = static_cast<size_t>(threads);
-        serve::listener listener(http, o);
+        server routes(engine, trust, token, max_text, max_messages);
+        limits.max_body_bytes =
+            max_body ? max_body : std::max<size_t>(1 << 20, static_cast<size_t>(routes.limits().context) * 16);
+        web::server http(limits);
         routes.routes(http);
-        const int bound = listener.bind("dsv4-server", host, port);
-        if (bound < 0) return 1;
+        std::string error;
+        const int bound = http.bind(host, port, serve::listen_backlog(), error);
+        if (bound < 0) {
+            std::fprintf(stderr, "dsv4-server: %s\n", error.c_str());
+            return 1;
+        }
         // The line a supervisor (or a test) waits for.
         std::printf("dsv4-server: listening on http://%s:%d\n", host.c_str(), bound);
         std::fflush(stdout);
-        const bool ok = serve::until_signal(http, signals, "dsv4-server", [&] {
+        serve::until_signal(http, signals, "dsv4-server", [&] { routes.refuse_new(); }, [&] {
             try {
                 engine.shutdown(dsv4::shutdown_mode::drain);  // new requests get 503 meanwhile
             } catch (const dsv4::error &e) {
                 std::fprintf(stderr, "dsv4-server: drain failed: %s\n", e.what());
             }
-            if (!routes.wait_streams(std::chrono::seconds(30)))
-                std::fprintf(stderr, "dsv4-server: streams still open 30 s after the drain; stopping anyway\n");
+            if (!routes.wait_requests(std::chrono::seconds(30)))
+                std::fprintf(stderr, "dsv4-server: requests still open 30 s after the drain; stopping anyway\n");
         });
-        if (!ok) return 1;
+        if (!http.wait_connections(std::chrono::seconds(5)))
+            std::fprintf(stderr, "dsv4-server: connections still open 5 s after the listener stopped\n");
         std::printf("dsv4-server: stopped\n");
         return 0;
     } catch (const dsv4::error &e) {

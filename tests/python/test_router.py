@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_metrics import promtool_check
-from test_server import (FIXTURE, GREEDY, PROMPT, Server, engine, post_raw,  # noqa: F401
+from test_server import (CONTEXT, FIXTURE, GREEDY, PROMPT, Server, engine, post_raw,  # noqa: F401
                          server_binary, shared_token, sse_events, token_file)
 
 PD = {"listen": "tcp://127.0.0.1:0"}
@@ -203,7 +203,7 @@ def test_the_decode_refusing_aborts_the_prefills_half(tmp_path):
 def test_a_client_that_disconnects_aborts_the_decode(pair):
     p, d, r = pair
     long = {"input_ids": PROMPT, "stream": True,
-            "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+            "sampling_params": {"max_new_tokens": CONTEXT, **GREEDY}}
     with post_raw(r.port, "/generate", long) as c:
         read_events(c, 3)
     wait_until("the decode kept generating for a client that left", lambda: value(
@@ -262,7 +262,7 @@ def test_a_busy_decode_server_is_passed_over(tmp_path, engine):
     r = Router([p], decodes, "--poll-ms", "100")
     try:
         long = {"input_ids": PROMPT, "stream": True,
-                "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+                "sampling_params": {"max_new_tokens": CONTEXT, **GREEDY}}
         with post_raw(r.port, "/generate", long) as c:
             read_events(c, 2)
             wait_until("no decode server shows the stream running", lambda: sum(
@@ -392,8 +392,8 @@ def test_a_killed_decode_ends_streams_properly_and_a_restarted_one_serves_again(
     (d,) = servers(tmp_path, "decode", 1)
     r = Router([p], [d], "--poll-ms", "100")
     try:
-        long_sglang = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
-        long_openai = {"prompt": PROMPT, "stream": True, "max_tokens": 100000, **GREEDY}
+        long_sglang = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": CONTEXT, **GREEDY}}
+        long_openai = {"prompt": PROMPT, "stream": True, "max_tokens": CONTEXT, **GREEDY}
         socks = [(post_raw(r.port, "/generate", long_sglang, close=True), "sglang"),
                  (post_raw(r.port, "/v1/completions", long_openai, close=True), "openai")]
         started = []

@@ -281,8 +281,8 @@ def test_retries_count_only_tries_that_went_out(fakes):
 
 def test_a_server_stays_in_rotation_until_health_misses_polls_fail(fakes):
     p, d, r = fakes(None, None, "--poll-ms", "50", "--health-misses", "4")
-    d.health = 500
     d.calls.clear()
+    d.health = 500
     wait_until("the server did not leave the rotation",
                lambda: value_of(r, "dsv4_router_server_up", role="decode", url=d.url) == 0, timeout=10)
     assert sum(1 for c in d.calls if c[1] == "/health") >= 4, d.calls

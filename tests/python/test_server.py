@@ -20,6 +20,9 @@ import dsv4
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "flash-like" / "hf-f32-text"
 PROMPT = [5, 17, 300, 2, 9, 44, 81, 120]
+# The fixture's context (model_info's context_limit): the most tokens a request may ask for, and
+# the length of a request that runs "as long as the context allows" (about a second here).
+CONTEXT = 4096
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -240,7 +243,7 @@ def test_openai_completions_and_chat(server, engine):
 def test_errors_map_to_http_statuses(server):
     status, _, body = server.json("/generate", {"input_ids": [999999]})
     assert status == 400 and body["error"]["status"] == "DSV4_ERR_INVALID_ARGUMENT"
-    assert "outside the vocabulary" in body["error"]["message"]
+    assert body["error"]["message"] == "input_ids[0] = 999999 is not a token id in [0, 383]", body
     status, _, body = server.json("/generate", raw=b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, _, body = server.json("/generate", {"sampling_params": {}})
@@ -259,7 +262,7 @@ def test_queue_full_is_429_with_retry_after(tmp_path):
     try:
         # As long as the context allows (~4000 tokens, about a second on this fixture), not
         # streamed: a stream nobody reads is aborted once the server's write times out.
-        long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+        long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": CONTEXT, **GREEDY}}
         # One running, then one queued (sent together, the second would find the first still
         # queued and be refused itself), then a third is refused at once. On a loaded machine
         # the first may end before the third arrives (then the third is rightly accepted):
@@ -286,7 +289,7 @@ def test_queue_full_is_429_with_retry_after(tmp_path):
 
 def test_a_client_that_disconnects_aborts_its_request(server):
     long = {"input_ids": PROMPT, "stream": True,
-            "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+            "sampling_params": {"max_new_tokens": CONTEXT, **GREEDY}}
     with post_raw(server.port, "/generate", long) as c:
         got = b""
         while got.count(b"data:") < 3:
@@ -366,7 +369,7 @@ def test_abort_request_by_rid(server):
     """SGLang's POST /abort_request: a request in flight by its "rid", an abort that arrives
     before its request (a router's race), and a rid used twice."""
     result = {}
-    body = {"input_ids": PROMPT, "rid": "r1", "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+    body = {"input_ids": PROMPT, "rid": "r1", "sampling_params": {"max_new_tokens": CONTEXT, **GREEDY}}
     t = threading.Thread(target=lambda: result.update(r1=server.json("/generate", body)))
     t.start()
     wait_for_metrics(server, ["dsv4_num_running_reqs 1"], "the request is not running")
@@ -499,7 +502,7 @@ def test_health_answers_at_once_while_every_request_slot_is_busy(tmp_path):
                admission={"max_queued_requests": 40})
     socks = []
     try:
-        long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100000, **GREEDY}}
+        long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": CONTEXT, **GREEDY}}
         # Two running (each to the context's end, about a second here), then forty queued
         # behind them (sent together with the first two, some would be refused instead).
         socks = [post_raw(s.port, "/generate", long) for _ in range(2)]
@@ -557,8 +560,8 @@ def test_models_help_plan_and_a_model_path_beside_the_params(tmp_path):
 
 def test_a_burst_of_connections_is_accepted_not_reset(server):
     """600 clients connecting at once (each GET /health, then close): every one answered 200.
-    The listen backlog takes the burst (httplib's own is 5, which dropped or reset about a fifth
-    of 500 simultaneous connections)."""
+    The listen backlog takes the burst (a backlog of 5 dropped or reset about a fifth of 500
+    simultaneous connections)."""
     import asyncio
 
     async def one():
