@@ -505,26 +505,10 @@ private:
         parser.header_limit(static_cast<std::uint32_t>(limits_.max_head_bytes));
         parser.body_limit(limits_.max_body_bytes);
         parser.eager(false);
-        boost::system::error_code ec;
         // The head.
-        while (!parser.is_header_done()) {
-            if (buf.size() > 0) {
-                const size_t used = parser.put(buf.data(), ec);
-                buf.consume(used);
-                if (ec == bhttp::error::need_more) ec = {};
-                if (ec) return refuse_parse_error(io, ec);
-                if (parser.is_header_done()) break;
-                if (used > 0) continue;
-            }
-            bool timed_out = false;
-            const ssize_t n = io.read_some(buf, 16 << 10, head_deadline, timed_out);
-            if (n <= 0) {
-                if (timed_out)
-                    refuse(io, 408, "REQUEST_TIMEOUT",
-                           "the request head did not arrive whole within " + seconds(limits_.head_timeout));
-                return false;
-            }
-        }
+        if (!feed(io, buf, parser, [&] { return parser.is_header_done(); }, head_deadline,
+                  "the request head did not arrive whole within " + seconds(limits_.head_timeout)))
+            return false;
         const auto &head = parser.get();
         request req;
         req.method = std::string(head.method_string());
@@ -553,30 +537,40 @@ private:
             if (!io.write_all(std::string("HTTP/1.1 100 Continue\r\n\r\n"), limits_.write_timeout)) return false;
         }
         parser.eager(true);
-        const auto body_deadline = clock::now() + limits_.body_timeout;
-        while (!parser.is_done()) {
-            if (buf.size() > 0) {
-                const size_t used = parser.put(buf.data(), ec);
-                buf.consume(used);
-                if (ec == bhttp::error::need_more) ec = {};
-                if (ec) return refuse_parse_error(io, ec);
-                if (parser.is_done()) break;
-                if (used > 0) continue;
-            }
-            bool timed_out = false;
-            const ssize_t n = io.read_some(buf, 64 << 10, body_deadline, timed_out);
-            if (n <= 0) {
-                if (timed_out)
-                    refuse(io, 408, "REQUEST_TIMEOUT",
-                           "the request body did not arrive whole within " + seconds(limits_.body_timeout));
-                return false;
-            }
-        }
+        if (!feed(io, buf, parser, [&] { return parser.is_done(); }, clock::now() + limits_.body_timeout,
+                  "the request body did not arrive whole within " + seconds(limits_.body_timeout)))
+            return false;
         bhttp::request<bhttp::string_body> message = parser.release();
         const bool keep_alive = message.keep_alive();  // read before the headers move out
         req.headers = std::move(message.base());
         req.body = std::move(message.body());
         return dispatch(io, req, keep_alive);
+    }
+
+    // Reads into `parser` until `done()` (the head, then the body), by `deadline`: false (after
+    // a 400/413/431, or a 408 with `late`) when the request is malformed, too large or late, or
+    // the connection ended.
+    template <typename Done>
+    bool feed(socket_io &io, boost::beast::flat_buffer &buf, bhttp::request_parser<bhttp::string_body> &parser,
+              Done done, clock::time_point deadline, const std::string &late) {
+        boost::system::error_code ec;
+        while (!done()) {
+            if (buf.size() > 0) {
+                const size_t used = parser.put(buf.data(), ec);
+                buf.consume(used);
+                if (ec == bhttp::error::need_more) ec = {};
+                if (ec) return refuse_parse_error(io, ec);
+                if (done()) break;
+                if (used > 0) continue;
+            }
+            bool timed_out = false;
+            const ssize_t n = io.read_some(buf, 64 << 10, deadline, timed_out);
+            if (n <= 0) {
+                if (timed_out) refuse(io, 408, "REQUEST_TIMEOUT", late);
+                return false;
+            }
+        }
+        return true;
     }
 
     bool refuse_framing(socket_io &io, const std::string &what) {

@@ -108,6 +108,17 @@ private:
     std::map<std::string, std::function<std::string(const std::string &)>> setters_;
 };
 
+// The limits' flags (docs/serving.md, "Limits") that the server and the router share.
+inline void limit_flags(flags &f, web::limits &l) {
+    f.size("--max-connections", l.max_connections);
+    f.size("--max-connections-per-client", l.max_connections_per_client);
+    f.millis("--head-timeout-ms", l.head_timeout);
+    f.millis("--idle-timeout-ms", l.idle_timeout);
+    f.millis("--body-timeout-ms", l.body_timeout);
+    f.millis("--write-timeout-ms", l.write_timeout);
+    f.size("--max-head-bytes", l.max_head_bytes);
+}
+
 // Blocks SIGTERM and SIGINT in this thread and every thread it starts afterwards (the engine's,
 // the connections'): call it first thing in main. Returns the set for until_signal.
 inline sigset_t block_stop_signals() {

@@ -802,13 +802,7 @@ int main(int argc, char **argv) {
     web::limits limits;
     size_t max_body = 0, max_text = 0, max_messages = 4096;
     serve::flags flags;
-    flags.size("--max-connections", limits.max_connections);
-    flags.size("--max-connections-per-client", limits.max_connections_per_client);
-    flags.millis("--head-timeout-ms", limits.head_timeout);
-    flags.millis("--idle-timeout-ms", limits.idle_timeout);
-    flags.millis("--body-timeout-ms", limits.body_timeout);
-    flags.millis("--write-timeout-ms", limits.write_timeout);
-    flags.size("--max-head-bytes", limits.max_head_bytes);
+    serve::limit_flags(flags, limits);
     flags.size("--max-body-bytes", max_body);
     flags.size("--max-text-bytes", max_text);
     flags.size("--max-messages", max_messages);
