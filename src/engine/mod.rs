@@ -197,6 +197,12 @@ fn start<B: Backend>(
                 heartbeat_interval: Duration::from_millis(p.heartbeat_interval_ms.into()),
                 heartbeat_misses: p.heartbeat_misses,
                 max_rooms: p.max_rooms as usize,
+                bounds: pd::PeerBounds {
+                    max_links: p.max_links as usize,
+                    max_handshakes: p.max_handshakes as usize,
+                    handshake_timeout: Duration::from_millis(p.handshake_timeout_ms.into()),
+                    max_outbox_bytes: usize::try_from(p.max_outbox_bytes).unwrap_or(usize::MAX),
+                },
                 layout: cache.pools().layout().fingerprint().clone(),
                 // Host-memory pools may be written by a prefill's RMA (UCX); the engine thread
                 // shuts the node down before it frees them.

@@ -71,6 +71,7 @@ fn config(side: Side) -> Config {
         heartbeat_interval: Duration::from_secs(10),
         heartbeat_misses: 3,
         max_rooms: 16,
+        bounds: crate::pd::PeerBounds::default(),
         layout: fingerprint(),
         rma_regions: Vec::new(),
         rma_emulated: false,

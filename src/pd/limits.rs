@@ -91,13 +91,24 @@ impl Bounded for Claim {
 
 impl Bounded for StateHeader {
     fn check(&self) -> Result<(), String> {
-        if !self.first_logprob.is_finite() {
+        if !self.first_logprob.is_finite() || self.first_logprob > 0.0 {
             return Err(format!(
-                "first_logprob = {} is not a finite log-probability",
+                "first_logprob = {} is not a finite log-probability (≤ 0)",
                 self.first_logprob
             ));
         }
         let s = &self.state;
+        // The prefill reused these from its caches; they are reported in the request's events
+        // and metrics, so they must be prompt tokens.
+        let cached = u64::from(self.cached_tokens_device) + u64::from(self.cached_tokens_host);
+        if cached > s.position as u64 {
+            return Err(format!(
+                "cached_tokens_device + cached_tokens_host = {cached} exceeds the state's {} \
+                 tokens",
+                s.position
+            ));
+        }
+
         if s.pages > MAX_PAGES {
             return Err(format!(
                 "state.pages = {}; the limit is {MAX_PAGES}",
@@ -221,6 +232,31 @@ pub(crate) mod tests {
         };
         let e = through_the_wire(Kind::Done, &done).unwrap_err();
         assert!(e.contains("out of bounds"), "{e}");
+
+        // A prefill's counts are checked against the state they describe: a 41-token prompt
+        // cannot have reused 4294967295 tokens.
+        let header = |device: u32, host: u32, logprob: f32| StateHeader {
+            state: crate::pd::StateInfo {
+                position: 41,
+                last_token: Some(7),
+                rng: None,
+                pages: 1,
+                bytes: 4096,
+            },
+            first_logprob: logprob,
+            cached_tokens_device: device,
+            cached_tokens_host: host,
+        };
+        assert!(through_the_wire(Kind::State, &header(32, 9, -0.5)).is_ok());
+        let e = through_the_wire(Kind::State, &header(u32::MAX, 0, 0.0)).unwrap_err();
+        assert!(
+            e.contains("= 4294967295 exceeds the state's 41 tokens"),
+            "{e}"
+        );
+        let e = through_the_wire(Kind::State, &header(40, 2, 0.0)).unwrap_err();
+        assert!(e.contains("= 42 exceeds"), "{e}");
+        let e = through_the_wire(Kind::State, &header(0, 0, 0.25)).unwrap_err();
+        assert!(e.contains("log-probability"), "{e}");
     }
 }
 

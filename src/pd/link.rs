@@ -392,6 +392,11 @@ struct Outbox {
     finishing: bool,
     /// When a frame last went out (a heartbeat is due an interval after).
     last_sent: Instant,
+    /// Bytes of the control and lazy frames queued: past the link's cap the peer is dropped
+    /// (a peer that reads nothing while its requests pile up answers).
+    queued: usize,
+    /// Why the link was dropped from here (its outbox overflowed): what the reader reports.
+    dropped: Option<String>,
 }
 
 impl Outbox {
@@ -405,7 +410,16 @@ impl Outbox {
             closed: false,
             finishing: false,
             last_sent: Instant::now(),
+            queued: 0,
+            dropped: None,
         }
+    }
+
+    /// The first control frame, no longer counted as queued.
+    fn take_control(&mut self) -> Option<Vec<u8>> {
+        let f = self.control.pop_front()?;
+        self.queued = self.queued.saturating_sub(f.len());
+        Some(f)
     }
 
     /// The next frame in wire order: a partial frame's rest, control frames, then a frame of
@@ -415,7 +429,7 @@ impl Outbox {
         if let Some(rest) = self.partial.take() {
             return Some(rest);
         }
-        if let Some(f) = self.control.pop_front() {
+        if let Some(f) = self.take_control() {
             return Some(Out::Frame(f));
         }
         if self.finishing {
@@ -445,13 +459,13 @@ impl Outbox {
         if self.partial.is_some() || self.control.len() < 2 {
             return self.pop();
         }
-        let mut joined = self.control.pop_front()?;
+        let mut joined = self.take_control()?;
         while let Some(next) = self.control.front() {
             if joined.len() + next.len() > COALESCE_BYTES {
                 break;
             }
             joined.extend_from_slice(next);
-            self.control.pop_front();
+            self.take_control();
         }
         Some(Out::Frame(joined))
     }
@@ -501,6 +515,8 @@ pub struct Link {
     interval: Duration,
     peer_interval: Duration,
     dead_after: Duration,
+    /// The most bytes of control frames queued for the peer before it is dropped.
+    max_queued: usize,
 }
 
 impl Link {
@@ -516,6 +532,7 @@ impl Link {
         interval: Duration,
         peer_interval: Duration,
         misses: u32,
+        max_queued: usize,
         handler: Arc<dyn Handler>,
         threads: &mut Vec<JoinHandle<()>>,
     ) -> io::Result<Arc<Link>> {
@@ -533,6 +550,7 @@ impl Link {
             interval,
             peer_interval,
             dead_after,
+            max_queued,
         ));
         let reader_stream = stream.try_clone()?;
         let (l, h) = (link.clone(), handler.clone());
@@ -555,6 +573,7 @@ impl Link {
         interval: Duration,
         peer_interval: Duration,
         misses: u32,
+        max_queued: usize,
     ) -> Arc<Link> {
         let peer_interval = peer_interval.max(Duration::from_millis(1));
         Arc::new(Link::new(
@@ -564,6 +583,7 @@ impl Link {
             interval,
             peer_interval,
             peer_interval * misses,
+            max_queued,
         ))
     }
 
@@ -574,6 +594,7 @@ impl Link {
         interval: Duration,
         peer_interval: Duration,
         dead_after: Duration,
+        max_queued: usize,
     ) -> Link {
         Link {
             id,
@@ -587,6 +608,7 @@ impl Link {
             interval,
             peer_interval,
             dead_after,
+            max_queued,
         }
     }
 
@@ -597,7 +619,10 @@ impl Link {
     /// Queues a control frame (sent before any further bulk frame). False when the link is
     /// down.
     pub fn send(self: &Arc<Self>, frame: Vec<u8>) -> bool {
-        self.queue(|o| o.control.push_back(frame))
+        self.queue(|o| {
+            o.queued += frame.len();
+            o.control.push_back(frame)
+        })
     }
 
     /// Queues a room's bytes after any of the same room's still queued (a room's frames go
@@ -624,7 +649,11 @@ impl Link {
         if o.closed {
             return false;
         }
+        o.queued += frame.len();
         o.lazy.push(frame);
+        if o.queued > self.max_queued {
+            return self.overflow(o);
+        }
         let due = Instant::now() + within;
         if o.lazy_due.is_none_or(|d| due < d) {
             o.lazy_due = Some(due);
@@ -643,6 +672,9 @@ impl Link {
         }
         o.promote_lazy();
         put(&mut o);
+        if o.queued > self.max_queued {
+            return self.overflow(o);
+        }
         if let Conn::Ucx(port) = &self.conn {
             drop(o);
             port.wake();
@@ -653,6 +685,24 @@ impl Link {
         }
         self.write_or_wake(o);
         true
+    }
+
+    /// The peer let more than `max_queued` bytes of frames pile up (it reads nothing): the
+    /// link is closed and its reader (or the UCX thread) takes it down, saying so. False.
+    fn overflow(&self, mut o: MutexGuard<'_, Outbox>) -> bool {
+        o.dropped = Some(format!(
+            "the peer read nothing while {} bytes of frames queued up for it \
+             (pd.max_outbox_bytes = {}): it was dropped",
+            o.queued, self.max_queued
+        ));
+        drop(o);
+        self.close();
+        false
+    }
+
+    /// Why the link was dropped from here, if it was.
+    pub(super) fn dropped(&self) -> Option<String> {
+        self.outbox().dropped.clone()
     }
 
     /// A cork was dropped: writes what this thread queued (and anything else waiting).
@@ -751,6 +801,8 @@ impl Link {
     pub(super) fn go_down(self: &Arc<Self>, handler: &Arc<dyn Handler>, why: String) {
         if !self.down.swap(true, Ordering::SeqCst) {
             self.close();
+            // Dropped from here: that is why, not the closed socket it left.
+            let why = self.dropped().unwrap_or(why);
             handler.on_down(self, why);
         }
     }
@@ -1042,12 +1094,10 @@ impl Link {
                 read?;
                 return Ok(());
             }
-            payload.reserve_exact(len);
             payload.extend_from_slice(&at);
         }
         let have = payload.len();
-        payload.resize(len, 0);
-        fill(&mut payload[have..])?;
+        wire::read_payload(fill, &mut payload, len - have)?;
         if kind != Kind::Heartbeat {
             handler.on_frame(
                 self,
@@ -1148,7 +1198,18 @@ mod tests {
         let (theirs, _) = listener.accept().unwrap();
         let mut threads = Vec::new();
         let ms = Duration::from_millis(interval_ms);
-        let link = Link::start(1, "peer".into(), ours, ms, ms, 3, handler, &mut threads).unwrap();
+        let link = Link::start(
+            1,
+            "peer".into(),
+            ours,
+            ms,
+            ms,
+            3,
+            64 << 20,
+            handler,
+            &mut threads,
+        )
+        .unwrap();
         (link, theirs, threads)
     }
 

@@ -16,6 +16,7 @@
 
 #[cfg(test)]
 mod batching_tests;
+pub mod bounds;
 pub mod buffers;
 mod deferred;
 pub mod in_order;
@@ -35,6 +36,7 @@ pub mod ucx_port;
 mod wake;
 pub mod wire;
 
+pub use bounds::PeerBounds;
 pub use buffers::{StateBuf, StateBuffers};
 pub use node::{Config, Delivery, Node, Notice, PdStats, Sink};
 pub use room::{FailReason, RoomState};

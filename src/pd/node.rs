@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -93,6 +93,8 @@ pub struct Config {
     pub heartbeat_interval: Duration,
     pub heartbeat_misses: u32,
     pub max_rooms: usize,
+    /// Connections, handshakes, handshake time and queued bytes per peer.
+    pub bounds: super::PeerBounds,
     pub layout: LayoutFingerprint,
     /// A decode's pool memory where it is host memory: over UCX it is registered at start
     /// and prefills write states straight into it by RMA. It must stay allocated until
@@ -308,6 +310,18 @@ struct Inner {
     deferred: Mutex<Deferred>,
     /// Ends the TCP listener's wait at shutdown (`None` with UCX, which has no listener).
     accept_wake: Option<super::wake::Wake>,
+    /// TCP connections in their handshake now (each holds a thread): at most
+    /// `pd.max_handshakes`.
+    handshakes: Arc<AtomicUsize>,
+}
+
+/// One handshake in progress, counted in [`Inner::handshakes`] until dropped.
+struct Handshaking(Arc<AtomicUsize>);
+
+impl Drop for Handshaking {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The node an engine in a PD role owns. [`Node::shutdown`] stops every thread.
@@ -393,12 +407,12 @@ impl Acceptor for UcxAcceptor {
             log::warn!("PD: refused {}: {message}", hello.endpoint);
             return Err(refuse(reason, message));
         }
-        let peer_interval = Duration::from_millis(hello.heartbeat_interval_ms);
+        let peer_interval = super::bounds::peer_interval(hello.heartbeat_interval_ms);
         let (link, handler) = inner
             .add_link_with(hello.endpoint.clone(), |id, peer, _| {
                 Ok(inner.start_ucx_link(id, peer, port.clone(), peer_interval))
             })
-            .ok_or_else(|| refuse(FailReason::PeerDead, "the engine is shutting down".into()))?;
+            .map_err(|m| refuse(FailReason::Capacity, m))?;
         // Before any frame of the connection is handled (this runs on the UCX thread, which
         // hands them over once this returns).
         let regions = hello.rma_keys.iter().map(|k| (k.addr, k.len)).collect();
@@ -465,6 +479,7 @@ impl Node {
             buffers: StateBuffers::new(),
             deferred: Mutex::new(Deferred::default()),
             accept_wake: Some(accept_wake),
+            handshakes: Arc::new(AtomicUsize::new(0)),
         });
         let spawn_err =
             |e: std::io::Error| Error::internal(format!("cannot start a PD thread: {e}"));
@@ -520,7 +535,7 @@ impl Node {
             })
             .collect();
         let acceptor = Arc::new(UcxAcceptor(std::sync::OnceLock::new()));
-        let handshake = cfg.bootstrap_timeout;
+        let handshake = cfg.bounds.handshake_timeout;
         let started =
             ucx_port::start(ctx, Some(addr), Some(acceptor.clone()), handshake).map_err(|e| {
                 Error::config(format!(
@@ -552,6 +567,7 @@ impl Node {
             buffers: StateBuffers::new(),
             deferred: Mutex::new(Deferred::default()),
             accept_wake: None,
+            handshakes: Arc::new(AtomicUsize::new(0)),
         });
         let _ = acceptor.0.set(Arc::downgrade(&inner));
         let node = Node {
@@ -983,7 +999,7 @@ impl Node {
         if inner.closing.swap(true, Ordering::SeqCst) {
             return;
         }
-        {
+        let links: Vec<Arc<Link>> = {
             let mut t = inner.table();
             let rooms: Vec<u64> = t.rooms.keys().copied().collect();
             let mut ignored = Vec::new();
@@ -1001,7 +1017,8 @@ impl Node {
             for link in t.links.values() {
                 link.finish();
             }
-        }
+            t.links.values().cloned().collect()
+        };
         if let Some(port) = &inner.ucx {
             port.stop();
         }
@@ -1009,6 +1026,15 @@ impl Node {
             wake.wake();
         }
         inner.tick.notify_all();
+        // A peer that does not read gets the FAILs' bytes for a grace period, no longer: its
+        // socket then closes under the writer.
+        let grace = Instant::now() + super::bounds::SHUTDOWN_GRACE;
+        while Instant::now() < grace && inner.threads().iter().any(|h| !h.is_finished()) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for link in &links {
+            link.close();
+        }
         loop {
             let batch: Vec<JoinHandle<()>> = inner.threads().drain(..).collect();
             if batch.is_empty() {
@@ -1424,8 +1450,20 @@ impl Inner {
             }
             match listener.accept() {
                 Ok((stream, addr)) => {
+                    let max = self.cfg.bounds.max_handshakes;
+                    if self.handshakes.fetch_add(1, Ordering::SeqCst) >= max {
+                        self.handshakes.fetch_sub(1, Ordering::SeqCst);
+                        // Closed unanswered: a flood of connections costs an accept each.
+                        log::debug!(
+                            "PD: closed a connection from {addr}: pd.max_handshakes = {max} \
+                             handshakes are in progress"
+                        );
+                        continue;
+                    }
+                    let counted = Handshaking(self.handshakes.clone());
                     let me = self.clone();
                     match spawn("dsv4-pd-handshake".into(), move || {
+                        let _counted = counted;
                         me.handshake(stream, addr)
                     }) {
                         Ok(h) => self.threads().push(h),
@@ -1455,7 +1493,7 @@ impl Inner {
             log::warn!("PD: connection from {addr}: {e}");
             return;
         }
-        let deadline = Instant::now() + self.cfg.bootstrap_timeout;
+        let deadline = Instant::now() + self.cfg.bounds.handshake_timeout;
         let hello: Hello = match self.read_handshake(&mut stream, deadline) {
             Ok(f) if f.kind == Kind::Hello => match wire::parse(&f) {
                 Ok(h) => h,
@@ -1476,7 +1514,7 @@ impl Inner {
                 return;
             }
         };
-        if let Some((reason, message)) = self.judge(&hello) {
+        if let Some((reason, message)) = self.judge(&hello).or_else(|| self.full()) {
             log::warn!("PD: refused {} ({addr}): {message}", hello.endpoint);
             let _ = wire::write_all(
                 &mut stream,
@@ -1492,8 +1530,23 @@ impl Inner {
         {
             return;
         }
-        let peer_interval = Duration::from_millis(hello.heartbeat_interval_ms);
-        self.add_link(stream, hello.endpoint, peer_interval);
+        let peer_interval = super::bounds::peer_interval(hello.heartbeat_interval_ms);
+        let _ = self.add_link(stream, hello.endpoint, peer_interval);
+    }
+
+    /// Why no link can be added now, if none can: `pd.max_links` are open.
+    fn full(&self) -> Option<(FailReason, String)> {
+        let max = self.cfg.bounds.max_links;
+        (self.table().links.len() >= max).then(|| {
+            (
+                FailReason::Capacity,
+                format!(
+                    "the prefill {} holds pd.max_links = {max} links already: raise it, or \
+                     connect fewer decode engines",
+                    self.endpoint
+                ),
+            )
+        })
     }
 
     /// Why a connecting peer's HELLO is refused, if it is (only prefills accept, decodes).
@@ -1526,6 +1579,7 @@ impl Inner {
             self.cfg.heartbeat_interval,
             peer_interval,
             self.cfg.heartbeat_misses,
+            self.cfg.bounds.max_outbox_bytes,
         )
     }
 
@@ -1535,8 +1589,9 @@ impl Inner {
         stream: TcpStream,
         peer: String,
         peer_interval: Duration,
-    ) -> Option<Arc<Link>> {
+    ) -> std::result::Result<Arc<Link>, String> {
         let (interval, misses) = (self.cfg.heartbeat_interval, self.cfg.heartbeat_misses);
+        let max_queued = self.cfg.bounds.max_outbox_bytes;
         self.add_link_with(peer, |id, peer, handler| {
             let mut threads = Vec::new();
             let link = Link::start(
@@ -1546,6 +1601,7 @@ impl Inner {
                 interval,
                 peer_interval,
                 misses,
+                max_queued,
                 handler,
                 &mut threads,
             );
@@ -1560,14 +1616,22 @@ impl Inner {
         self: &Arc<Self>,
         peer: String,
         start: impl FnOnce(u64, String, Arc<dyn Handler>) -> std::io::Result<Arc<Link>>,
-    ) -> Option<(Arc<Link>, Arc<dyn Handler>)> {
+    ) -> std::result::Result<(Arc<Link>, Arc<dyn Handler>), String> {
         // The table stays locked until the link is in it: its reader may hand over a claim
         // (and a room then start sending on it) as soon as it starts. `closing` is read under
         // the lock: a shutdown sets it before it finishes the links in the table, so a link
         // added after that sweep (and never finished) cannot be.
         let mut t = self.table();
         if self.closing.load(Ordering::SeqCst) {
-            return None;
+            return Err(format!("the engine {} is shutting down", self.endpoint));
+        }
+        if t.links.len() >= self.cfg.bounds.max_links {
+            let why = format!(
+                "the engine {} holds pd.max_links = {} links already",
+                self.endpoint, self.cfg.bounds.max_links
+            );
+            log::warn!("PD: no link with {peer}: {why}");
+            return Err(why);
         }
         t.next_link += 1;
         let id = t.next_link;
@@ -1576,11 +1640,11 @@ impl Inner {
             Ok(link) => {
                 t.links.insert(id, link.clone());
                 log::info!("PD: connected to {peer} (link {id})");
-                Some((link, handler))
+                Ok((link, handler))
             }
             Err(e) => {
                 log::warn!("PD: cannot start the link to {peer}: {e}");
-                None
+                Err(format!("cannot start the link: {e}"))
             }
         }
     }
@@ -1678,7 +1742,7 @@ impl Inner {
         })?;
         let peer_interval = self.answer(peer, &frame)?;
         self.add_link(stream, peer.to_string(), peer_interval)
-            .ok_or_else(|| dead("the engine is shutting down".into()))
+            .map_err(dead)
     }
 
     /// [`Self::open`] over UCX: the UCX thread connects and exchanges the HELLOs.
@@ -1711,7 +1775,7 @@ impl Inner {
             Ok(self.start_ucx_link(id, p, port.clone(), peer_interval))
         });
         match added {
-            Some((link, handler)) => {
+            Ok((link, handler)) => {
                 if !c.rma_lane && !self.rma_keys.is_empty() && !self.cfg.rma_emulated {
                     log::info!(
                         "PD: the UCX endpoint to the prefill {peer} has no RMA lane (its \
@@ -1724,9 +1788,9 @@ impl Inner {
                 port.bind(c.conn, link.clone(), handler);
                 Ok(link)
             }
-            None => {
+            Err(why) => {
                 port.drop_conn(c.conn);
-                Err(dead("the engine is shutting down".into()))
+                Err(dead(why))
             }
         }
     }
@@ -1743,7 +1807,7 @@ impl Inner {
                 if let Some(why) = self.check_hello(&theirs, Side::Prefill) {
                     return Err(why);
                 }
-                Duration::from_millis(theirs.heartbeat_interval_ms)
+                super::bounds::peer_interval(theirs.heartbeat_interval_ms)
             }
             Kind::Refuse => {
                 let r: Refusal = wire::parse(frame).map_err(|m| (FailReason::Mismatch, m))?;
@@ -1840,12 +1904,11 @@ impl Inner {
                     notices.push(Notice::Released { room });
                 }
             }
-            // A frame for a room that ended (or never was) here is dropped, except a claim,
-            // which is answered.
-            let ours = t
-                .rooms
-                .get(&room)
-                .is_some_and(|r| r.link.is_none() || r.link == Some(link.id));
+            // A frame for a room that ended (or never was) here, or that another link holds,
+            // is dropped, except a claim, which is answered. A room no link holds yet (a
+            // prefill's room before its claim, a decode's before its claim went out) takes
+            // frames from none: another decode cannot fail or acknowledge it.
+            let ours = t.rooms.get(&room).is_some_and(|r| r.link == Some(link.id));
             match (self.cfg.side, frame.kind) {
                 (Side::Prefill, Kind::Claim) => self.on_claim(&mut t, link, frame, &mut notices),
                 (Side::Prefill, Kind::Ack) if ours => {
@@ -1870,7 +1933,18 @@ impl Inner {
                         reason: FailReason::Aborted,
                         message: "an unreadable FAIL frame".into(),
                     });
-                    t.failed_early.insert(room, (Instant::now(), f));
+                    // Bounded like the early claims it replaces: a peer pairing claims with
+                    // FAILs cannot grow it past pd.max_rooms.
+                    if t.failed_early.len() < self.cfg.max_rooms {
+                        t.failed_early.insert(room, (Instant::now(), f));
+                    } else {
+                        log::warn!(
+                            "PD room {room}: the decode failed it before its request came, and \
+                             pd.max_rooms = {} such rooms are remembered already: its request \
+                             will wait for a claim",
+                            self.cfg.max_rooms
+                        );
+                    }
                 }
                 (Side::Decode, Kind::Fail)
                     if t.landed.get(&room).is_some_and(|l| l.1 == link.id) =>
@@ -1972,6 +2046,25 @@ impl Inner {
                 );
                 return;
             }
+            if r.link.is_some_and(|held| held != link.id) {
+                // Another decode holds the room: its transfer goes on; the claimer is told
+                // only that the room is taken.
+                log::warn!(
+                    "PD room {room}: a claim from {} (link {}) refused: link {:?} holds it",
+                    link.peer,
+                    link.id,
+                    r.link
+                );
+                link.send(wire::encode_json(
+                    Kind::Fail,
+                    room,
+                    &Failure {
+                        reason: FailReason::Mismatch,
+                        message: format!("room {room} is claimed by another decode engine"),
+                    },
+                ));
+                return;
+            }
             r.peer = Some(link.peer.clone());
             r.link = Some(link.id);
             self.take_claim(t, room, claim, notices);
@@ -1988,6 +2081,17 @@ impl Inner {
             refuse(
                 FailReason::Mismatch,
                 format!("room {room} on the prefill {}: {how}", self.endpoint),
+            );
+        } else if t.early.get(&room).is_some_and(|e| e.link != link.id) {
+            log::warn!(
+                "PD room {room}: a claim from {} (link {}) refused: another link claimed it \
+                 first",
+                link.peer,
+                link.id
+            );
+            refuse(
+                FailReason::Mismatch,
+                format!("room {room} is claimed by another decode engine"),
             );
         } else if t.early.len() >= self.cfg.max_rooms {
             refuse(
@@ -2215,7 +2319,10 @@ impl Inner {
         crate::threads::mark_internal();
         let tick = (self.cfg.heartbeat_interval / 4)
             .clamp(Duration::from_millis(5), Duration::from_millis(50));
-        let keep = self.cfg.bootstrap_timeout.max(self.cfg.transfer_timeout) * 2;
+        // Ended rooms and rooms a decode failed early are remembered this long, at most a
+        // minute.
+        let keep = (self.cfg.bootstrap_timeout.max(self.cfg.transfer_timeout) * 2)
+            .min(Duration::from_secs(60));
         let mut t = self.table();
         while !self.closing.load(Ordering::SeqCst) {
             t = self

@@ -126,6 +126,7 @@ fn config(side: Side, transfer_timeout: Duration, rma_regions: Vec<PoolRegion>) 
         heartbeat_interval: Duration::from_millis(100),
         heartbeat_misses: 20,
         max_rooms: 16,
+        bounds: crate::pd::PeerBounds::default(),
         layout: fingerprint(),
         rma_regions,
         // The RMA protocol is what these tests check: over tcp here, whose puts UCX emulates.

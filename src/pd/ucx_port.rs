@@ -1205,6 +1205,9 @@ impl Thread<'_> {
             }
             let (closed, finished) = link.ending();
             if closed {
+                if let Some(why) = link.dropped() {
+                    link.go_down(&handler, why);
+                }
                 ended.push((id, false));
                 continue;
             }

@@ -160,13 +160,33 @@ impl From<io::Error> for ReadError {
 /// link's reader retries timeouts there while the peer is not yet declared dead).
 pub fn read_frame(fill: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> Result<Frame, ReadError> {
     let (kind, len, room) = read_header(fill)?;
-    let mut payload = vec![0u8; len];
-    fill(&mut payload)?;
+    let mut payload = Vec::new();
+    read_payload(fill, &mut payload, len)?;
     Ok(Frame {
         kind,
         room,
         payload,
     })
+}
+
+/// A payload buffer grows this far ahead of the bytes that arrived.
+const GROW_STEP: usize = 64 << 10;
+
+/// Reads `len` more bytes onto the end of `payload`, growing it as they arrive (at most
+/// [`GROW_STEP`] ahead): a header announcing a 16 MiB claim costs nothing until its bytes
+/// come, so connections that announce large frames and send nothing hold no memory.
+pub fn read_payload(
+    fill: &mut dyn FnMut(&mut [u8]) -> io::Result<()>,
+    payload: &mut Vec<u8>,
+    len: usize,
+) -> io::Result<()> {
+    let end = payload.len() + len;
+    while payload.len() < end {
+        let at = payload.len();
+        payload.resize(at + (end - at).min(GROW_STEP), 0);
+        fill(&mut payload[at..])?;
+    }
+    Ok(())
 }
 
 /// Reads and checks one frame's header: its kind, payload length (within the kind's cap) and

@@ -287,6 +287,15 @@ pub struct PdParams {
     pub heartbeat_misses: u32,
     /// Rooms in flight per engine.
     pub max_rooms: u32,
+    /// Connections to peers at once (each holds two threads and a socket).
+    pub max_links: u32,
+    /// Connections still in their handshake at once (each holds a thread).
+    pub max_handshakes: u32,
+    /// A connection that has not finished its handshake by then is closed.
+    pub handshake_timeout_ms: u32,
+    /// Control frames queued for one peer: a peer that reads nothing while more pile up is
+    /// dropped.
+    pub max_outbox_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -250,6 +250,10 @@ pub const KEYS: &[KeySpec] = &[
     key("pd.heartbeat_interval_ms", int(1, U32), "1000").unit("ms"),
     key("pd.heartbeat_misses", int(1, 1000), "3").unit("heartbeats"),
     key("pd.max_rooms", int(1, 1 << 20), "256").unit("rooms"),
+    key("pd.max_links", int(1, 65536), "256").unit("links"),
+    key("pd.max_handshakes", int(1, 4096), "32").unit("connections"),
+    key("pd.handshake_timeout_ms", int(1, 600_000), "5000").unit("ms"),
+    key("pd.max_outbox_bytes", int(1 << 20, 1 << 40), "67108864").unit("bytes"),
 ];
 
 /// Names other engines use for our keys, so their users get pointed at the right one.

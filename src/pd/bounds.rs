@@ -1,0 +1,62 @@
+//! What one peer, and all peers together, may hold of an engine: connections, handshakes in
+//! progress, time to finish a handshake, bytes queued for a peer that does not read, and how
+//! far a peer's own heartbeat interval is believed. Every resource a connection costs (two
+//! threads, a socket, queued frames) is bounded by these, so a flood of connections or a peer
+//! that stops reading costs a bounded amount and is dropped (docs/security.md).
+
+use std::time::Duration;
+
+/// Limits on peers (`pd.max_links`, `pd.max_handshakes`, `pd.handshake_timeout_ms`,
+/// `pd.max_outbox_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerBounds {
+    /// Links at once; a peer past it is refused.
+    pub max_links: usize,
+    /// Connections in their handshake at once; more are closed at accept, unanswered.
+    pub max_handshakes: usize,
+    /// A connection that has not finished its handshake by then is closed.
+    pub handshake_timeout: Duration,
+    /// Control frames queued for one link: past it the link is dropped.
+    pub max_outbox_bytes: usize,
+}
+
+impl Default for PeerBounds {
+    fn default() -> Self {
+        Self {
+            max_links: 256,
+            max_handshakes: 32,
+            handshake_timeout: Duration::from_millis(5000),
+            max_outbox_bytes: 64 << 20,
+        }
+    }
+}
+
+/// The shortest heartbeat interval a peer may announce.
+pub const MIN_PEER_INTERVAL: Duration = Duration::from_millis(10);
+/// The longest: a peer announcing more is still declared dead after this many of ours.
+pub const MAX_PEER_INTERVAL: Duration = Duration::from_secs(60);
+
+/// A peer's announced heartbeat interval, as this engine believes it: within
+/// [`MIN_PEER_INTERVAL`, `MAX_PEER_INTERVAL`]. A peer announcing 10¹² ms would otherwise set
+/// the writer's socket timeout (the interval × misses) to decades.
+pub fn peer_interval(announced_ms: u64) -> Duration {
+    Duration::from_millis(announced_ms).clamp(MIN_PEER_INTERVAL, MAX_PEER_INTERVAL)
+}
+
+/// How long a shutdown waits for a peer to take the last frames (FAILs of rooms still open)
+/// before closing its socket regardless.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_heartbeat_is_believed_within_ten_ms_and_a_minute() {
+        assert_eq!(peer_interval(0), MIN_PEER_INTERVAL);
+        assert_eq!(peer_interval(3), MIN_PEER_INTERVAL);
+        assert_eq!(peer_interval(1000), Duration::from_secs(1));
+        assert_eq!(peer_interval(1_000_000_000_000), MAX_PEER_INTERVAL);
+        assert_eq!(peer_interval(u64::MAX), MAX_PEER_INTERVAL);
+    }
+}
