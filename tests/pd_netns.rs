@@ -155,6 +155,14 @@ impl Hosts {
             &mut doc,
             json!({"pd": {"transport": t, "listen": format!("{t}://{addr}:0")}}),
         );
+        // Beyond loopback an engine needs a key: both hosts share one over TCP. UCX links
+        // are not authenticated yet: the operator's word that the network is trusted.
+        let auth = if t == "tcp" {
+            json!({"pd": {"auth_key_file": self.key_file()}})
+        } else {
+            json!({"pd": {"insecure_no_auth": true}})
+        };
+        common::requests::merge(&mut doc, auth);
         let dev = self.dev(ns);
         let mut env = vec![("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", dev.as_str())];
         if !ucx_faults.is_empty() {
@@ -168,6 +176,21 @@ impl Hosts {
             node.endpoint
         );
         node
+    }
+
+    /// The secret both hosts' engines hold (a file written once per test).
+    fn key_file(&self) -> String {
+        let path = std::env::temp_dir().join(format!(
+            "dsv4-netns-{}-{}.key",
+            self.tag,
+            std::process::id()
+        ));
+        std::fs::write(
+            &path,
+            "5d41402abc4b2a76b9719d911017c5925d41402abc4b2a76b9719d911017c592\n",
+        )
+        .unwrap();
+        path.to_str().unwrap().to_string()
     }
 
     /// The veth end inside namespace `ns`.

@@ -344,3 +344,101 @@ fn a_decode_checks_the_counts_a_prefill_sends() {
     drop(s);
     d.quit();
 }
+
+/// A key file holding `secrets`, a line each, in a directory of its own.
+fn key_file(name: &str, secrets: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!("dsv4-rogue-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, secrets.join("\n") + "\n").unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+#[test]
+fn with_a_key_peers_authenticate_and_strangers_learn_nothing() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    const OLD: &str = "3f1c0d5e9a7b2468ace013579bdf2468ace013579bdf2468ace013579bdf0000";
+    const NEW: &str = "77aa11bb22cc33dd44ee55ff6677889900aabbccddeeff001122334455667788";
+    let ids = common::ids("flash-like");
+    let want = unified_tokens(with(json!({})), &ids, &[60], 6);
+    let hello = a_decode_hello();
+    let keyed = |f: &str| tcp_params(json!({"pd": {"auth_key_file": f}}));
+    // Rotating: the prefill signs with the old secret, the decode already with the new one.
+    let mut p = Node::start(
+        "prefill",
+        "prefill",
+        keyed(&key_file("p", &[OLD, NEW])),
+        None,
+    );
+    let endpoint = p.endpoint.clone();
+    let mut d = Node::start(
+        "decode",
+        "decode",
+        keyed(&key_file("d", &[NEW, OLD])),
+        Some(&endpoint),
+    );
+    assert_eq!(p.metrics().get("peers"), Some(&0));
+
+    // Strangers: a HELLO (with a layout that matches), an AUTH with a proof under another
+    // secret, garbage. Each gets the same refusal, no field of ours, and is closed.
+    let addr = addr_of(&endpoint);
+    let refused = |s: &mut TcpStream| {
+        let (kind, _, payload) = read_frame(s).unwrap();
+        assert_eq!(kind, REFUSE);
+        let r: Value = serde_json::from_slice(&payload).unwrap();
+        assert_eq!(r["message"], "the connection was refused", "{r}");
+        assert!(closed_within(s, Duration::from_secs(2)));
+    };
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&frame(HELLO, 0, &serde_json::to_vec(&hello).unwrap()))
+        .unwrap();
+    refused(&mut s);
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let nonce = json!({"nonce": "ab".repeat(32)});
+    s.write_all(&frame(11, 0, &serde_json::to_vec(&nonce).unwrap()))
+        .unwrap();
+    let (kind, _, _) = read_frame(&mut s).unwrap();
+    assert_eq!(kind, 11, "the prefill's own nonce");
+    let proof = json!({"proof": "cd".repeat(32)});
+    s.write_all(&frame(12, 0, &serde_json::to_vec(&proof).unwrap()))
+        .unwrap();
+    refused(&mut s);
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&frame(CLAIM, 1, b"{}")).unwrap();
+    refused(&mut s);
+
+    // The engines' own rooms are exact.
+    p.submit(1, 6, &ids[..60]);
+    d.submit(1, 6, &ids[..60]);
+    d.wait_ends(&[1], Duration::from_secs(60));
+    p.wait_ends(&[1], Duration::from_secs(10));
+    assert_eq!(p.end_of(1).unwrap(), "finished 1 Transferred");
+    assert_eq!(d.end_of(1).unwrap(), "finished 1 Length");
+    assert_eq!(d.tokens(1), want[&60]);
+
+    // A decode with another secret, and one with none: each told how to fix it.
+    let other = "0000111122223333444455556666777788889999aaaabbbbccccddddeeeeffff";
+    let mut wrong = Node::start(
+        "decode",
+        "decode",
+        keyed(&key_file("w", &[other])),
+        Some(&endpoint),
+    );
+    let mut none = Node::start("decode", "decode", tcp_params(json!({})), Some(&endpoint));
+    for n in [&mut wrong, &mut none] {
+        n.submit(2, 6, &ids[..60]);
+        n.wait_ends(&[2], Duration::from_secs(20));
+        let end = n.end_of(2).unwrap().clone();
+        assert!(end.starts_with("error 2 KvTransfer"), "{end}");
+        assert!(end.contains("the connection was refused"), "{end}");
+        assert!(end.contains("pd.auth_key_file"), "{end}");
+        assert!(!end.contains(OLD) && !end.contains(NEW), "{end}");
+    }
+    wrong.quit();
+    none.quit();
+    d.quit();
+    p.quit();
+}

@@ -220,6 +220,8 @@ pub struct PdGauges {
     pub early_claims: u64,
     /// Connected peer engines.
     pub peers: u64,
+    /// 1 where peers must prove they hold `pd.auth_key_file`'s secret, else 0.
+    pub authenticated: u64,
     /// Failed rooms by reason, in `pd::FailReason::ALL` order.
     pub failures: [u64; 7],
 }

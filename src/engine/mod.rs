@@ -183,13 +183,17 @@ fn start<B: Backend>(
             let endpoint = |text: &str| {
                 Endpoint::parse(text).map_err(|m| Error::config(format!("pd endpoint: {m}")))
             };
+            let listen = endpoint(&p.listen)?;
+            let auth =
+                pd::auth::for_listen(p.auth_key_file.as_deref(), p.insecure_no_auth, &listen)
+                    .map_err(Error::config)?;
             let cfg = pd::Config {
                 side: if role == Role::Prefill {
                     Side::Prefill
                 } else {
                     Side::Decode
                 },
-                listen: endpoint(&p.listen)?,
+                listen,
                 ucx_library: p.ucx_library.as_ref().map(std::path::PathBuf::from),
                 advertise: p.advertise.as_deref().map(endpoint).transpose()?,
                 bootstrap_timeout: Duration::from_millis(p.bootstrap_timeout_ms.into()),
@@ -203,6 +207,7 @@ fn start<B: Backend>(
                     handshake_timeout: Duration::from_millis(p.handshake_timeout_ms.into()),
                     max_outbox_bytes: usize::try_from(p.max_outbox_bytes).unwrap_or(usize::MAX),
                 },
+                auth,
                 layout: cache.pools().layout().fingerprint().clone(),
                 // Host-memory pools may be written by a prefill's RMA (UCX); the engine thread
                 // shuts the node down before it frees them.
@@ -738,6 +743,7 @@ impl Engine {
             }
             g.early_claims = s.early_claims;
             g.peers = s.peers;
+            g.authenticated = u64::from(node.authenticated());
             g.failures = s.failures;
         }
         m

@@ -208,6 +208,12 @@ pub fn render(
             g.early_claims,
         ),
         ("pd_peers", "Connected PD peer engines.", g.peers),
+        (
+            "pd_authenticated",
+            "1: PD peers must prove they hold pd.auth_key_file's secret; 0: anyone who reaches \
+             pd.listen is a peer (loopback, or pd.insecure_no_auth).",
+            g.authenticated,
+        ),
     ] {
         o.single("gauge", name, help, value as f64);
     }

@@ -72,6 +72,7 @@ fn config(side: Side) -> Config {
         heartbeat_misses: 3,
         max_rooms: 16,
         bounds: crate::pd::PeerBounds::default(),
+        auth: None,
         layout: fingerprint(),
         rma_regions: Vec::new(),
         rma_emulated: false,

@@ -4,7 +4,7 @@
 //! claim or state header makes us iterate — so a corrupt or hostile peer is refused with a
 //! message, never trusted with a length.
 
-use super::wire::{Claim, Done, Failure, Hello, Refusal, StateHeader};
+use super::wire::{Auth, Claim, Done, Failure, Hello, Proof, Refusal, StateHeader};
 use crate::kv::state::LayoutFingerprint;
 
 /// Longest text field: endpoints, model names, row-format names, messages.
@@ -67,6 +67,18 @@ impl Bounded for Hello {
             }
         }
         layout(&self.layout)
+    }
+}
+
+impl Bounded for Auth {
+    fn check(&self) -> Result<(), String> {
+        text("nonce", &self.nonce)
+    }
+}
+
+impl Bounded for Proof {
+    fn check(&self) -> Result<(), String> {
+        text("proof", &self.proof)
     }
 }
 
@@ -288,6 +300,8 @@ mod seeds {
                     Kind::Data => wire::split_data(&f.payload)
                         .map(drop)
                         .ok_or_else(|| "no offset".to_string()),
+                    Kind::Auth => wire::parse::<super::super::wire::Auth>(&f).map(drop),
+                    Kind::Proof => wire::parse::<super::super::wire::Proof>(&f).map(drop),
                     Kind::Ack | Kind::Heartbeat | Kind::Flushed => Ok(()),
                 };
                 parsed.unwrap_or_else(|e| panic!("{}: {e}", path.display()));

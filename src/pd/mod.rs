@@ -14,11 +14,13 @@
 //! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory;
 //! `wake`: the listener's wait, which a shutdown ends.
 
+pub mod auth;
 #[cfg(test)]
 mod batching_tests;
 pub mod bounds;
 pub mod buffers;
 mod deferred;
+pub mod handshake;
 pub mod in_order;
 pub mod incoming;
 pub mod limits;

@@ -16,8 +16,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::auth;
 use super::buffers::{StateBuf, StateBuffers};
 use super::deferred::{self, Deferred};
+use super::handshake;
 use super::incoming::{Incoming, Lent};
 use super::link::{spawn, Bulk, Handler, Link, Segment};
 use super::rma::{self, Target};
@@ -95,6 +97,8 @@ pub struct Config {
     pub max_rooms: usize,
     /// Connections, handshakes, handshake time and queued bytes per peer.
     pub bounds: super::PeerBounds,
+    /// `pd.auth_key_file`'s secrets: links authenticate with them before anything else.
+    pub auth: Option<auth::Keys>,
     pub layout: LayoutFingerprint,
     /// A decode's pool memory where it is host memory: over UCX it is registered at start
     /// and prefills write states straight into it by RMA. It must stay allocated until
@@ -262,6 +266,8 @@ struct Table {
     /// Decode: UCX links whose endpoint has no RMA lane (its puts would be emulated with
     /// messages, see `ucx::lanes`): their claims go without `rma_spans`, the state as DATA.
     no_rma: HashSet<u64>,
+    /// The key of each authenticated link's request digests.
+    digest_keys: HashMap<u64, auth::DigestKey>,
     next_link: u64,
     stats: PdStats,
 }
@@ -409,7 +415,7 @@ impl Acceptor for UcxAcceptor {
         }
         let peer_interval = super::bounds::peer_interval(hello.heartbeat_interval_ms);
         let (link, handler) = inner
-            .add_link_with(hello.endpoint.clone(), |id, peer, _| {
+            .add_link_with(hello.endpoint.clone(), None, |id, peer, _| {
                 Ok(inner.start_ucx_link(id, peer, port.clone(), peer_interval))
             })
             .map_err(|m| refuse(FailReason::Capacity, m))?;
@@ -591,6 +597,11 @@ impl Node {
 
     pub fn endpoint(&self) -> &str {
         &self.inner.endpoint
+    }
+
+    /// Whether peers authenticate (`pd.auth_key_file`).
+    pub fn authenticated(&self) -> bool {
+        self.inner.cfg.auth.is_some()
     }
 
     pub fn side(&self) -> Side {
@@ -1209,12 +1220,15 @@ impl Inner {
             );
             return;
         }
-        if claim.request_hash != r.hash {
+        // Keyed by the link's secret where it is authenticated: the digests shown are no
+        // oracle for prompt guesses.
+        let expected = auth::keyed_digest(r.link.and_then(|l| t.digest_keys.get(&l)), r.hash);
+        if claim.request_hash != expected {
             let msg = format!(
                 "the decode's request differs from the prefill's (request hash {:#018x} vs \
                  {:#018x}): the router must send the same prompt, sampling params, seed and \
                  cache salt to both engines of a room",
-                claim.request_hash, r.hash
+                claim.request_hash, expected
             );
             self.fail(t, room, FailReason::Mismatch, &msg, false, notices);
             return;
@@ -1346,6 +1360,7 @@ impl Inner {
 
     /// Decode: sends the claim of `room` on `link`.
     fn send_claim(&self, t: &mut Table, room: u64, link: &Arc<Link>, notices: &mut Vec<Notice>) {
+        let key = t.digest_keys.get(&link.id).cloned();
         let Some(r) = t.rooms.get_mut(&room) else {
             return;
         };
@@ -1360,7 +1375,11 @@ impl Inner {
             return;
         };
         let by_rma = r.by_rma;
-        if link.send(wire::encode_json(Kind::Claim, room, claim)) {
+        let keyed = Claim {
+            request_hash: auth::keyed_digest(key.as_ref(), claim.request_hash),
+            ..claim.clone()
+        };
+        if link.send(wire::encode_json(Kind::Claim, room, &keyed)) {
             if by_rma {
                 // From now on the prefill may write into the destination (the table's lock
                 // is held: nothing of the peer's is handled before this).
@@ -1494,7 +1513,64 @@ impl Inner {
             return;
         }
         let deadline = Instant::now() + self.cfg.bounds.handshake_timeout;
-        let hello: Hello = match self.read_handshake(&mut stream, deadline) {
+        let mut first = match self.read_handshake(&mut stream, deadline) {
+            Ok(f) => f,
+            Err(e) => {
+                log::warn!("PD: connection from {addr}: no handshake: {e:?}");
+                return;
+            }
+        };
+        let mut digest = None;
+        if let Some(keys) = &self.cfg.auth {
+            let Ok(mut out) = stream.try_clone() else {
+                return;
+            };
+            let index = handshake::accept(
+                keys,
+                first,
+                &mut || {
+                    self.read_handshake(&mut stream, deadline)
+                        .map_err(|e| format!("{e:?}"))
+                },
+                &mut |b: &[u8]| wire::write_all(&mut out, b).map_err(|e| e.to_string()),
+            );
+            match index {
+                Ok(i) => digest = Some(keys.digest_key(i)),
+                Err(why) => {
+                    log::warn!(
+                        "PD: refused a connection from {addr}: it did not authenticate: {why}"
+                    );
+                    return;
+                }
+            }
+            first = match self.read_handshake(&mut stream, deadline) {
+                Ok(f) => f,
+                Err(e) => {
+                    log::warn!("PD: connection from {addr}: no HELLO: {e:?}");
+                    return;
+                }
+            };
+        } else if first.kind == Kind::Auth {
+            let message = format!(
+                "the prefill {} holds no pd.auth_key_file but the decode does: give both \
+                 engines the same one, or neither",
+                self.endpoint
+            );
+            log::warn!("PD: refused a connection from {addr}: {message}");
+            let _ = wire::write_all(
+                &mut stream,
+                &wire::encode_json(
+                    Kind::Refuse,
+                    0,
+                    &Refusal {
+                        reason: FailReason::Mismatch,
+                        message,
+                    },
+                ),
+            );
+            return;
+        }
+        let hello: Hello = match Ok::<Frame, wire::ReadError>(first) {
             Ok(f) if f.kind == Kind::Hello => match wire::parse(&f) {
                 Ok(h) => h,
                 Err(m) => {
@@ -1531,7 +1607,7 @@ impl Inner {
             return;
         }
         let peer_interval = super::bounds::peer_interval(hello.heartbeat_interval_ms);
-        let _ = self.add_link(stream, hello.endpoint, peer_interval);
+        let _ = self.add_link(stream, hello.endpoint, peer_interval, digest);
     }
 
     /// Why no link can be added now, if none can: `pd.max_links` are open.
@@ -1589,10 +1665,11 @@ impl Inner {
         stream: TcpStream,
         peer: String,
         peer_interval: Duration,
+        digest: Option<auth::DigestKey>,
     ) -> std::result::Result<Arc<Link>, String> {
         let (interval, misses) = (self.cfg.heartbeat_interval, self.cfg.heartbeat_misses);
         let max_queued = self.cfg.bounds.max_outbox_bytes;
-        self.add_link_with(peer, |id, peer, handler| {
+        self.add_link_with(peer, digest, |id, peer, handler| {
             let mut threads = Vec::new();
             let link = Link::start(
                 id,
@@ -1615,6 +1692,7 @@ impl Inner {
     fn add_link_with(
         self: &Arc<Self>,
         peer: String,
+        digest: Option<auth::DigestKey>,
         start: impl FnOnce(u64, String, Arc<dyn Handler>) -> std::io::Result<Arc<Link>>,
     ) -> std::result::Result<(Arc<Link>, Arc<dyn Handler>), String> {
         // The table stays locked until the link is in it: its reader may hand over a claim
@@ -1639,6 +1717,9 @@ impl Inner {
         match start(id, peer.clone(), handler.clone()) {
             Ok(link) => {
                 t.links.insert(id, link.clone());
+                if let Some(k) = digest {
+                    t.digest_keys.insert(id, k);
+                }
                 log::info!("PD: connected to {peer} (link {id})");
                 Ok((link, handler))
             }
@@ -1730,6 +1811,28 @@ impl Inner {
         let io =
             |e: std::io::Error| dead(format!("the handshake with the prefill {peer} failed: {e}"));
         stream.set_read_timeout(Some(POLL)).map_err(io)?;
+        let deadline = deadline.min(Instant::now() + self.cfg.bounds.handshake_timeout);
+        let digest = match &self.cfg.auth {
+            Some(keys) => {
+                let mut out = stream.try_clone().map_err(io)?;
+                let index = handshake::initiate(
+                    keys,
+                    &mut || {
+                        self.read_handshake(&mut stream, deadline)
+                            .map_err(|e| format!("{e:?}"))
+                    },
+                    &mut |b: &[u8]| wire::write_all(&mut out, b).map_err(|e| e.to_string()),
+                )
+                .map_err(|m| {
+                    (
+                        FailReason::Mismatch,
+                        format!("the prefill {peer} did not authenticate: {m}"),
+                    )
+                })?;
+                Some(keys.digest_key(index))
+            }
+            None => None,
+        };
         wire::write_all(
             &mut stream,
             &wire::encode_json(Kind::Hello, 0, &self.hello()),
@@ -1741,7 +1844,7 @@ impl Inner {
             ))
         })?;
         let peer_interval = self.answer(peer, &frame)?;
-        self.add_link(stream, peer.to_string(), peer_interval)
+        self.add_link(stream, peer.to_string(), peer_interval, digest)
             .map_err(dead)
     }
 
@@ -1771,7 +1874,7 @@ impl Inner {
                 return Err(e);
             }
         };
-        let added = self.add_link_with(peer.to_string(), |id, p, _| {
+        let added = self.add_link_with(peer.to_string(), None, |id, p, _| {
             Ok(self.start_ucx_link(id, p, port.clone(), peer_interval))
         });
         match added {
@@ -1811,9 +1914,18 @@ impl Inner {
             }
             Kind::Refuse => {
                 let r: Refusal = wire::parse(frame).map_err(|m| (FailReason::Mismatch, m))?;
+                let hint = if r.message == handshake::REFUSED && self.cfg.auth.is_none() {
+                    ": it requires authentication: give this engine the prefill's \
+                     pd.auth_key_file"
+                } else {
+                    ""
+                };
                 return Err((
                     r.reason,
-                    format!("the prefill {peer} refused the connection: {}", r.message),
+                    format!(
+                        "the prefill {peer} refused the connection: {}{hint}",
+                        r.message
+                    ),
                 ));
             }
             k => {
@@ -1858,6 +1970,7 @@ impl Inner {
         {
             let mut t = self.table();
             t.links.remove(&link.id);
+            t.digest_keys.remove(&link.id);
             t.peer_regions.remove(&link.id);
             t.no_rma.remove(&link.id);
             if t.by_peer.get(&link.peer) == Some(&link.id) {

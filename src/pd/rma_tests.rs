@@ -127,6 +127,7 @@ fn config(side: Side, transfer_timeout: Duration, rma_regions: Vec<PoolRegion>) 
         heartbeat_misses: 20,
         max_rooms: 16,
         bounds: crate::pd::PeerBounds::default(),
+        auth: None,
         layout: fingerprint(),
         rma_regions,
         // The RMA protocol is what these tests check: over tcp here, whose puts UCX emulates.

@@ -35,6 +35,11 @@ pub enum Kind {
     /// into the room's destination (every RMA write issued for it is complete), so the decode
     /// may free its pages.
     Flushed = 10,
+    /// The first frame each way where the engines hold a `pd.auth_key_file`: [`Auth`], the
+    /// sender's nonce (`auth`).
+    Auth = 11,
+    /// After the AUTHs, each way: [`Proof`] that the sender holds the secret.
+    Proof = 12,
 }
 
 impl Kind {
@@ -51,6 +56,8 @@ impl Kind {
             8 => Fail,
             9 => Heartbeat,
             10 => Flushed,
+            11 => Auth,
+            12 => Proof,
             _ => return None,
         })
     }
@@ -64,6 +71,8 @@ impl Kind {
             // A claim lists a long sequence's destination pages.
             Kind::Claim => 16 << 20,
             Kind::Heartbeat | Kind::Ack | Kind::Flushed => 0,
+            // A nonce or an HMAC in hex, in a few bytes of JSON.
+            Kind::Auth | Kind::Proof => 256,
             _ => 1 << 20,
         }
     }
@@ -71,7 +80,7 @@ impl Kind {
 
 /// The largest payload any frame kind may carry.
 pub fn max_payload() -> usize {
-    (1..=10)
+    (1..=12)
         .filter_map(Kind::from_u8)
         .map(Kind::max_payload)
         .max()
@@ -89,7 +98,9 @@ pub const HEADER: usize = 16;
 /// 3: the claim's request digest is XXH3-64 (was FNV-1a).
 /// 4: over UCX the state's bytes may be written by RMA (HELLO's `rma_keys`, the claim's
 /// `rma_spans`, FLUSHED).
-pub const VERSION: u32 = 4;
+/// 5: AUTH and PROOF before HELLO where the engines hold a `pd.auth_key_file`; claims carry
+/// the request digest keyed by the secret.
+pub const VERSION: u32 = 5;
 
 /// One frame as read.
 #[derive(Debug, Clone, PartialEq)]
@@ -274,6 +285,18 @@ pub struct RmaKey {
 }
 
 pub const PROTOCOL: &str = "dsv4-pd";
+
+/// A side's nonce for the challenge-response ([`super::auth`]), hex.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Auth {
+    pub nonce: String,
+}
+
+/// A side's proof that it holds the secret: HMAC-SHA256 over both nonces, hex.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Proof {
+    pub proof: String,
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Refusal {

@@ -296,6 +296,10 @@ pub struct PdParams {
     /// Control frames queued for one peer: a peer that reads nothing while more pile up is
     /// dropped.
     pub max_outbox_bytes: u64,
+    /// A file of one or two secrets (a line each): peers authenticate with them.
+    pub auth_key_file: Option<String>,
+    /// Lets an engine listening beyond loopback run without `auth_key_file`.
+    pub insecure_no_auth: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -254,6 +254,8 @@ pub const KEYS: &[KeySpec] = &[
     key("pd.max_handshakes", int(1, 4096), "32").unit("connections"),
     key("pd.handshake_timeout_ms", int(1, 600_000), "5000").unit("ms"),
     key("pd.max_outbox_bytes", int(1 << 20, 1 << 40), "67108864").unit("bytes"),
+    key("pd.auth_key_file", Kind::Text { nullable: true }, "null"),
+    key("pd.insecure_no_auth", Kind::Bool, "false"),
 ];
 
 /// Names other engines use for our keys, so their users get pointed at the right one.

@@ -1,0 +1,233 @@
+//! The challenge-response of [`super::auth`] as frames on a connection, for both sides. The
+//! caller supplies how a frame is read (with its deadline) and written; on success each side
+//! knows which secret the link is authenticated under (its digest key follows from it).
+//! A prefill that refuses says only [`REFUSED`]: why goes to its log.
+
+use super::auth::{self, Keys, Prover};
+use super::room::FailReason;
+use super::wire::{self, Frame, Kind, Refusal};
+
+/// All a peer that failed to authenticate is told.
+pub const REFUSED: &str = "the connection was refused";
+
+/// The one refusal an unauthenticated peer gets.
+pub fn refusal() -> Vec<u8> {
+    wire::encode_json(
+        Kind::Refuse,
+        0,
+        &Refusal {
+            reason: FailReason::Mismatch,
+            message: REFUSED.into(),
+        },
+    )
+}
+
+type ReadFrame<'a> = &'a mut dyn FnMut() -> Result<Frame, String>;
+type WriteBytes<'a> = &'a mut dyn FnMut(&[u8]) -> Result<(), String>;
+
+fn nonce_of(frame: &Frame) -> Result<Vec<u8>, String> {
+    if frame.kind != Kind::Auth {
+        return Err(format!("it sent {:?} where AUTH was due", frame.kind));
+    }
+    let a: wire::Auth = wire::parse(frame)?;
+    auth::unhex(&a.nonce, auth::NONCE).ok_or_else(|| "its nonce is not 32 bytes of hex".into())
+}
+
+fn proof_of(frame: &Frame) -> Result<Vec<u8>, String> {
+    if frame.kind != Kind::Proof {
+        return Err(format!("it sent {:?} where PROOF was due", frame.kind));
+    }
+    let p: wire::Proof = wire::parse(frame)?;
+    auth::unhex(&p.proof, 32).ok_or_else(|| "its proof is not 32 bytes of hex".into())
+}
+
+fn auth_frame(nonce: &[u8]) -> Vec<u8> {
+    wire::encode_json(
+        Kind::Auth,
+        0,
+        &wire::Auth {
+            nonce: auth::hex(nonce),
+        },
+    )
+}
+
+fn proof_frame(proof: &[u8]) -> Vec<u8> {
+    wire::encode_json(
+        Kind::Proof,
+        0,
+        &wire::Proof {
+            proof: auth::hex(proof),
+        },
+    )
+}
+
+/// The prefill's side, given the connection's first frame: the secret the decode proved it
+/// holds, or why not (for the log; the peer gets [`refusal`], written here).
+pub fn accept(
+    keys: &Keys,
+    first: Frame,
+    read: ReadFrame<'_>,
+    write: WriteBytes<'_>,
+) -> Result<usize, String> {
+    let outcome = (|| {
+        let theirs = nonce_of(&first)?;
+        let ours = auth::nonce()?;
+        write(&auth_frame(&ours))?;
+        let proof = proof_of(&read()?)?;
+        let index = keys
+            .verify(Prover::Decode, &theirs, &ours, &proof)
+            .ok_or("its proof verifies under none of pd.auth_key_file's secrets")?;
+        write(&proof_frame(&keys.proof(
+            index,
+            Prover::Prefill,
+            &theirs,
+            &ours,
+        )))?;
+        Ok(index)
+    })();
+    if outcome.is_err() {
+        let _ = write(&refusal());
+    }
+    outcome
+}
+
+/// The decode's side: the secret the prefill proved it holds, or what went wrong (naming the
+/// fix where the prefill refused).
+pub fn initiate(keys: &Keys, read: ReadFrame<'_>, write: WriteBytes<'_>) -> Result<usize, String> {
+    let ours = auth::nonce()?;
+    write(&auth_frame(&ours))?;
+    let refused = |f: &Frame| {
+        (f.kind == Kind::Refuse).then(|| {
+            let said = wire::parse::<Refusal>(f).map_or_else(|e| e, |r| r.message);
+            format!(
+                "it refused the connection ({said}): give both engines the same secret in \
+                 pd.auth_key_file (one line of each engine's file must match)"
+            )
+        })
+    };
+    let answer = read()?;
+    if let Some(why) = refused(&answer) {
+        return Err(why);
+    }
+    let theirs = nonce_of(&answer)?;
+    write(&proof_frame(&keys.proof(0, Prover::Decode, &ours, &theirs)))?;
+    let answer = read()?;
+    if let Some(why) = refused(&answer) {
+        return Err(why);
+    }
+    let proof = proof_of(&answer)?;
+    keys.verify(Prover::Prefill, &ours, &theirs, &proof)
+        .ok_or_else(|| {
+            "its proof verifies under none of pd.auth_key_file's secrets: it does not hold \
+             this engine's secret"
+                .to_string()
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::sync::mpsc::{channel, Receiver, Sender};
+
+    fn keys(secrets: &[&str]) -> Keys {
+        Keys::from_secrets(secrets.iter().map(|s| s.as_bytes().to_vec()).collect())
+    }
+
+    const A: &str = "0123456789abcdef0123456789abcdef-a";
+    const B: &str = "0123456789abcdef0123456789abcdef-b";
+
+    /// Both sides on two threads over channels of encoded frames; `tap` sees what the decode
+    /// sent.
+    fn run(decode: Keys, prefill: Keys) -> (Result<usize, String>, Result<usize, String>) {
+        let (to_p, from_d): (Sender<Vec<u8>>, Receiver<Vec<u8>>) = channel();
+        let (to_d, from_p): (Sender<Vec<u8>>, Receiver<Vec<u8>>) = channel();
+        let p = std::thread::spawn(move || {
+            let mut read = || {
+                let bytes = from_d.recv().map_err(|e| e.to_string())?;
+                wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
+            };
+            let first = read().unwrap();
+            accept(&prefill, first, &mut read, &mut |b: &[u8]| {
+                to_d.send(b.to_vec()).map_err(|e| e.to_string())
+            })
+        });
+        let d = initiate(
+            &decode,
+            &mut || {
+                let bytes = from_p.recv().map_err(|e| e.to_string())?;
+                wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
+            },
+            &mut |b: &[u8]| to_p.send(b.to_vec()).map_err(|e| e.to_string()),
+        );
+        (d, p.join().unwrap())
+    }
+
+    #[test]
+    fn engines_with_a_common_secret_authenticate_each_other() {
+        assert_eq!(run(keys(&[A]), keys(&[A])), (Ok(0), Ok(0)));
+        // Rotation: the decode signs with the new secret, the prefill still with the old one
+        // but verifies both; it answers under the secret the decode's proof used.
+        assert_eq!(run(keys(&[B, A]), keys(&[A, B])), (Ok(0), Ok(1)));
+    }
+
+    #[test]
+    fn a_wrong_secret_gets_one_generic_refusal() {
+        let (d, p) = run(keys(&[A]), keys(&[B]));
+        let d = d.unwrap_err();
+        assert!(d.contains(&format!("({REFUSED})")), "{d}");
+        assert!(d.contains("pd.auth_key_file"), "{d}");
+        assert!(p.unwrap_err().contains("verifies under none"));
+    }
+
+    #[test]
+    fn a_replayed_exchange_does_not_authenticate() {
+        // A recording of a good decode's frames, played back to a prefill: its nonce is new,
+        // so the recorded proof does not verify.
+        let (to_p, from_d) = channel::<Vec<u8>>();
+        let (to_d, from_p) = channel::<Vec<u8>>();
+        let prefill = keys(&[A]);
+        let record = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (pk, rec) = (prefill.clone(), record.clone());
+        let p = std::thread::spawn(move || {
+            let mut read = || {
+                let bytes = from_d.recv().map_err(|e| e.to_string())?;
+                rec.lock().unwrap().push(bytes.clone());
+                wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
+            };
+            let first = read().unwrap();
+            accept(&pk, first, &mut read, &mut |b: &[u8]| {
+                to_d.send(b.to_vec()).map_err(|e| e.to_string())
+            })
+        });
+        let d = initiate(
+            &keys(&[A]),
+            &mut || {
+                let bytes = from_p.recv().map_err(|e| e.to_string())?;
+                wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
+            },
+            &mut |b: &[u8]| to_p.send(b.to_vec()).map_err(|e| e.to_string()),
+        );
+        assert_eq!((d, p.join().unwrap()), (Ok(0), Ok(0)));
+        let mut replay: VecDeque<Vec<u8>> = record.lock().unwrap().clone().into();
+        assert_eq!(replay.len(), 2);
+        let first = wire::read_frame_from(&mut &replay.pop_front().unwrap()[..]).unwrap();
+        let mut sent = Vec::new();
+        let out = accept(
+            &prefill,
+            first,
+            &mut || {
+                let bytes = replay.pop_front().ok_or("nothing left")?;
+                wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
+            },
+            &mut |b: &[u8]| {
+                sent.push(b.to_vec());
+                Ok(())
+            },
+        );
+        assert!(out.unwrap_err().contains("verifies under none"));
+        // It got the prefill's nonce and the generic refusal, nothing else.
+        assert_eq!(sent.len(), 2);
+        assert_eq!(sent[1], refusal());
+    }
+}
