@@ -23,7 +23,12 @@
 //! Part 1 also prints the CPU a round takes, all threads together and thread by thread (the
 //! kernel's schedstat): what a PD round adds to raw TCP's two threads.
 //!
-//! Last line: `ratios transfer_vs_tcp=… ttft_p99_pd_vs_unified=…` (goal: transfer ≥ 0.8).
+//! The throughput rounds also run a second pair that authenticates (`pd.auth_key_file`: the
+//! handshake, then a MAC on every frame), alternating with the first: `auth_vs_plain` is the
+//! median round's wall time of the plain pair over the authenticated one (goal ≥ 0.9).
+//!
+//! Last line: `ratios transfer_vs_tcp=… auth_vs_plain=… auth_vs_tcp=… ttft_p99_pd_vs_unified=…`
+//! (goal: transfer ≥ 0.8).
 //!
 //! Both engines run with `kv.prefault` (`--prefault 0`: lazily mapped pools, whose first
 //! writes pay page faults during the transfer).
@@ -343,6 +348,14 @@ in PD mode against a unified engine (`make bench-transfer`; the file's header sa
   --overload-max-new N   new tokens of an overload request (16)
 ";
 
+/// Ratios as `0.91, 1.02, …`.
+fn listed_ratios(r: &[f64]) -> String {
+    r.iter()
+        .map(|r| format!("{r:.2}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn main() {
     agentic::help(USAGE);
     let rooms = agentic::arg("--rooms", 32.0) as usize;
@@ -367,6 +380,13 @@ fn main() {
     )
     .expect("pair");
     let peer = pair.prefill.pd_endpoint().unwrap();
+    // The same pair authenticating (`pd.auth_key_file`: every frame MACed), rounds alternating.
+    let sealed = Pair::new(
+        engine(&dir, "prefill", "tcp-auth", running, "256MiB", 4096),
+        engine(&dir, "decode", "tcp-auth", running, "256MiB", 4096),
+    )
+    .expect("authenticated pair");
+    let sealed_peer = sealed.prefill.pd_endpoint().unwrap();
     let vocab = pair.prefill.vocab_size() as u32;
     let mut rng = fastrand::Rng::with_seed(3);
     let (long_prompt, short_prompt) = (
@@ -383,6 +403,17 @@ fn main() {
         claim(&pair, p, ids[0], &peer);
         assert_eq!(wait_decode(&pair, 1), 1, "the warm-up room failed");
     }
+    for p in [&long_prompt, &short_prompt] {
+        let ids = prefill_rooms(&sealed, p, 1, &mut next_room);
+        claim(&sealed, p, ids[0], &sealed_peer);
+        assert_eq!(
+            wait_decode(&sealed, 1),
+            1,
+            "the authenticated warm-up room failed"
+        );
+    }
+    let ids = prefill_rooms(&sealed, &long_prompt, rooms, &mut next_room);
+    at_once(&sealed, &long_prompt, &ids, &sealed_peer);
     let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
     let (_, warm) = at_once(&pair, &long_prompt, &ids, &peer);
     let room_bytes = (warm.bytes / warm.requests) as usize;
@@ -405,6 +436,7 @@ fn main() {
     // The PD rounds' CPU by thread name (None: no schedstat here).
     let mut by_thread = Some(BTreeMap::new());
     let mut d_batch = KvTransfer::default();
+    let (mut sealed_ratios, mut sealed_vs_raw, mut t_sealed) = (Vec::new(), Vec::new(), 0.0);
     for _ in 0..rounds {
         let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
         let threads_before = thread_cpu();
@@ -422,6 +454,12 @@ fn main() {
         cpu_batch.push(c1 - c0);
         cpu_raw.push(cpu_seconds() - c1);
         let warm = raw_tcp(rooms, &mut warm_mem, false);
+        let ids = prefill_rooms(&sealed, &long_prompt, rooms, &mut next_room);
+        let (wall_sealed, ds) = at_once(&sealed, &long_prompt, &ids, &sealed_peer);
+        assert_eq!(ds.failures, 0, "an authenticated room failed");
+        sealed_ratios.push(wall / wall_sealed);
+        sealed_vs_raw.push(raw / wall_sealed);
+        t_sealed += wall_sealed;
         batch_ratios.push(raw / wall);
         warm_ratios.push(warm / wall);
         add(&mut d_batch, d);
@@ -451,15 +489,14 @@ fn main() {
     let pm = pair.prefill.metrics();
     let dm = pair.decode.metrics();
     drop(pair);
+    drop(sealed);
+    let sealed_list = listed_ratios(&sealed_ratios);
+    let auth_vs_plain = agentic::quantile(&mut sealed_ratios, 0.5);
+    let auth_vs_tcp = agentic::quantile(&mut sealed_vs_raw, 0.5);
 
     let gb = |k: &KvTransfer| pd::gbps(k.bytes, k.seconds);
     let raw_gbps = pd::gbps(d_long.bytes, t_raw);
-    let listed = |r: &[f64]| {
-        r.iter()
-            .map(|r| format!("{r:.2}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let listed = listed_ratios;
     let (batch_list, seq_list) = (listed(&batch_ratios), listed(&seq_ratios));
     let transfer_vs_tcp = agentic::quantile(&mut batch_ratios, 0.5);
     let warm_list = listed(&warm_ratios);
@@ -554,6 +591,13 @@ fn main() {
             println!("  PD CPU a round by thread: not shown (no /proc/self/task/*/schedstat here)")
         }
     }
+    println!(
+        "  authenticated (pd.auth_key_file: AUTH/PROOF handshake, every frame MACed with \
+         AEGIS-128X2), rooms claimed at once, alternating with the rounds above: {:.2} ms a round; \
+         unauthenticated vs authenticated {auth_vs_plain:.2}× (median of the rounds: \
+         {sealed_list}); authenticated vs raw TCP {auth_vs_tcp:.2}×",
+        1e3 * t_sealed / rounds as f64
+    );
     println!("  one room at a time (claim → landed: a claim round trip and an engine wake-up per room that a stream does not pay):");
     println!(
         "    decode  claim → landed {:8.2} ms per room  {:7.3} GB/s",
@@ -611,7 +655,10 @@ fn main() {
     }
 
     if transfer_only {
-        println!("ratios transfer_vs_tcp={transfer_vs_tcp:.2}");
+        println!(
+            "ratios transfer_vs_tcp={transfer_vs_tcp:.2} auth_vs_plain={auth_vs_plain:.2} \
+             auth_vs_tcp={auth_vs_tcp:.2}"
+        );
         return;
     }
 
@@ -748,7 +795,8 @@ fn main() {
     println!("  TTFT p99 PD vs unified: {:.2}×", pd_p99 / uni_p99);
     println!("total {:.0} s", t_all.elapsed().as_secs_f64());
     println!(
-        "ratios transfer_vs_tcp={transfer_vs_tcp:.2} ttft_p99_pd_vs_unified={:.2}",
+        "ratios transfer_vs_tcp={transfer_vs_tcp:.2} auth_vs_plain={auth_vs_plain:.2} \
+         auth_vs_tcp={auth_vs_tcp:.2} ttft_p99_pd_vs_unified={:.2}",
         pd_p99 / uni_p99
     );
 }

@@ -124,6 +124,8 @@ impl Hosts {
         plan: Plan,
     ) -> (Node, Node, Option<FaultProxy>) {
         let (pf, df) = if transport == "ucx" { faults } else { ("", "") };
+        let mut params = params;
+        common::requests::merge(&mut params, json!({"pd": {"insecure_no_auth": true}}));
         let p = self.node(transport, "prefill", params.clone(), pf, None);
         let proxy = (transport == "tcp").then(|| {
             let target = p.endpoint.clone();
@@ -155,9 +157,12 @@ impl Hosts {
             &mut doc,
             json!({"pd": {"transport": t, "listen": format!("{t}://{addr}:0")}}),
         );
-        // Beyond loopback an engine needs a key: both hosts share one over TCP. UCX links
+        // Beyond loopback an engine needs a key: both hosts share one over TCP, unless the
+        // test relays frames through a fault proxy that reorders them (on an authenticated
+        // link any change on the way takes the link down: tests/pd_rogue_peers.rs). UCX links
         // are not authenticated yet: the operator's word that the network is trusted.
-        let auth = if t == "tcp" {
+        let insecure = doc["pd"]["insecure_no_auth"] == json!(true);
+        let auth = if t == "tcp" && !insecure {
             json!({"pd": {"auth_key_file": self.key_file()}})
         } else {
             json!({"pd": {"insecure_no_auth": true}})

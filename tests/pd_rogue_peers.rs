@@ -410,14 +410,24 @@ fn with_a_key_peers_authenticate_and_strangers_learn_nothing() {
     s.write_all(&frame(CLAIM, 1, b"{}")).unwrap();
     refused(&mut s);
 
-    // The engines' own rooms are exact.
-    p.submit(1, 6, &ids[..60]);
-    d.submit(1, 6, &ids[..60]);
-    d.wait_ends(&[1], Duration::from_secs(60));
-    p.wait_ends(&[1], Duration::from_secs(10));
-    assert_eq!(p.end_of(1).unwrap(), "finished 1 Transferred");
-    assert_eq!(d.end_of(1).unwrap(), "finished 1 Length");
-    assert_eq!(d.tokens(1), want[&60]);
+    // The engines' own rooms are exact, several at once on the link.
+    let rooms: Vec<u64> = (1..=8).collect();
+    for &room in &rooms {
+        p.submit(room, 6, &ids[..60]);
+    }
+    for &room in &rooms {
+        d.submit(room, 6, &ids[..60]);
+    }
+    d.wait_ends(&rooms, Duration::from_secs(60));
+    p.wait_ends(&rooms, Duration::from_secs(10));
+    for &room in &rooms {
+        assert_eq!(
+            p.end_of(room).unwrap(),
+            &format!("finished {room} Transferred")
+        );
+        assert_eq!(d.end_of(room).unwrap(), &format!("finished {room} Length"));
+        assert_eq!(d.tokens(room), want[&60]);
+    }
 
     // A decode with another secret, and one with none: each told how to fix it.
     let other = "0000111122223333444455556666777788889999aaaabbbbccccddddeeeeffff";
@@ -429,10 +439,10 @@ fn with_a_key_peers_authenticate_and_strangers_learn_nothing() {
     );
     let mut none = Node::start("decode", "decode", tcp_params(json!({})), Some(&endpoint));
     for n in [&mut wrong, &mut none] {
-        n.submit(2, 6, &ids[..60]);
-        n.wait_ends(&[2], Duration::from_secs(20));
-        let end = n.end_of(2).unwrap().clone();
-        assert!(end.starts_with("error 2 KvTransfer"), "{end}");
+        n.submit(20, 6, &ids[..60]);
+        n.wait_ends(&[20], Duration::from_secs(20));
+        let end = n.end_of(20).unwrap().clone();
+        assert!(end.starts_with("error 20 KvTransfer"), "{end}");
         assert!(end.contains("the connection was refused"), "{end}");
         assert!(end.contains("pd.auth_key_file"), "{end}");
         assert!(!end.contains(OLD) && !end.contains(NEW), "{end}");
@@ -441,4 +451,65 @@ fn with_a_key_peers_authenticate_and_strangers_learn_nothing() {
     none.quit();
     d.quit();
     p.quit();
+}
+
+#[test]
+fn on_an_authenticated_link_a_frame_changed_on_the_way_takes_the_link_down() {
+    use common::fault_proxy::{At, Dir, Fault, FaultProxy, Plan, Rule, DATA, DONE};
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    const KEY: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+    let ids = common::ids("flash-like");
+    let keyed = || tcp_params(json!({"pd": {"auth_key_file": key_file("k", &[KEY])}}));
+    // A flipped bit in a DATA frame's bytes, a dropped DONE: over TCP without a key the first
+    // is the CRC's to catch and the second the deadline's; here the next MAC check fails.
+    let faults = [
+        (
+            DATA,
+            Fault::Corrupt {
+                at: At::Payload(100),
+                mask: 0x01,
+            },
+        ),
+        (DONE, Fault::Drop),
+    ];
+    for (room, (kind, fault)) in (1u64..).zip(faults) {
+        let mut p = Node::start("prefill", "prefill", keyed(), None);
+        let rule = Rule {
+            dir: Dir::ToDecode,
+            kind: Some(kind),
+            room: None,
+            nth: 1,
+            fault,
+        };
+        let proxy = FaultProxy::start_sealed(
+            &p.endpoint,
+            Plan {
+                rules: vec![rule],
+                chances: vec![],
+            },
+            0,
+        );
+        let mut d = Node::start("decode", "decode", keyed(), Some(proxy.addr()));
+        p.submit(room, 6, &ids[..300]);
+        d.submit(room, 6, &ids[..300]);
+        d.wait_ends(&[room], Duration::from_secs(20));
+        p.wait_ends(&[room], Duration::from_secs(20));
+        assert_eq!(proxy.log().len(), 1, "{}", proxy.report());
+        let end = d.end_of(room).unwrap().clone();
+        assert!(
+            end.starts_with(&format!("error {room} KvTransfer")),
+            "{end}"
+        );
+        assert!(
+            end.contains("does not verify under the link's key"),
+            "{end}"
+        );
+        assert!(p
+            .end_of(room)
+            .unwrap()
+            .starts_with(&format!("error {room} ")));
+        assert_eq!(d.usage(), (0, 0));
+        d.quit();
+        p.quit();
+    }
 }

@@ -28,15 +28,33 @@ pub fn engine(
     });
     if role != "unified" {
         // `ucx-am`: UCX with state bytes as active messages (`pd.ucx_rma = false`); `ucx`:
-        // by RMA, even where UCX emulates puts with messages (its tcp transport).
+        // by RMA, even where UCX emulates puts with messages (its tcp transport); `tcp-auth`:
+        // TCP between engines that authenticate (`pd.auth_key_file`; every frame MACed).
+        let auth = transport == "tcp-auth";
         let (transport, rma) = match transport {
             "ucx-am" => ("ucx", false),
+            "tcp-auth" => ("tcp", true),
             t => (t, true),
         };
         doc["pd"] = json!({"transport": transport, "ucx_rma": rma, "ucx_rma_emulated": rma,
                            "listen": format!("{transport}://127.0.0.1:0")});
+        if auth {
+            doc["pd"]["auth_key_file"] = json!(bench_key_file());
+        }
     }
     Engine::create(Params::from_value(&doc).expect("valid params")).expect("engine")
+}
+
+/// A key file both engines of an authenticating pair read (a fresh secret per process).
+pub fn bench_key_file() -> String {
+    let path = std::env::temp_dir().join(format!("dsv4-bench-{}.key", std::process::id()));
+    if !path.exists() {
+        let secret: String = (0..32)
+            .map(|_| format!("{:02x}", fastrand::u8(..)))
+            .collect();
+        std::fs::write(&path, secret + "\n").expect("write the bench's key file");
+    }
+    path.to_str().expect("a UTF-8 temp dir").to_string()
 }
 
 /// Whether the engines run with `kv.prefault`: the pools resident from the start, as a serving

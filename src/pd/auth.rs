@@ -127,6 +127,44 @@ impl Keys {
         })
     }
 
+    /// A link's frame keys, for the side `me`: HKDF-SHA256 of secret `index` salted with both
+    /// nonces, so every link has its own ([`super::seal`]).
+    pub fn frame_keys(
+        &self,
+        index: usize,
+        decode: &[u8],
+        prefill: &[u8],
+        me: Prover,
+    ) -> super::seal::FrameKeys {
+        let mut salt_bytes = decode.to_vec();
+        salt_bytes.extend_from_slice(prefill);
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &salt_bytes).extract(&self.secrets[index]);
+        let expand = |info: &[u8]| {
+            let mut out = [0u8; 32];
+            // 32 bytes is within HKDF-SHA256's output limit: expand and fill cannot fail.
+            if let Ok(okm) = prk.expand(&[info], Len32) {
+                let _ = okm.fill(&mut out);
+            }
+            let mut key = [0u8; 16];
+            key.copy_from_slice(&out[..16]);
+            super::seal::FrameKey::new(key)
+        };
+        let (to_prefill, to_decode) = (
+            expand(b"dsv4-pd frames decode to prefill"),
+            expand(b"dsv4-pd frames prefill to decode"),
+        );
+        match me {
+            Prover::Decode => super::seal::FrameKeys {
+                send: to_prefill,
+                recv: to_decode,
+            },
+            Prover::Prefill => super::seal::FrameKeys {
+                send: to_decode,
+                recv: to_prefill,
+            },
+        }
+    }
+
     /// The key request digests are keyed with on links authenticated under secret `index`:
     /// HKDF-SHA256 of the secret (the same on both engines, whatever the nonces).
     pub fn digest_key(&self, index: usize) -> DigestKey {

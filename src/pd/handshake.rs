@@ -1,11 +1,22 @@
 //! The challenge-response of [`super::auth`] as frames on a connection, for both sides. The
 //! caller supplies how a frame is read (with its deadline) and written; on success each side
-//! knows which secret the link is authenticated under (its digest key follows from it).
+//! knows which secret the link is authenticated under (its digest key follows from it) and
+//! the link's frame keys.
 //! A prefill that refuses says only [`REFUSED`]: why goes to its log.
 
 use super::auth::{self, Keys, Prover};
 use super::room::FailReason;
+use super::seal::FrameKeys;
 use super::wire::{self, Frame, Kind, Refusal};
+
+/// What a side knows once the peer proved it holds the secret.
+#[derive(Debug)]
+pub struct Authenticated {
+    /// The line of the key file the link is authenticated under.
+    pub index: usize,
+    /// This side's keys for the link's frames.
+    pub keys: FrameKeys,
+}
 
 /// All a peer that failed to authenticate is told.
 pub const REFUSED: &str = "the connection was refused";
@@ -68,7 +79,7 @@ pub fn accept(
     first: Frame,
     read: ReadFrame<'_>,
     write: WriteBytes<'_>,
-) -> Result<usize, String> {
+) -> Result<Authenticated, String> {
     let outcome = (|| {
         let theirs = nonce_of(&first)?;
         let ours = auth::nonce()?;
@@ -83,7 +94,10 @@ pub fn accept(
             &theirs,
             &ours,
         )))?;
-        Ok(index)
+        Ok(Authenticated {
+            index,
+            keys: keys.frame_keys(index, &theirs, &ours, Prover::Prefill),
+        })
     })();
     if outcome.is_err() {
         let _ = write(&refusal());
@@ -93,7 +107,11 @@ pub fn accept(
 
 /// The decode's side: the secret the prefill proved it holds, or what went wrong (naming the
 /// fix where the prefill refused).
-pub fn initiate(keys: &Keys, read: ReadFrame<'_>, write: WriteBytes<'_>) -> Result<usize, String> {
+pub fn initiate(
+    keys: &Keys,
+    read: ReadFrame<'_>,
+    write: WriteBytes<'_>,
+) -> Result<Authenticated, String> {
     let ours = auth::nonce()?;
     write(&auth_frame(&ours))?;
     let refused = |f: &Frame| {
@@ -116,12 +134,17 @@ pub fn initiate(keys: &Keys, read: ReadFrame<'_>, write: WriteBytes<'_>) -> Resu
         return Err(why);
     }
     let proof = proof_of(&answer)?;
-    keys.verify(Prover::Prefill, &ours, &theirs, &proof)
+    let index = keys
+        .verify(Prover::Prefill, &ours, &theirs, &proof)
         .ok_or_else(|| {
             "its proof verifies under none of pd.auth_key_file's secrets: it does not hold \
              this engine's secret"
                 .to_string()
-        })
+        })?;
+    Ok(Authenticated {
+        index,
+        keys: keys.frame_keys(index, &ours, &theirs, Prover::Decode),
+    })
 }
 
 #[cfg(test)]
@@ -140,6 +163,13 @@ mod tests {
     /// Both sides on two threads over channels of encoded frames; `tap` sees what the decode
     /// sent.
     fn run(decode: Keys, prefill: Keys) -> (Result<usize, String>, Result<usize, String>) {
+        let (d, p) = run_keys(decode, prefill);
+        (d.map(|a| a.index), p.map(|a| a.index))
+    }
+
+    type Outcome = Result<Authenticated, String>;
+
+    fn run_keys(decode: Keys, prefill: Keys) -> (Outcome, Outcome) {
         let (to_p, from_d): (Sender<Vec<u8>>, Receiver<Vec<u8>>) = channel();
         let (to_d, from_p): (Sender<Vec<u8>>, Receiver<Vec<u8>>) = channel();
         let p = std::thread::spawn(move || {
@@ -169,6 +199,26 @@ mod tests {
         // Rotation: the decode signs with the new secret, the prefill still with the old one
         // but verifies both; it answers under the secret the decode's proof used.
         assert_eq!(run(keys(&[B, A]), keys(&[A, B])), (Ok(0), Ok(1)));
+    }
+
+    #[test]
+    fn both_sides_derive_the_same_frame_keys_for_each_direction_and_new_ones_per_link() {
+        use crate::pd::seal::{verify, Sequence};
+        let (d, p) = run_keys(keys(&[A]), keys(&[A]));
+        let (d, p) = (d.unwrap().keys, p.unwrap().keys);
+        let check = |send, recv| {
+            let (mut tx, mut rx) = (Sequence::new(send), Sequence::new(recv));
+            let tag = tx.tag(&[b"frame"]);
+            let mut h = rx.begin();
+            h.update(b"frame");
+            verify(h, &tag)
+        };
+        assert!(check(d.send.clone(), p.recv.clone()));
+        assert!(check(p.send.clone(), d.recv.clone()));
+        // The two directions differ; another link (other nonces) has other keys.
+        assert!(!check(d.send.clone(), d.recv.clone()));
+        let (d2, _) = run_keys(keys(&[A]), keys(&[A]));
+        assert!(!check(d2.unwrap().keys.send, p.recv));
     }
 
     #[test]
@@ -208,7 +258,7 @@ mod tests {
             },
             &mut |b: &[u8]| to_p.send(b.to_vec()).map_err(|e| e.to_string()),
         );
-        assert_eq!((d, p.join().unwrap()), (Ok(0), Ok(0)));
+        assert_eq!((d.unwrap().index, p.join().unwrap().unwrap().index), (0, 0));
         let mut replay: VecDeque<Vec<u8>> = record.lock().unwrap().clone().into();
         assert_eq!(replay.len(), 2);
         let first = wire::read_frame_from(&mut &replay.pop_front().unwrap()[..]).unwrap();

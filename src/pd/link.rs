@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 use super::buffers::StateBuf;
 use super::incoming::Lent;
 use super::rma::Target;
+use super::seal::{self, Sequence};
 use super::wire::{self, Frame, Kind, ReadError};
 
 /// At most this many bytes are written by a caller directly (without blocking) before the rest
@@ -246,6 +247,7 @@ impl Bulk {
                         bytes: bytes.clone(),
                         range: range.start..end,
                         target: self.target.clone(),
+                        tag: None,
                     };
                     *at += (end - range.start) as u64;
                     self.left -= end - range.start;
@@ -281,6 +283,8 @@ pub(super) enum Out {
         /// Over UCX: the decode's memory the bytes are written into by RMA (the frame itself
         /// does not go out).
         target: Option<Arc<Target>>,
+        /// On an authenticated TCP link: the frame's MAC, written after the bytes.
+        tag: Option<[u8; seal::TAG]>,
     },
     /// The rest of a frame the socket took only part of: `frame`'s bytes from `sent` on (the
     /// frame is kept, not its rest copied: a DATA frame's slice is up to 256 KiB).
@@ -291,29 +295,44 @@ pub(super) enum Out {
 }
 
 impl Out {
-    /// The frame's bytes, in two parts (a DATA frame's header and its slice of the state).
-    pub(super) fn parts(&self) -> (&[u8], &[u8]) {
+    /// The frame's bytes as they go on the wire, in three parts: the frame (or a DATA
+    /// frame's header and offset), a DATA frame's slice of the state, and its MAC (on an
+    /// authenticated TCP link).
+    pub(super) fn wire_parts(&self) -> [&[u8]; 3] {
         match self {
-            Out::Frame(f) => (f, &[]),
+            Out::Frame(f) => [f, &[], &[]],
             Out::Data {
                 prefix,
                 bytes,
                 range,
+                tag,
                 ..
-            } => (prefix, &bytes[range.clone()]),
+            } => [
+                prefix,
+                &bytes[range.clone()],
+                tag.as_ref().map_or(&[][..], |t| &t[..]),
+            ],
             Out::Rest { frame, sent } => {
-                let (a, b) = frame.parts();
-                match a.get(*sent..) {
-                    Some(rest) => (rest, b),
-                    None => (&[], &b[*sent - a.len()..]),
+                let mut parts = frame.wire_parts();
+                let mut skip = *sent;
+                for p in &mut parts {
+                    let k = skip.min(p.len());
+                    *p = &p[k..];
+                    skip -= k;
                 }
+                parts
             }
         }
     }
 
+    /// UCX: the frame's header and body (UCX links carry no MAC).
+    pub(super) fn parts(&self) -> (&[u8], &[u8]) {
+        let [a, b, _] = self.wire_parts();
+        (a, b)
+    }
+
     fn len(&self) -> usize {
-        let (a, b) = self.parts();
-        a.len() + b.len()
+        self.wire_parts().iter().map(|p| p.len()).sum()
     }
 
     /// What is left of this frame once the socket took `n` more of its bytes.
@@ -332,43 +351,39 @@ impl Out {
 
     /// Writes the whole frame, blocking (up to the socket's write timeout).
     fn write_blocking(&self, fd: RawFd) -> io::Result<()> {
-        let (mut a, mut b) = self.parts();
-        while !a.is_empty() || !b.is_empty() {
-            let n = match send_parts(fd, a, b, 0) {
+        let mut parts = self.wire_parts();
+        while parts.iter().any(|p| !p.is_empty()) {
+            let mut n = match send_parts(fd, parts, 0) {
                 Ok(0) => return Err(io::Error::new(IoKind::WriteZero, "the peer took no bytes")),
                 Ok(n) => n,
                 Err(e) if e.kind() == IoKind::Interrupted => continue,
                 Err(e) => return Err(e),
             };
-            let from_a = n.min(a.len());
-            a = &a[from_a..];
-            b = &b[n - from_a..];
+            for p in &mut parts {
+                let k = n.min(p.len());
+                *p = &p[k..];
+                n -= k;
+            }
         }
         Ok(())
     }
 }
 
-/// One `sendmsg` of `a` then `b` (one system call, no copy into a frame first), with
+/// One `sendmsg` of `parts` in order (one system call, no copy into a frame first), with
 /// `MSG_NOSIGNAL` and `extra` flags; the bytes the socket took.
-fn send_parts(fd: RawFd, a: &[u8], b: &[u8], extra: libc::c_int) -> io::Result<usize> {
-    let mut iov = [
-        libc::iovec {
-            iov_base: a.as_ptr() as *mut libc::c_void,
-            iov_len: a.len(),
-        },
-        libc::iovec {
-            iov_base: b.as_ptr() as *mut libc::c_void,
-            iov_len: b.len(),
-        },
-    ];
+fn send_parts(fd: RawFd, parts: [&[u8]; 3], extra: libc::c_int) -> io::Result<usize> {
+    let mut iov = parts.map(|p| libc::iovec {
+        iov_base: p.as_ptr() as *mut libc::c_void,
+        iov_len: p.len(),
+    });
     // SAFETY: an all-zero msghdr is valid (no address, no control data); only the iovec
     // fields are set below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len() as _;
     // SAFETY: `fd` is this link's open socket (the Link owns a clone of the stream for as long
-    // as it lives); the iovecs point at `a` and `b`, which outlive the call, and sendmsg only
-    // reads them.
+    // as it lives); the iovecs point at `parts`, which outlive the call, and sendmsg only reads
+    // them.
     let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | extra) };
     if n < 0 {
         Err(io::Error::last_os_error())
@@ -397,6 +412,9 @@ struct Outbox {
     queued: usize,
     /// Why the link was dropped from here (its outbox overflowed): what the reader reports.
     dropped: Option<String>,
+    /// An authenticated TCP link's MAC state for what it sends: each frame is sealed as it is
+    /// taken for the wire (in wire order: the wire's lock is held).
+    sealer: Option<Sequence>,
 }
 
 impl Outbox {
@@ -412,14 +430,23 @@ impl Outbox {
             last_sent: Instant::now(),
             queued: 0,
             dropped: None,
+            sealer: None,
         }
     }
 
-    /// The first control frame, no longer counted as queued.
+    /// `frame` (one whole frame) with its tag where the link seals its frames.
+    fn sealed(&mut self, mut frame: Vec<u8>) -> Vec<u8> {
+        if let Some(s) = &mut self.sealer {
+            s.seal(&mut frame);
+        }
+        frame
+    }
+
+    /// The first control frame, sealed, no longer counted as queued.
     fn take_control(&mut self) -> Option<Vec<u8>> {
         let f = self.control.pop_front()?;
         self.queued = self.queued.saturating_sub(f.len());
-        Some(f)
+        Some(self.sealed(f))
     }
 
     /// The next frame in wire order: a partial frame's rest, control frames, then a frame of
@@ -449,7 +476,34 @@ impl Outbox {
         if last {
             self.bulk.remove(next);
         }
-        Some(frame)
+        Some(match (frame, &mut self.sealer) {
+            (frame, None) => frame,
+            (Out::Frame(f), Some(s)) => {
+                let mut f = f;
+                s.seal(&mut f);
+                Out::Frame(f)
+            }
+            (
+                Out::Data {
+                    prefix,
+                    bytes,
+                    range,
+                    target,
+                    ..
+                },
+                Some(s),
+            ) => {
+                let tag = s.tag(&[&prefix, &bytes[range.clone()]]);
+                Out::Data {
+                    prefix,
+                    bytes,
+                    range,
+                    target,
+                    tag: Some(tag),
+                }
+            }
+            (rest @ Out::Rest { .. }, Some(_)) => rest,
+        })
     }
 
     /// Over TCP, [`Self::pop`] with consecutive control frames joined into one (a byte
@@ -464,8 +518,9 @@ impl Outbox {
             if joined.len() + next.len() > COALESCE_BYTES {
                 break;
             }
-            joined.extend_from_slice(next);
-            self.take_control();
+            // Taken (and sealed) in order, then joined.
+            let Some(f) = self.take_control() else { break };
+            joined.extend_from_slice(&f);
         }
         Some(Out::Frame(joined))
     }
@@ -533,6 +588,7 @@ impl Link {
         peer_interval: Duration,
         misses: u32,
         max_queued: usize,
+        sequences: Option<(Sequence, Sequence)>,
         handler: Arc<dyn Handler>,
         threads: &mut Vec<JoinHandle<()>>,
     ) -> io::Result<Arc<Link>> {
@@ -543,6 +599,7 @@ impl Link {
         // on a peer that stopped reading means the peer is gone.
         stream.set_read_timeout(Some(peer_interval))?;
         stream.set_write_timeout(Some(dead_after))?;
+        let (send, opener) = sequences.unzip();
         let link = Arc::new(Link::new(
             id,
             peer,
@@ -552,10 +609,11 @@ impl Link {
             dead_after,
             max_queued,
         ));
+        link.outbox().sealer = send;
         let reader_stream = stream.try_clone()?;
         let (l, h) = (link.clone(), handler.clone());
         threads.push(spawn(format!("dsv4-pd-read-{id}"), move || {
-            l.read_loop(reader_stream, h)
+            l.read_loop(reader_stream, h, opener)
         })?);
         let (l, h) = (link.clone(), handler);
         threads.push(spawn(format!("dsv4-pd-write-{id}"), move || {
@@ -739,9 +797,8 @@ impl Link {
                 break;
             };
             drop(o);
-            let (a, b) = out.parts();
             let sent = loop {
-                match send_parts(fd, a, b, libc::MSG_DONTWAIT) {
+                match send_parts(fd, out.wire_parts(), libc::MSG_DONTWAIT) {
                     Err(e) if e.kind() == IoKind::Interrupted => continue,
                     // Full (or failing: the writer's blocking write reports why).
                     Err(_) => break 0,
@@ -851,7 +908,9 @@ impl Link {
                     Some(f) => f,
                     None => continue,
                 },
-                Next::Heartbeat => Out::Frame(wire::encode(Kind::Heartbeat, 0, &[])),
+                Next::Heartbeat => {
+                    Out::Frame(self.outbox().sealed(wire::encode(Kind::Heartbeat, 0, &[])))
+                }
             };
             if let Err(e) = frame.write_blocking(fd) {
                 let why = match e.kind() {
@@ -1040,24 +1099,55 @@ impl Link {
 
     /// One frame off the stream, to the handler: a DATA frame's bytes straight into the
     /// room's buffer when the handler lends it.
+    /// On an authenticated link (`opener`), every frame's MAC is read after it and checked
+    /// before the frame is acted on: a DATA frame's bytes may be in the room's destination by
+    /// then, but the room takes them only once they verified (a frame that does not verify
+    /// takes the link down, failing its rooms).
     fn read_one(
         self: &Arc<Self>,
         stream: &mut Reader,
         handler: &Arc<dyn Handler>,
+        opener: &mut Option<Sequence>,
     ) -> Result<(), ReadError> {
         let fill = &mut |buf: &mut [u8]| self.fill(stream, buf);
         let (kind, len, room) = wire::read_header(fill)?;
+        let mut mac = opener.as_mut().map(|o| {
+            let mut h = o.begin();
+            h.update(&wire::header(kind, len, room));
+            h
+        });
+        // Reads the frame's tag and checks it against what was hashed.
+        let check = |mac: Option<seal::Mac>,
+                     fill: &mut dyn FnMut(&mut [u8]) -> io::Result<()>|
+         -> Result<(), ReadError> {
+            let Some(h) = mac else {
+                return Ok(());
+            };
+            let mut tag = [0u8; seal::TAG];
+            fill(&mut tag)?;
+            if seal::verify(h, &tag) {
+                Ok(())
+            } else {
+                Err(ReadError::Protocol(format!(
+                    "a {kind:?} frame (room {room}) does not verify under the link's key: it \
+                     was altered, dropped, repeated or injected on the way"
+                )))
+            }
+        };
         let mut payload = Vec::new();
         if kind == Kind::Data && len >= 8 {
             let mut at = [0u8; 8];
             fill(&mut at)?;
+            if let Some(h) = &mut mac {
+                h.update(&at);
+            }
             let (offset, n) = (u64::from_le_bytes(at), len - 8);
             let start = usize::try_from(offset).unwrap_or(usize::MAX);
             if let Some(mut lent) = handler.lend(self, room, offset, n) {
                 let end = start.saturating_add(n);
                 let read = match &mut lent {
                     Lent::Buffer(buf) => match buf.get_mut(start..end) {
-                        Some(dst) => fill(dst),
+                        Some(dst) => self.fill(stream, dst),
                         // The handler checked the range: a dsv4 bug, the room's bytes are
                         // unusable.
                         None => Err(io::Error::other(format!(
@@ -1083,21 +1173,49 @@ impl Link {
                         let mut r = Ok(());
                         while left > 0 && r.is_ok() {
                             let k = left.min(scratch.len());
-                            r = fill(&mut scratch[..k]);
+                            r = self.fill(stream, &mut scratch[..k]);
+                            if let Some(h) = &mut mac {
+                                h.update(&scratch[..k]);
+                            }
                             left -= k;
                         }
                         r
                     }
                 };
-                let filled = read.is_ok();
-                handler.put_back(self, room, offset, n, lent, filled);
-                read?;
-                return Ok(());
+                // The bytes as they landed go into the MAC.
+                let verified = match read {
+                    Err(e) => Err(ReadError::Io(e)),
+                    Ok(()) => {
+                        if let Some(h) = &mut mac {
+                            match &mut lent {
+                                Lent::Buffer(buf) => {
+                                    h.update(&buf[start..start + n]);
+                                }
+                                Lent::Direct(landing) => {
+                                    // SAFETY: as for the read above: bytes `start..end` of the
+                                    // room's destination, lent to this reader until
+                                    // `put_back`; read back, not written.
+                                    for part in unsafe { landing.slices_mut(start, start + n) } {
+                                        h.update(part);
+                                    }
+                                }
+                                Lent::Discard => {}
+                            }
+                        }
+                        check(mac, &mut |b: &mut [u8]| self.fill(stream, b))
+                    }
+                };
+                handler.put_back(self, room, offset, n, lent, verified.is_ok());
+                return verified;
             }
             payload.extend_from_slice(&at);
         }
         let have = payload.len();
         wire::read_payload(fill, &mut payload, len - have)?;
+        if let Some(h) = &mut mac {
+            h.update(&payload[have..]);
+        }
+        check(mac, fill)?;
         if kind != Kind::Heartbeat {
             handler.on_frame(
                 self,
@@ -1111,14 +1229,19 @@ impl Link {
         Ok(())
     }
 
-    fn read_loop(self: Arc<Self>, stream: TcpStream, handler: Arc<dyn Handler>) {
+    fn read_loop(
+        self: Arc<Self>,
+        stream: TcpStream,
+        handler: Arc<dyn Handler>,
+        mut opener: Option<Sequence>,
+    ) {
         crate::threads::mark_internal();
         let mut stream = BufReader::with_capacity(READ_AHEAD, stream);
         loop {
             handler.between_frames(&self, &mut || {
                 !stream.buffer().is_empty() || readable(stream.get_ref())
             });
-            match self.read_one(&mut stream, &handler) {
+            match self.read_one(&mut stream, &handler, &mut opener) {
                 Ok(()) => {}
                 Err(ReadError::Io(e)) => {
                     self.go_down(&handler, format!("connection lost: {e}"));
@@ -1206,6 +1329,7 @@ mod tests {
             ms,
             3,
             64 << 20,
+            None,
             handler,
             &mut threads,
         )
@@ -1274,14 +1398,16 @@ mod tests {
             bytes: bytes.clone(),
             range: 500..2500,
             target: None,
+            // An authenticated link's MAC, after the bytes.
+            tag: Some(std::array::from_fn(|i| 200 + i as u8)),
         };
-        let whole = |o: &Out| {
-            let (a, b) = o.parts();
-            [a, b].concat()
-        };
+        let whole = |o: &Out| o.wire_parts().concat();
         let all = whole(&data());
-        assert_eq!(all.len(), wire::HEADER + 8 + 2000);
-        // Within the header, across it, past it, twice in a row, and all of it.
+        assert_eq!(all.len(), wire::HEADER + 8 + 2000 + seal::TAG);
+        assert_eq!(all[..wire::HEADER + 8], wire::data_prefix(9, 100, 2000));
+        assert_eq!(all[wire::HEADER + 8..][..2000], bytes[500..2500]);
+        assert_eq!(all[all.len() - 1], 200 + 31);
+        // Within the header, across it, past it, twice in a row, into the MAC, and all of it.
         for cuts in [
             vec![5],
             vec![24],
@@ -1289,6 +1415,9 @@ mod tests {
             vec![5, 30],
             vec![3, 0, 1000, 900],
             vec![2024],
+            vec![2030],
+            vec![1000, 1040],
+            vec![2056],
         ] {
             let mut out = data();
             let mut taken = 0;

@@ -30,6 +30,7 @@ pub mod rma;
 #[cfg(test)]
 mod rma_tests;
 pub mod room;
+pub mod seal;
 #[cfg(test)]
 mod test_rooms;
 pub mod ucx;

@@ -321,6 +321,32 @@ struct Inner {
     handshakes: Arc<AtomicUsize>,
 }
 
+/// An authenticated connection's keys: its request digests' and its frames' MAC sequences
+/// (this side's sending and receiving), which seal the HELLOs and then every frame.
+struct Sealed {
+    digest: auth::DigestKey,
+    send: super::seal::Sequence,
+    recv: super::seal::Sequence,
+}
+
+impl Sealed {
+    fn new(digest: auth::DigestKey, keys: super::seal::FrameKeys) -> Self {
+        Self {
+            digest,
+            send: super::seal::Sequence::new(keys.send),
+            recv: super::seal::Sequence::new(keys.recv),
+        }
+    }
+
+    /// `frame` with its MAC where the connection is authenticated.
+    fn seal(sealed: &mut Option<Sealed>, mut frame: Vec<u8>) -> Vec<u8> {
+        if let Some(s) = sealed {
+            s.send.seal(&mut frame);
+        }
+        frame
+    }
+}
+
 /// One handshake in progress, counted in [`Inner::handshakes`] until dropped.
 struct Handshaking(Arc<AtomicUsize>);
 
@@ -1520,7 +1546,9 @@ impl Inner {
                 return;
             }
         };
-        let mut digest = None;
+        // Authenticated: the digest key and this side's (send, receive) MAC sequences, which
+        // seal the HELLOs and then every frame of the link.
+        let mut sealed: Option<Sealed> = None;
         if let Some(keys) = &self.cfg.auth {
             let Ok(mut out) = stream.try_clone() else {
                 return;
@@ -1535,7 +1563,7 @@ impl Inner {
                 &mut |b: &[u8]| wire::write_all(&mut out, b).map_err(|e| e.to_string()),
             );
             match index {
-                Ok(i) => digest = Some(keys.digest_key(i)),
+                Ok(a) => sealed = Some(Sealed::new(keys.digest_key(a.index), a.keys)),
                 Err(why) => {
                     log::warn!(
                         "PD: refused a connection from {addr}: it did not authenticate: {why}"
@@ -1543,7 +1571,7 @@ impl Inner {
                     return;
                 }
             }
-            first = match self.read_handshake(&mut stream, deadline) {
+            first = match self.read_sealed(&mut stream, deadline, &mut sealed) {
                 Ok(f) => f,
                 Err(e) => {
                     log::warn!("PD: connection from {addr}: no HELLO: {e:?}");
@@ -1570,44 +1598,32 @@ impl Inner {
             );
             return;
         }
-        let hello: Hello = match Ok::<Frame, wire::ReadError>(first) {
-            Ok(f) if f.kind == Kind::Hello => match wire::parse(&f) {
-                Ok(h) => h,
-                Err(m) => {
-                    log::warn!("PD: connection from {addr}: {m}");
-                    return;
-                }
-            },
-            Ok(f) => {
-                log::warn!(
-                    "PD: connection from {addr} began with {:?}, not HELLO",
-                    f.kind
-                );
-                return;
-            }
-            Err(e) => {
-                log::warn!("PD: connection from {addr}: no HELLO: {e:?}");
+        if first.kind != Kind::Hello {
+            log::warn!(
+                "PD: connection from {addr} began with {:?}, not HELLO",
+                first.kind
+            );
+            return;
+        }
+        let hello: Hello = match wire::parse(&first) {
+            Ok(h) => h,
+            Err(m) => {
+                log::warn!("PD: connection from {addr}: {m}");
                 return;
             }
         };
         if let Some((reason, message)) = self.judge(&hello).or_else(|| self.full()) {
             log::warn!("PD: refused {} ({addr}): {message}", hello.endpoint);
-            let _ = wire::write_all(
-                &mut stream,
-                &wire::encode_json(Kind::Refuse, 0, &Refusal { reason, message }),
-            );
+            let refusal = wire::encode_json(Kind::Refuse, 0, &Refusal { reason, message });
+            let _ = wire::write_all(&mut stream, &Sealed::seal(&mut sealed, refusal));
             return;
         }
-        if wire::write_all(
-            &mut stream,
-            &wire::encode_json(Kind::Hello, 0, &self.hello()),
-        )
-        .is_err()
-        {
+        let ours = wire::encode_json(Kind::Hello, 0, &self.hello());
+        if wire::write_all(&mut stream, &Sealed::seal(&mut sealed, ours)).is_err() {
             return;
         }
         let peer_interval = super::bounds::peer_interval(hello.heartbeat_interval_ms);
-        let _ = self.add_link(stream, hello.endpoint, peer_interval, digest);
+        let _ = self.add_link(stream, hello.endpoint, peer_interval, sealed);
     }
 
     /// Why no link can be added now, if none can: `pd.max_links` are open.
@@ -1665,8 +1681,9 @@ impl Inner {
         stream: TcpStream,
         peer: String,
         peer_interval: Duration,
-        digest: Option<auth::DigestKey>,
+        sealed: Option<Sealed>,
     ) -> std::result::Result<Arc<Link>, String> {
+        let (digest, sequences) = sealed.map(|s| (s.digest, (s.send, s.recv))).unzip();
         let (interval, misses) = (self.cfg.heartbeat_interval, self.cfg.heartbeat_misses);
         let max_queued = self.cfg.bounds.max_outbox_bytes;
         self.add_link_with(peer, digest, |id, peer, handler| {
@@ -1679,6 +1696,7 @@ impl Inner {
                 peer_interval,
                 misses,
                 max_queued,
+                sequences,
                 handler,
                 &mut threads,
             );
@@ -1812,10 +1830,10 @@ impl Inner {
             |e: std::io::Error| dead(format!("the handshake with the prefill {peer} failed: {e}"));
         stream.set_read_timeout(Some(POLL)).map_err(io)?;
         let deadline = deadline.min(Instant::now() + self.cfg.bounds.handshake_timeout);
-        let digest = match &self.cfg.auth {
+        let mut sealed = match &self.cfg.auth {
             Some(keys) => {
                 let mut out = stream.try_clone().map_err(io)?;
-                let index = handshake::initiate(
+                let authenticated = handshake::initiate(
                     keys,
                     &mut || {
                         self.read_handshake(&mut stream, deadline)
@@ -1829,22 +1847,24 @@ impl Inner {
                         format!("the prefill {peer} did not authenticate: {m}"),
                     )
                 })?;
-                Some(keys.digest_key(index))
+                Some(Sealed::new(
+                    keys.digest_key(authenticated.index),
+                    authenticated.keys,
+                ))
             }
             None => None,
         };
-        wire::write_all(
-            &mut stream,
-            &wire::encode_json(Kind::Hello, 0, &self.hello()),
-        )
-        .map_err(io)?;
-        let frame = self.read_handshake(&mut stream, deadline).map_err(|e| {
-            dead(format!(
-                "the prefill {peer} did not answer the handshake: {e:?}"
-            ))
-        })?;
+        let ours = wire::encode_json(Kind::Hello, 0, &self.hello());
+        wire::write_all(&mut stream, &Sealed::seal(&mut sealed, ours)).map_err(io)?;
+        let frame = self
+            .read_sealed(&mut stream, deadline, &mut sealed)
+            .map_err(|e| {
+                dead(format!(
+                    "the prefill {peer} did not answer the handshake: {e:?}"
+                ))
+            })?;
         let peer_interval = self.answer(peer, &frame)?;
-        self.add_link(stream, peer.to_string(), peer_interval, digest)
+        self.add_link(stream, peer.to_string(), peer_interval, sealed)
             .map_err(dead)
     }
 
@@ -1944,25 +1964,57 @@ impl Inner {
         stream: &mut TcpStream,
         deadline: Instant,
     ) -> std::result::Result<Frame, wire::ReadError> {
-        use std::io::{ErrorKind as K, Read};
-        wire::read_frame(&mut |buf| {
-            let mut at = 0;
-            while at < buf.len() {
-                match stream.read(&mut buf[at..]) {
-                    Ok(0) => {
-                        return Err(std::io::Error::new(K::UnexpectedEof, "connection closed"))
-                    }
-                    Ok(n) => at += n,
-                    Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut | K::Interrupted) => {
-                        if self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline {
-                            return Err(std::io::Error::new(K::TimedOut, "no handshake in time"));
-                        }
-                    }
-                    Err(e) => return Err(e),
-                }
+        wire::read_frame(&mut |buf| self.handshake_fill(stream, deadline, buf))
+    }
+
+    /// [`Self::read_handshake`], then, on an authenticated connection, the frame's MAC,
+    /// checked.
+    fn read_sealed(
+        &self,
+        stream: &mut TcpStream,
+        deadline: Instant,
+        sealed: &mut Option<Sealed>,
+    ) -> std::result::Result<Frame, wire::ReadError> {
+        let frame = self.read_handshake(stream, deadline)?;
+        if let Some(s) = sealed {
+            let mut h = s.recv.begin();
+            h.update(&wire::header(frame.kind, frame.payload.len(), frame.room));
+            h.update(&frame.payload);
+            let mut tag = [0u8; super::seal::TAG];
+            self.handshake_fill(stream, deadline, &mut tag)?;
+            if !super::seal::verify(h, &tag) {
+                return Err(wire::ReadError::Protocol(format!(
+                    "a {:?} frame does not verify under the link's key",
+                    frame.kind
+                )));
             }
-            Ok(())
-        })
+        }
+        Ok(frame)
+    }
+
+    /// Fills `buf` from the handshake's stream by `deadline` (its read timeout is [`POLL`]),
+    /// unless the node shuts down.
+    fn handshake_fill(
+        &self,
+        stream: &mut TcpStream,
+        deadline: Instant,
+        buf: &mut [u8],
+    ) -> std::io::Result<()> {
+        use std::io::{ErrorKind as K, Read};
+        let mut at = 0;
+        while at < buf.len() {
+            match stream.read(&mut buf[at..]) {
+                Ok(0) => return Err(std::io::Error::new(K::UnexpectedEof, "connection closed")),
+                Ok(n) => at += n,
+                Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut | K::Interrupted) => {
+                    if self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline {
+                        return Err(std::io::Error::new(K::TimedOut, "no handshake in time"));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     fn on_down(&self, link: &Arc<Link>, why: String) {

@@ -536,6 +536,7 @@ impl Conn {
             bytes,
             range,
             target: Some(target),
+            ..
         } = out
         else {
             return Err("a frame without a target was to be written by RMA (a dsv4 bug)".into());

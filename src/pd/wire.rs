@@ -110,13 +110,19 @@ pub struct Frame {
     pub payload: Vec<u8>,
 }
 
+/// A frame's 16-byte header: kind, three zero bytes, payload length, room.
+pub fn header(kind: Kind, len: usize, room: u64) -> [u8; HEADER] {
+    let mut out = [0u8; HEADER];
+    out[0] = kind as u8;
+    out[4..8].copy_from_slice(&(len as u32).to_le_bytes());
+    out[8..16].copy_from_slice(&room.to_le_bytes());
+    out
+}
+
 /// The header and payload of one frame, ready to write.
 pub fn encode(kind: Kind, room: u64, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + payload.len());
-    out.push(kind as u8);
-    out.extend_from_slice(&[0; 3]);
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&room.to_le_bytes());
+    out.extend_from_slice(&header(kind, payload.len(), room));
     out.extend_from_slice(payload);
     out
 }

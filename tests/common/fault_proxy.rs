@@ -192,6 +192,9 @@ impl Conn {
 
 struct Shared {
     target: String,
+    /// Bytes of MAC after each frame but AUTH and PROOF (an authenticated link's), relayed
+    /// as part of the frame's payload.
+    tag: usize,
     state: Mutex<State>,
     conns: Mutex<Vec<Arc<Conn>>>,
     next_conn: AtomicU64,
@@ -260,10 +263,21 @@ impl FaultProxy {
     /// Listens on a free loopback port and relays every connection to `target`
     /// (`tcp://host:port`: the prefill engine's endpoint).
     pub fn start(target: &str, plan: Plan, seed: u64) -> FaultProxy {
+        Self::start_with_tags(target, plan, seed, 0)
+    }
+
+    /// [`Self::start`] between engines that authenticate (`pd.auth_key_file`): frames after
+    /// the handshake end with a 32-byte MAC, relayed (and faulted) as part of their payload.
+    pub fn start_sealed(target: &str, plan: Plan, seed: u64) -> FaultProxy {
+        Self::start_with_tags(target, plan, seed, 32)
+    }
+
+    fn start_with_tags(target: &str, plan: Plan, seed: u64, tag: usize) -> FaultProxy {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = format!("tcp://{}", listener.local_addr().unwrap());
         let shared = Arc::new(Shared {
             target: target.trim_start_matches("tcp://").to_string(),
+            tag,
             state: Mutex::new(State {
                 seen: vec![0; plan.rules.len()],
                 plan,
@@ -387,10 +401,14 @@ impl Drop for FaultProxy {
     }
 }
 
-fn read_frame(s: &mut TcpStream) -> Option<(Vec<u8>, Vec<u8>)> {
+fn read_frame(s: &mut TcpStream, tag: usize) -> Option<(Vec<u8>, Vec<u8>)> {
     let mut header = vec![0u8; HEADER];
     s.read_exact(&mut header).ok()?;
-    let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+    let mut len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+    // AUTH (11) and PROOF (12) come before the link's keys exist, and so does a refusal.
+    if !matches!(header[0], 2 | 11 | 12) {
+        len += tag;
+    }
     // The proxy trusts the engines' headers (the corruption happens after parsing), but a
     // length past any cap means the stream is not frames: stop relaying.
     if len > 128 << 20 {
@@ -406,7 +424,7 @@ fn read_frame(s: &mut TcpStream) -> Option<(Vec<u8>, Vec<u8>)> {
 fn relay(s: &Shared, conn: &Conn, dir: Dir, mut from: TcpStream, mut to: TcpStream) {
     // A reordered frame waiting for the next frame of its room: (room, bytes).
     let mut held: Option<(u64, Vec<u8>)> = None;
-    while let Some((header, payload)) = read_frame(&mut from) {
+    while let Some((header, payload)) = read_frame(&mut from, s.tag) {
         let kind = header[0];
         let room = u64::from_le_bytes(header[8..16].try_into().unwrap());
         let mut frame = header;
