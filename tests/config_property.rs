@@ -160,6 +160,9 @@ fn valid_value(spec: &KeySpec) -> BoxedStrategy<Value> {
         Kind::Devices => subsequence((0u32..16).collect::<Vec<_>>(), 0..4)
             .prop_map(|d| json!(d))
             .boxed(),
+        Kind::Hosts => prop::collection::vec("[a-z][a-z0-9.-]{0,8}(:[1-9][0-9]{0,3})?", 0..3)
+            .prop_map(|h| json!(h))
+            .boxed(),
         Kind::Labels => prop::collection::btree_map("[a-z][a-z0-9_]{0,8}", "[a-z0-9-]{0,8}", 0..3)
             .prop_map(|labels| json!(labels))
             .boxed(),

@@ -513,3 +513,42 @@ fn on_an_authenticated_link_a_frame_changed_on_the_way_takes_the_link_down() {
         p.quit();
     }
 }
+
+#[test]
+fn a_decode_points_only_at_the_prefills_it_allows() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ids = common::ids("flash-like");
+    let mut p = Node::start("prefill", "prefill", tcp_params(json!({})), None);
+    let endpoint = p.endpoint.clone();
+    let port = endpoint.rsplit(':').next().unwrap().to_string();
+    let only = |allowed: Value| tcp_params(json!({"pd": {"allowed_peers": allowed}}));
+    // Another host: a request naming this prefill is refused at submit, naming the list.
+    let mut d = Node::start(
+        "decode",
+        "decode",
+        only(json!(["10.9.9.9"])),
+        Some(&endpoint),
+    );
+    let tokens: Vec<String> = ids[..20].iter().map(u32::to_string).collect();
+    d.send(&format!("submit 1 2 {}", tokens.join(",")));
+    let line = d.wait_line(Duration::from_secs(10), |l| l.starts_with("refused 1 "));
+    assert!(line.contains("InvalidArgument"), "{line}");
+    assert!(
+        line.contains("is not in pd.allowed_peers (10.9.9.9)"),
+        "{line}"
+    );
+    d.quit();
+    // The prefill's host and port: allowed, and the room lands.
+    let mut d = Node::start(
+        "decode",
+        "decode",
+        only(json!(["10.9.9.9", format!("127.0.0.1:{port}")])),
+        Some(&endpoint),
+    );
+    p.submit(2, 2, &ids[..20]);
+    d.submit(2, 2, &ids[..20]);
+    d.wait_ends(&[2], Duration::from_secs(30));
+    assert_eq!(d.end_of(2).unwrap(), "finished 2 Length");
+    d.quit();
+    p.quit();
+}

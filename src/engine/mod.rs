@@ -208,6 +208,7 @@ fn start<B: Backend>(
                     max_outbox_bytes: usize::try_from(p.max_outbox_bytes).unwrap_or(usize::MAX),
                 },
                 auth,
+                allowed_peers: p.allowed_peers.clone(),
                 layout: cache.pools().layout().fingerprint().clone(),
                 // Host-memory pools may be written by a prefill's RMA (UCX); the engine thread
                 // shuts the node down before it frees them.

@@ -43,6 +43,20 @@ pub fn peer_interval(announced_ms: u64) -> Duration {
     Duration::from_millis(announced_ms).clamp(MIN_PEER_INTERVAL, MAX_PEER_INTERVAL)
 }
 
+/// Whether `pd.allowed_peers` (`allowed`, non-empty) lists `peer`: an entry `host` allows any
+/// port of it, `host:port` (`[v6]:port`) that port; hosts compare without case.
+pub fn peer_allowed(allowed: &[String], peer: &crate::config::params::Endpoint) -> bool {
+    let host_port = if peer.host.contains(':') {
+        format!("[{}]:{}", peer.host, peer.port)
+    } else {
+        format!("{}:{}", peer.host, peer.port)
+    };
+    allowed.iter().any(|a| {
+        let bare = a.trim_start_matches('[').trim_end_matches(']');
+        bare.eq_ignore_ascii_case(&peer.host) || a.eq_ignore_ascii_case(&host_port)
+    })
+}
+
 /// How long a shutdown waits for a peer to take the last frames (FAILs of rooms still open)
 /// before closing its socket regardless.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -50,6 +64,22 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn allowed_peers_name_hosts_or_host_ports() {
+        use crate::config::params::Endpoint;
+        let list = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let ep = |t: &str| Endpoint::parse(t).unwrap();
+        let allowed = list(&["10.0.0.5", "prefill-2:7000", "[fd00::1]:7001", "::2"]);
+        assert!(peer_allowed(&allowed, &ep("tcp://10.0.0.5:1234")));
+        assert!(peer_allowed(&allowed, &ep("tcp://PREFILL-2:7000")));
+        assert!(!peer_allowed(&allowed, &ep("tcp://prefill-2:7001")));
+        assert!(peer_allowed(&allowed, &ep("tcp://[fd00::1]:7001")));
+        assert!(!peer_allowed(&allowed, &ep("tcp://[fd00::1]:7000")));
+        assert!(peer_allowed(&allowed, &ep("tcp://[::2]:9")));
+        assert!(!peer_allowed(&allowed, &ep("tcp://10.0.0.6:1234")));
+        assert!(!peer_allowed(&allowed, &ep("tcp://10.0.0.55:1234")));
+    }
 
     #[test]
     fn a_peers_heartbeat_is_believed_within_ten_ms_and_a_minute() {

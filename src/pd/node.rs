@@ -99,6 +99,8 @@ pub struct Config {
     pub bounds: super::PeerBounds,
     /// `pd.auth_key_file`'s secrets: links authenticate with them before anything else.
     pub auth: Option<auth::Keys>,
+    /// Decode: the prefills `pd_peer` may name (`pd.allowed_peers`); empty: any.
+    pub allowed_peers: Vec<String>,
     pub layout: LayoutFingerprint,
     /// A decode's pool memory where it is host memory: over UCX it is registered at start
     /// and prefills write states straight into it by RMA. It must stay allocated until
@@ -652,6 +654,9 @@ impl Node {
         peer: Option<String>,
     ) -> Result<()> {
         let inner = &self.inner;
+        if let Some(p) = peer.as_deref() {
+            inner.check_peer_allowed(p)?;
+        }
         let mut t = inner.table();
         if t.rooms.contains_key(&room) || t.landed.contains_key(&room) {
             return Err(Error::invalid_argument(format!(
@@ -1097,6 +1102,25 @@ impl Drop for Node {
 }
 
 impl Inner {
+    /// Decode: refuses a `pd_peer` that `pd.allowed_peers` does not list (an entry `host`
+    /// allows any port of it, `host:port` that port).
+    fn check_peer_allowed(&self, peer: &str) -> Result<()> {
+        let allowed = &self.cfg.allowed_peers;
+        if allowed.is_empty() {
+            return Ok(());
+        }
+        let ep = Endpoint::parse(peer).map_err(Error::invalid_argument)?;
+        if super::bounds::peer_allowed(allowed, &ep) {
+            Ok(())
+        } else {
+            Err(Error::invalid_argument(format!(
+                "pd_peer {peer} is not in pd.allowed_peers ({}): point requests at a listed \
+                 prefill engine, or add it to pd.allowed_peers",
+                allowed.join(", ")
+            )))
+        }
+    }
+
     fn table(&self) -> MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }

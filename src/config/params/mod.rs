@@ -300,6 +300,8 @@ pub struct PdParams {
     pub auth_key_file: Option<String>,
     /// Lets an engine listening beyond loopback run without `auth_key_file`.
     pub insecure_no_auth: bool,
+    /// Decode: the prefills `pd_peer` may name (hosts or host:port); empty: any.
+    pub allowed_peers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -34,6 +34,8 @@ pub enum Kind {
     Devices,
     /// A map of Prometheus label names to values.
     Labels,
+    /// A list of hosts (`10.0.0.5`, `prefill-1`) or `host:port` entries.
+    Hosts,
     /// `"auto"` or a node index.
     NumaNode,
     /// A PD endpoint `tcp://host:port` (or null when `nullable`); `connectable` refuses port 0
@@ -256,6 +258,7 @@ pub const KEYS: &[KeySpec] = &[
     key("pd.max_outbox_bytes", int(1 << 20, 1 << 40), "67108864").unit("bytes"),
     key("pd.auth_key_file", Kind::Text { nullable: true }, "null"),
     key("pd.insecure_no_auth", Kind::Bool, "false"),
+    key("pd.allowed_peers", Kind::Hosts, "[]"),
 ];
 
 /// Names other engines use for our keys, so their users get pointed at the right one.

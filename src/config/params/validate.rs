@@ -18,6 +18,8 @@ pub const MAX_DOCUMENT_BYTES: usize = 1 << 20;
 pub const MAX_SUGGEST_CHARS: usize = 64;
 /// The most entries `devices` may list (a node has at most a few dozen GPUs).
 pub const MAX_DEVICES: usize = 1024;
+/// Most entries of a host list (`pd.allowed_peers`).
+const MAX_HOSTS: usize = 256;
 /// The longest `model_path`, in bytes: Linux's PATH_MAX.
 pub const MAX_PATH_BYTES: usize = 4096;
 /// The most `metrics.labels`: every exported series repeats all of them.
@@ -271,6 +273,33 @@ pub fn check_value(spec: &KeySpec, value: &Value) -> Result<(), String> {
                      `pd.listen`)",
                     shorten(text)
                 ));
+            }
+            Ok(())
+        }
+        Kind::Hosts => {
+            let Some(items) = value.as_array() else {
+                return Err(format!(
+                    "`{path}` must be a list of hosts or host:port entries such as \
+                     [\"10.0.0.5\", \"prefill-1:7000\"], got {shown}"
+                ));
+            };
+            if items.len() > MAX_HOSTS {
+                return Err(format!(
+                    "`{path}` lists {} entries; at most {MAX_HOSTS} are accepted",
+                    items.len()
+                ));
+            }
+            for (i, item) in items.iter().enumerate() {
+                match item.as_str() {
+                    Some(h) if !h.is_empty() && h.len() <= 255 && !h.contains("://") => {}
+                    _ => {
+                        return Err(format!(
+                            "`{path}[{i}]` must be a host or host:port (no scheme), such as \
+                             \"10.0.0.5\" or \"prefill-1:7000\", got {}",
+                            describe(item)
+                        ))
+                    }
+                }
             }
             Ok(())
         }
