@@ -388,6 +388,9 @@ struct Rig {
     /// (token, logprob bits) from a unified engine, per prompt.
     want: Vec<Vec<(u32, u32)>>,
     next_room: Cell<u64>,
+    /// The engines authenticate (`pd.auth_key_file`): every frame carries a MAC, so any frame
+    /// the proxy drops, duplicates or changes takes the whole connection down.
+    sealed: bool,
     /// How rooms ended, for the summary line (what the cases exercised).
     tally: RefCell<BTreeMap<String, usize>>,
 }
@@ -399,7 +402,10 @@ fn spec(prompt: &[u32]) -> RequestSpec {
 }
 
 impl Rig {
+    /// `transport`: `tcp`, `ucx`, or `tcp-auth` (tcp between engines holding a key).
     fn new(transport: &str) -> Rig {
+        let sealed = transport == "tcp-auth";
+        let transport = if sealed { "tcp" } else { transport };
         let ids = common::ids("flash-like");
         let prompts: Vec<Vec<u32>> = PROMPTS
             .iter()
@@ -413,7 +419,7 @@ impl Rig {
                 stream(&collect(&unified, &[id])[&id])
             })
             .collect();
-        let pd = json!({
+        let mut pd = json!({
             "transport": transport,
             "listen": format!("{transport}://127.0.0.1:0"),
             "bootstrap_timeout_ms": BOOTSTRAP_MS,
@@ -421,10 +427,22 @@ impl Rig {
             "heartbeat_interval_ms": HEARTBEAT_MS,
             "heartbeat_misses": 20,
         });
+        if sealed {
+            let key = std::env::temp_dir().join(format!("dsv4-faults-{}.key", std::process::id()));
+            std::fs::write(
+                &key,
+                "6b86b273ff34fce19d6b804eff5a3f5747ada4eaa22f1d49c01e52ddb7875b4b\n",
+            )
+            .unwrap();
+            pd["auth_key_file"] = json!(key);
+        }
         let p = engine_with(json!({"role": "prefill", "pd": pd.clone()}));
         let d = engine_with(json!({"role": "decode", "pd": pd}));
         let prefill = p.pd_endpoint().unwrap();
-        let proxy = (transport == "tcp").then(|| FaultProxy::start(&prefill, Plan::default(), 0));
+        let proxy = (transport == "tcp").then(|| match sealed {
+            true => FaultProxy::start_sealed(&prefill, Plan::default(), 0),
+            false => FaultProxy::start(&prefill, Plan::default(), 0),
+        });
         Rig {
             p,
             d,
@@ -433,6 +451,7 @@ impl Rig {
             prompts,
             want,
             next_room: Cell::new(1),
+            sealed,
             tally: RefCell::new(BTreeMap::new()),
         }
     }
@@ -580,7 +599,10 @@ impl Rig {
                     .filter(|a| a.rule.is_some())
                     .map(|a| a.room)
                     .collect();
-                (fired, log.iter().any(|a| a.kind == 0), Vec::new())
+                // On an authenticated link any frame dropped, duplicated or changed (a delay
+                // changes nothing) fails the next MAC check: the connection goes down.
+                let broken = self.sealed && log.iter().any(|a| !matches!(a.fault, Fault::Delay(_)));
+                (fired, broken || log.iter().any(|a| a.kind == 0), Vec::new())
             }
             None => {
                 let applied = ucx_faults::applied();
@@ -596,7 +618,7 @@ impl Rig {
                 (fired, closed, applied)
             }
         };
-        let conn_died = case.kill_ms.is_some_and(|_| killed)
+        let conn_died = (killed && (self.sealed || case.kill_ms.is_some()))
             || case.rooms.iter().enumerate().any(|(i, r)| {
                 matches!(r.act, Act::Fault(f) if f.kills_connection() && fired.contains(&room_of(i)))
             });
@@ -864,6 +886,14 @@ const UCX_CASES: u32 = 32;
 #[test]
 fn every_room_ends_once_on_each_side_with_its_status_and_nothing_leaks() {
     property("tcp", CASES);
+}
+
+/// The same property between engines that authenticate: every frame carries a MAC, so each
+/// fault the proxy applies (but a delay) takes the connection down, and the rooms on it fail
+/// as they do when it is killed; the others stay exact.
+#[test]
+fn every_room_ends_once_on_each_side_with_its_status_and_nothing_leaks_when_authenticated() {
+    property("tcp-auth", CASES / 2);
 }
 
 /// The same property over UCX (RMA writes, active messages), with the faults UCX's own wire
