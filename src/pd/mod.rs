@@ -12,7 +12,10 @@
 //! `wire`: frames; `room`: room states and failure reasons; `link`: one connection's reader
 //! and writer threads and heartbeats; `node`: the listener, the rooms and their deadlines;
 //! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory;
-//! `wake`: the listener's wait, which a shutdown ends.
+//! `wake`: the listener's wait, which a shutdown ends. Who may be a peer (docs/security.md):
+//! `auth` (the key file, proofs, keyed digests), `handshake` (the challenge-response as
+//! frames), `seal` (every frame's MAC on an authenticated link), `bounds` (what a peer may
+//! hold: links, handshakes, queued bytes, time).
 
 pub mod auth;
 #[cfg(test)]
