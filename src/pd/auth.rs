@@ -103,11 +103,9 @@ impl Keys {
     /// `prover`'s proof under secret `index` (0 signs) for the two nonces.
     pub fn proof(&self, index: usize, prover: Prover, decode: &[u8], prefill: &[u8]) -> Vec<u8> {
         let key = hmac::Key::new(hmac::HMAC_SHA256, &self.secrets[index]);
-        let mut ctx = hmac::Context::with_key(&key);
-        ctx.update(label(prover));
-        ctx.update(decode);
-        ctx.update(prefill);
-        ctx.sign().as_ref().to_vec()
+        hmac::sign(&key, &transcript(prover, decode, prefill))
+            .as_ref()
+            .to_vec()
     }
 
     /// The secret `proof` verifies under (compared in constant time), if any.
@@ -118,11 +116,9 @@ impl Keys {
         prefill: &[u8],
         proof: &[u8],
     ) -> Option<usize> {
+        let msg = transcript(prover, decode, prefill);
         (0..self.secrets.len()).find(|&i| {
             let key = hmac::Key::new(hmac::HMAC_SHA256, &self.secrets[i]);
-            let mut msg = label(prover).to_vec();
-            msg.extend_from_slice(decode);
-            msg.extend_from_slice(prefill);
             hmac::verify(&key, &msg, proof).is_ok()
         })
     }
@@ -136,17 +132,10 @@ impl Keys {
         prefill: &[u8],
         me: Prover,
     ) -> super::seal::FrameKeys {
-        let mut salt_bytes = decode.to_vec();
-        salt_bytes.extend_from_slice(prefill);
-        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &salt_bytes).extract(&self.secrets[index]);
+        let salt = [decode, prefill].concat();
         let expand = |info: &[u8]| {
-            let mut out = [0u8; 32];
-            // 32 bytes is within HKDF-SHA256's output limit: expand and fill cannot fail.
-            if let Ok(okm) = prk.expand(&[info], Len32) {
-                let _ = okm.fill(&mut out);
-            }
             let mut key = [0u8; 16];
-            key.copy_from_slice(&out[..16]);
+            key.copy_from_slice(&self.derive_from(index, &salt, info)[..16]);
             super::seal::FrameKey::new(key)
         };
         let (to_prefill, to_decode) = (
@@ -168,15 +157,20 @@ impl Keys {
     /// The key request digests are keyed with on links authenticated under secret `index`:
     /// HKDF-SHA256 of the secret (the same on both engines, whatever the nonces).
     pub fn digest_key(&self, index: usize) -> DigestKey {
-        let salt = hkdf::Salt::new(hkdf::HKDF_SHA256, b"dsv4-pd");
-        let prk = salt.extract(&self.secrets[index]);
+        let key = self.derive_from(index, b"dsv4-pd", b"dsv4-pd request digest");
+        DigestKey(hmac::Key::new(hmac::HMAC_SHA256, &key))
+    }
+
+    /// 32 bytes of HKDF-SHA256 from secret `index`, salted with `salt`, for `info`.
+    fn derive_from(&self, index: usize, salt: &[u8], info: &[u8]) -> [u8; 32] {
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, salt).extract(&self.secrets[index]);
         let mut out = [0u8; 32];
-        let info = [&b"dsv4-pd request digest"[..]];
-        // 32 bytes is within HKDF-SHA256's output limit: expand and fill cannot fail.
-        if let Ok(okm) = prk.expand(&info, Len32) {
+        // 32 bytes is HKDF-SHA256's hash length, within its output limit: expand and fill
+        // cannot fail.
+        if let Ok(okm) = prk.expand(&[info], hkdf::HKDF_SHA256) {
             let _ = okm.fill(&mut out);
         }
-        DigestKey(hmac::Key::new(hmac::HMAC_SHA256, &out))
+        out
     }
 }
 
@@ -218,19 +212,13 @@ pub fn is_loopback(host: &str) -> bool {
     }
 }
 
-fn label(prover: Prover) -> &'static [u8] {
-    match prover {
+/// What a proof signs: the prover's label, then the decode's and the prefill's nonces.
+fn transcript(prover: Prover, decode: &[u8], prefill: &[u8]) -> Vec<u8> {
+    let label: &[u8] = match prover {
         Prover::Decode => b"dsv4-pd decode proof",
         Prover::Prefill => b"dsv4-pd prefill proof",
-    }
-}
-
-struct Len32;
-
-impl hkdf::KeyType for Len32 {
-    fn len(&self) -> usize {
-        32
-    }
+    };
+    [label, decode, prefill].concat()
 }
 
 /// The key of a link's request digests.
@@ -282,10 +270,11 @@ pub fn unhex(text: &str, len: usize) -> Option<Vec<u8>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn keys(secrets: &[&str]) -> Keys {
+    /// Keys of these secrets (also the handshake's tests').
+    pub(crate) fn keys(secrets: &[&str]) -> Keys {
         Keys::from_secrets(secrets.iter().map(|s| s.as_bytes().to_vec()).collect())
     }
 

@@ -150,12 +150,9 @@ pub fn initiate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pd::auth::tests::keys;
     use std::collections::VecDeque;
     use std::sync::mpsc::{channel, Receiver, Sender};
-
-    fn keys(secrets: &[&str]) -> Keys {
-        Keys::from_secrets(secrets.iter().map(|s| s.as_bytes().to_vec()).collect())
-    }
 
     const A: &str = "0123456789abcdef0123456789abcdef-a";
     const B: &str = "0123456789abcdef0123456789abcdef-b";

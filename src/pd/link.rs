@@ -314,12 +314,7 @@ impl Out {
             ],
             Out::Rest { frame, sent } => {
                 let mut parts = frame.wire_parts();
-                let mut skip = *sent;
-                for p in &mut parts {
-                    let k = skip.min(p.len());
-                    *p = &p[k..];
-                    skip -= k;
-                }
+                advance(&mut parts, *sent);
                 parts
             }
         }
@@ -353,19 +348,24 @@ impl Out {
     fn write_blocking(&self, fd: RawFd) -> io::Result<()> {
         let mut parts = self.wire_parts();
         while parts.iter().any(|p| !p.is_empty()) {
-            let mut n = match send_parts(fd, parts, 0) {
+            let n = match send_parts(fd, parts, 0) {
                 Ok(0) => return Err(io::Error::new(IoKind::WriteZero, "the peer took no bytes")),
                 Ok(n) => n,
                 Err(e) if e.kind() == IoKind::Interrupted => continue,
                 Err(e) => return Err(e),
             };
-            for p in &mut parts {
-                let k = n.min(p.len());
-                *p = &p[k..];
-                n -= k;
-            }
+            advance(&mut parts, n);
         }
         Ok(())
+    }
+}
+
+/// `parts` without their first `n` bytes (in order across the parts).
+fn advance(parts: &mut [&[u8]; 3], mut n: usize) {
+    for p in parts.iter_mut() {
+        let k = n.min(p.len());
+        *p = &p[k..];
+        n -= k;
     }
 }
 
@@ -435,11 +435,8 @@ impl Outbox {
     }
 
     /// `frame` (one whole frame) with its tag where the link seals its frames.
-    fn sealed(&mut self, mut frame: Vec<u8>) -> Vec<u8> {
-        if let Some(s) = &mut self.sealer {
-            s.seal(&mut frame);
-        }
-        frame
+    fn sealed(&mut self, frame: Vec<u8>) -> Vec<u8> {
+        seal::sealed(self.sealer.as_mut(), frame)
     }
 
     /// The first control frame, sealed, no longer counted as queued.
@@ -478,11 +475,7 @@ impl Outbox {
         }
         Some(match (frame, &mut self.sealer) {
             (frame, None) => frame,
-            (Out::Frame(f), Some(s)) => {
-                let mut f = f;
-                s.seal(&mut f);
-                Out::Frame(f)
-            }
+            (Out::Frame(f), Some(s)) => Out::Frame(seal::sealed(Some(s), f)),
             (
                 Out::Data {
                     prefix,

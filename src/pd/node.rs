@@ -341,11 +341,8 @@ impl Sealed {
     }
 
     /// `frame` with its MAC where the connection is authenticated.
-    fn seal(sealed: &mut Option<Sealed>, mut frame: Vec<u8>) -> Vec<u8> {
-        if let Some(s) = sealed {
-            s.send.seal(&mut frame);
-        }
-        frame
+    fn seal(sealed: &mut Option<Sealed>, frame: Vec<u8>) -> Vec<u8> {
+        super::seal::sealed(sealed.as_mut().map(|s| &mut s.send), frame)
     }
 }
 
@@ -1636,7 +1633,11 @@ impl Inner {
                 return;
             }
         };
-        if let Some((reason, message)) = self.judge(&hello).or_else(|| self.full()) {
+        let full = || {
+            let t = self.table();
+            self.full(&t).map(|m| (FailReason::Capacity, m))
+        };
+        if let Some((reason, message)) = self.judge(&hello).or_else(full) {
             log::warn!("PD: refused {} ({addr}): {message}", hello.endpoint);
             let refusal = wire::encode_json(Kind::Refuse, 0, &Refusal { reason, message });
             let _ = wire::write_all(&mut stream, &Sealed::seal(&mut sealed, refusal));
@@ -1650,17 +1651,14 @@ impl Inner {
         let _ = self.add_link(stream, hello.endpoint, peer_interval, sealed);
     }
 
-    /// Why no link can be added now, if none can: `pd.max_links` are open.
-    fn full(&self) -> Option<(FailReason, String)> {
+    /// Why no link can be added to `t` now, if none can: `pd.max_links` are open.
+    fn full(&self, t: &Table) -> Option<String> {
         let max = self.cfg.bounds.max_links;
-        (self.table().links.len() >= max).then(|| {
-            (
-                FailReason::Capacity,
-                format!(
-                    "the prefill {} holds pd.max_links = {max} links already: raise it, or \
-                     connect fewer decode engines",
-                    self.endpoint
-                ),
+        (t.links.len() >= max).then(|| {
+            format!(
+                "the engine {} holds pd.max_links = {max} links already: raise it, or connect \
+                 fewer engines",
+                self.endpoint
             )
         })
     }
@@ -1745,11 +1743,7 @@ impl Inner {
         if self.closing.load(Ordering::SeqCst) {
             return Err(format!("the engine {} is shutting down", self.endpoint));
         }
-        if t.links.len() >= self.cfg.bounds.max_links {
-            let why = format!(
-                "the engine {} holds pd.max_links = {} links already",
-                self.endpoint, self.cfg.bounds.max_links
-            );
+        if let Some(why) = self.full(&t) {
             log::warn!("PD: no link with {peer}: {why}");
             return Err(why);
         }
@@ -2001,12 +1995,10 @@ impl Inner {
     ) -> std::result::Result<Frame, wire::ReadError> {
         let frame = self.read_handshake(stream, deadline)?;
         if let Some(s) = sealed {
-            let mut h = s.recv.begin();
-            h.update(&wire::header(frame.kind, frame.payload.len(), frame.room));
-            h.update(&frame.payload);
             let mut tag = [0u8; super::seal::TAG];
             self.handshake_fill(stream, deadline, &mut tag)?;
-            if !super::seal::verify(h, &tag) {
+            let header = wire::header(frame.kind, frame.payload.len(), frame.room);
+            if !s.recv.check(&[&header, &frame.payload], &tag) {
                 return Err(wire::ReadError::Protocol(format!(
                     "a {:?} frame does not verify under the link's key",
                     frame.kind

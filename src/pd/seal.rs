@@ -83,6 +83,23 @@ impl Sequence {
         let tag = self.tag(&[frame]);
         frame.extend_from_slice(&tag);
     }
+
+    /// Whether `tag` is the next frame's, whose bytes are `parts` in order.
+    pub fn check(&mut self, parts: &[&[u8]], tag: &[u8; TAG]) -> bool {
+        let mut m = self.begin();
+        for p in parts {
+            m.update(p);
+        }
+        verify(m, tag)
+    }
+}
+
+/// `frame` (one whole encoded frame), sealed where the connection has a sending sequence.
+pub fn sealed(sequence: Option<&mut Sequence>, mut frame: Vec<u8>) -> Vec<u8> {
+    if let Some(s) = sequence {
+        s.seal(&mut frame);
+    }
+    frame
 }
 
 /// Whether `tag` is the one `m` (a frame's bytes, from [`Sequence::begin`]) makes, compared in
