@@ -108,6 +108,18 @@ private:
     std::map<std::string, std::function<std::string(const std::string &)>> setters_;
 };
 
+// The help lines of the flags limit_flags registers, for the binaries' --help texts (a macro: it
+// joins their string literals).
+#define SERVE_LIMITS_HELP \
+    "limits (what one client may hold; docs/serving.md):\n" \
+    "  --max-connections N      client connections open at once, in total; a thread each (4096)\n" \
+    "  --max-connections-per-client N   from one address (1024)\n" \
+    "  --head-timeout-ms MS     the whole request head, from its first byte (10000)\n" \
+    "  --idle-timeout-ms MS     a kept-alive connection between requests (15000)\n" \
+    "  --body-timeout-ms MS     the whole body once its head is in (60000)\n" \
+    "  --write-timeout-ms MS    a client that takes none of an answer for this long is dropped (30000)\n" \
+    "  --max-head-bytes N       request line and headers (16384)\n"
+
 // The limits' flags (docs/serving.md, "Limits") that the server and the router share.
 inline void limit_flags(flags &f, web::limits &l) {
     f.size("--max-connections", l.max_connections);
