@@ -11,6 +11,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use common::key_file;
 use common::pd_node::{unified_tokens, with, Node, ONE_AT_A_TIME};
 use serde_json::{json, Value};
 
@@ -343,15 +344,6 @@ fn a_decode_checks_the_counts_a_prefill_sends() {
     assert_eq!(d.usage(), (0, 0));
     drop(s);
     d.quit();
-}
-
-/// A key file holding `secrets`, a line each, in a directory of its own.
-fn key_file(name: &str, secrets: &[&str]) -> String {
-    let dir = std::env::temp_dir().join(format!("dsv4-rogue-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(&path, secrets.join("\n") + "\n").unwrap();
-    path.to_str().unwrap().to_string()
 }
 
 #[test]

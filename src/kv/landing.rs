@@ -103,17 +103,26 @@ impl Landing {
     /// `crc` extended (CRC-32C) over state bytes `start..end`.
     ///
     /// # Safety
+    /// As [`Self::read`].
+    pub unsafe fn crc_append(&self, mut crc: u32, start: usize, end: usize) -> u32 {
+        // SAFETY: the caller's contract is read's.
+        unsafe { self.read(start, end, |bytes| crc = crate::crc::append(crc, bytes)) };
+        crc
+    }
+
+    /// Hands state bytes `start..end` to `f`, a piece (a region's run) at a time, in order.
+    ///
+    /// # Safety
     /// The pages must still be reserved for this state and nobody may write bytes
     /// `start..end` meanwhile (they are in: only new ranges are written).
-    pub unsafe fn crc_append(&self, mut crc: u32, start: usize, end: usize) -> u32 {
+    pub unsafe fn read(&self, start: usize, end: usize, mut f: impl FnMut(&[u8])) {
         for (addr, n) in self.pieces(start.min(self.len()), end.min(self.len())) {
             // SAFETY: inside a reserved region (the caller's contract), initialised (pools
             // are zeroed at allocation), and not written while read.
             let bytes =
                 unsafe { std::slice::from_raw_parts(std::ptr::with_exposed_provenance(addr), n) };
-            crc = crate::crc::append(crc, bytes);
+            f(bytes);
         }
-        crc
     }
 }
 

@@ -100,10 +100,18 @@ impl Keys {
         self.secrets.is_empty()
     }
 
-    /// `prover`'s proof under secret `index` (0 signs) for the two nonces.
-    pub fn proof(&self, index: usize, prover: Prover, decode: &[u8], prefill: &[u8]) -> Vec<u8> {
+    /// `prover`'s proof under secret `index` (0 signs) for the two nonces and the
+    /// connection's `binding` (a TLS session's exported value; empty over plain TCP and UCX).
+    pub fn proof(
+        &self,
+        index: usize,
+        prover: Prover,
+        decode: &[u8],
+        prefill: &[u8],
+        binding: &[u8],
+    ) -> Vec<u8> {
         let key = hmac::Key::new(hmac::HMAC_SHA256, &self.secrets[index]);
-        hmac::sign(&key, &transcript(prover, decode, prefill))
+        hmac::sign(&key, &transcript(prover, decode, prefill, binding))
             .as_ref()
             .to_vec()
     }
@@ -114,9 +122,10 @@ impl Keys {
         prover: Prover,
         decode: &[u8],
         prefill: &[u8],
+        binding: &[u8],
         proof: &[u8],
     ) -> Option<usize> {
-        let msg = transcript(prover, decode, prefill);
+        let msg = transcript(prover, decode, prefill, binding);
         (0..self.secrets.len()).find(|&i| {
             let key = hmac::Key::new(hmac::HMAC_SHA256, &self.secrets[i]);
             hmac::verify(&key, &msg, proof).is_ok()
@@ -142,14 +151,17 @@ impl Keys {
             expand(b"dsv4-pd frames decode to prefill"),
             expand(b"dsv4-pd frames prefill to decode"),
         );
+        let rma = expand(b"dsv4-pd rma-written bytes");
         match me {
             Prover::Decode => super::seal::FrameKeys {
                 send: to_prefill,
                 recv: to_decode,
+                rma,
             },
             Prover::Prefill => super::seal::FrameKeys {
                 send: to_decode,
                 recv: to_prefill,
+                rma,
             },
         }
     }
@@ -176,21 +188,13 @@ impl Keys {
 
 /// The keys an engine listening on `listen` runs with (`pd.auth_key_file`), or why it must not
 /// start: an engine reachable beyond loopback needs a key unless the operator said
-/// `pd.insecure_no_auth`; keys work over TCP only for now.
+/// `pd.insecure_no_auth`.
 pub fn for_listen(
     key_file: Option<&str>,
     insecure: bool,
     listen: &crate::config::params::Endpoint,
 ) -> Result<Option<Keys>, String> {
     let keys = key_file.map(|f| Keys::load(Path::new(f))).transpose()?;
-    if keys.is_some() && listen.transport == crate::config::params::PdTransport::Ucx {
-        return Err(
-            "pd.auth_key_file is set but pd.transport is \"ucx\": this release authenticates \
-             PD peers over tcp only; use pd.transport = \"tcp\", or run ucx on a trusted \
-             network with pd.insecure_no_auth = true and no key file"
-                .into(),
-        );
-    }
     if keys.is_none() && !insecure && !is_loopback(&listen.host) {
         return Err(format!(
             "pd.listen = {} is reachable beyond this host but pd.auth_key_file is not set: \
@@ -212,13 +216,32 @@ pub fn is_loopback(host: &str) -> bool {
     }
 }
 
-/// What a proof signs: the prover's label, then the decode's and the prefill's nonces.
-fn transcript(prover: Prover, decode: &[u8], prefill: &[u8]) -> Vec<u8> {
+/// What a proof signs: the prover's label, the decode's and the prefill's nonces, then the
+/// connection's binding (fixed length where present: 32 bytes from a TLS session).
+fn transcript(prover: Prover, decode: &[u8], prefill: &[u8], binding: &[u8]) -> Vec<u8> {
     let label: &[u8] = match prover {
         Prover::Decode => b"dsv4-pd decode proof",
         Prover::Prefill => b"dsv4-pd prefill proof",
     };
-    [label, decode, prefill].concat()
+    [label, decode, prefill, binding].concat()
+}
+
+/// What an authenticated link keeps for its rooms: the key of its request digests and the
+/// key of the MAC over bytes written by RMA ([`super::seal`]).
+#[derive(Clone, Debug)]
+pub struct LinkKeys {
+    pub digest: DigestKey,
+    pub rma: super::seal::Keyed,
+}
+
+impl Keys {
+    /// A link's room keys, authenticated under secret `index` with frame keys `frames`.
+    pub fn link_keys(&self, index: usize, frames: &super::seal::FrameKeys) -> LinkKeys {
+        LinkKeys {
+            digest: self.digest_key(index),
+            rma: super::seal::Keyed::new(&frames.rma),
+        }
+    }
 }
 
 /// The key of a link's request digests.
@@ -285,7 +308,7 @@ pub(crate) mod tests {
     fn a_proof_is_hmac_sha256_of_the_label_and_both_nonces() {
         // Independent reference: HMAC-SHA256 per RFC 2104 built here from ring's SHA-256.
         let (d, p) = ([1u8; NONCE], [2u8; NONCE]);
-        let proof = keys(&[A]).proof(0, Prover::Decode, &d, &p);
+        let proof = keys(&[A]).proof(0, Prover::Decode, &d, &p, &[]);
         let sha = |parts: &[&[u8]]| {
             let mut c = ring::digest::Context::new(&ring::digest::SHA256);
             parts.iter().for_each(|x| c.update(x));
@@ -305,18 +328,34 @@ pub(crate) mod tests {
         let old_new = keys(&[A, B]);
         let new_old = keys(&[B, A]);
         // Rotation: each side signs with its first secret; the other verifies under either.
-        let proof = old_new.proof(0, Prover::Decode, &d, &p);
-        assert_eq!(new_old.verify(Prover::Decode, &d, &p, &proof), Some(1));
-        assert_eq!(old_new.verify(Prover::Decode, &d, &p, &proof), Some(0));
+        let proof = old_new.proof(0, Prover::Decode, &d, &p, &[]);
+        assert_eq!(new_old.verify(Prover::Decode, &d, &p, &[], &proof), Some(1));
+        assert_eq!(old_new.verify(Prover::Decode, &d, &p, &[], &proof), Some(0));
         // A decode's proof is no prefill's; other nonces (a replay) do not verify.
-        assert_eq!(new_old.verify(Prover::Prefill, &d, &p, &proof), None);
+        assert_eq!(new_old.verify(Prover::Prefill, &d, &p, &[], &proof), None);
         assert_eq!(
-            new_old.verify(Prover::Decode, &d, &[3u8; NONCE], &proof),
+            new_old.verify(Prover::Decode, &d, &[3u8; NONCE], &[], &proof),
             None
         );
         // Another secret does not.
-        assert_eq!(keys(&[B]).verify(Prover::Decode, &d, &p, &proof), None);
-        assert_eq!(new_old.verify(Prover::Decode, &d, &p, &proof[..31]), None);
+        assert_eq!(keys(&[B]).verify(Prover::Decode, &d, &p, &[], &proof), None);
+        assert_eq!(
+            new_old.verify(Prover::Decode, &d, &p, &[], &proof[..31]),
+            None
+        );
+    }
+
+    #[test]
+    fn a_proof_made_in_one_tls_session_does_not_verify_in_another() {
+        // A relay that terminates TLS towards each engine holds two sessions with different
+        // exported values: the proof it would pass along covers the other one.
+        let (d, p) = ([1u8; NONCE], [2u8; NONCE]);
+        let k = keys(&[A]);
+        let (one, other) = ([7u8; 32], [8u8; 32]);
+        let proof = k.proof(0, Prover::Decode, &d, &p, &one);
+        assert_eq!(k.verify(Prover::Decode, &d, &p, &one, &proof), Some(0));
+        assert_eq!(k.verify(Prover::Decode, &d, &p, &other, &proof), None);
+        assert_eq!(k.verify(Prover::Decode, &d, &p, &[], &proof), None);
     }
 
     #[test]
@@ -388,8 +427,9 @@ pub(crate) mod tests {
         assert!(for_listen(Some(f), false, &ep("tcp://0.0.0.0:7000"))
             .unwrap()
             .is_some());
-        let e = for_listen(Some(f), false, &ep("ucx://10.0.0.1:7000")).unwrap_err();
-        assert!(e.contains("over tcp only"), "{e}");
+        assert!(for_listen(Some(f), false, &ep("ucx://10.0.0.1:7000"))
+            .unwrap()
+            .is_some());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

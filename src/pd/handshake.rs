@@ -72,32 +72,150 @@ fn proof_frame(proof: &[u8]) -> Vec<u8> {
     )
 }
 
+/// The decode's side, a step at a time (for a caller that cannot block on the peer: the UCX
+/// thread). [`Initiator::start`] gives the AUTH to send first.
+pub struct Initiator {
+    ours: [u8; auth::NONCE],
+    theirs: Vec<u8>,
+    /// What the proofs cover besides the nonces: a TLS session's exported value, or nothing.
+    binding: Vec<u8>,
+}
+
+impl Initiator {
+    /// A fresh nonce, and the AUTH frame that carries it; `binding`: the connection's TLS
+    /// session's exported value (empty without TLS).
+    pub fn start(binding: &[u8]) -> Result<(Initiator, Vec<u8>), String> {
+        let ours = auth::nonce()?;
+        let frame = auth_frame(&ours);
+        Ok((
+            Initiator {
+                ours,
+                theirs: Vec::new(),
+                binding: binding.to_vec(),
+            },
+            frame,
+        ))
+    }
+
+    /// The prefill's AUTH: the PROOF to send.
+    pub fn on_auth(&mut self, keys: &Keys, answer: &Frame) -> Result<Vec<u8>, String> {
+        refused(answer)?;
+        self.theirs = nonce_of(answer)?;
+        Ok(proof_frame(&keys.proof(
+            0,
+            Prover::Decode,
+            &self.ours,
+            &self.theirs,
+            &self.binding,
+        )))
+    }
+
+    /// The prefill's PROOF: the secret it proved it holds, or what went wrong (naming the
+    /// fix where the prefill refused).
+    pub fn on_proof(&self, keys: &Keys, answer: &Frame) -> Result<Authenticated, String> {
+        refused(answer)?;
+        let proof = proof_of(answer)?;
+        let index = keys
+            .verify(
+                Prover::Prefill,
+                &self.ours,
+                &self.theirs,
+                &self.binding,
+                &proof,
+            )
+            .ok_or_else(|| {
+                "its proof verifies under none of pd.auth_key_file's secrets: it does not hold \
+                 this engine's secret"
+                    .to_string()
+            })?;
+        Ok(Authenticated {
+            index,
+            keys: keys.frame_keys(index, &self.ours, &self.theirs, Prover::Decode),
+        })
+    }
+}
+
+/// What the decode says when the prefill refused it during the handshake.
+fn refused(f: &Frame) -> Result<(), String> {
+    if f.kind != Kind::Refuse {
+        return Ok(());
+    }
+    let said = wire::parse::<Refusal>(f).map_or_else(|e| e, |r| r.message);
+    Err(format!(
+        "it refused the connection ({said}): give both engines the same secret in \
+         pd.auth_key_file (one line of each engine's file must match)"
+    ))
+}
+
+/// The prefill's side, a step at a time; on an error the caller sends [`refusal`] and closes.
+pub struct Responder {
+    theirs: Vec<u8>,
+    ours: [u8; auth::NONCE],
+    binding: Vec<u8>,
+}
+
+impl Responder {
+    /// The decode's first frame (its AUTH): the responder and the AUTH to answer with;
+    /// `binding` as for [`Initiator::start`].
+    pub fn on_auth(first: &Frame, binding: &[u8]) -> Result<(Responder, Vec<u8>), String> {
+        let theirs = nonce_of(first)?;
+        let ours = auth::nonce()?;
+        let frame = auth_frame(&ours);
+        let binding = binding.to_vec();
+        Ok((
+            Responder {
+                theirs,
+                ours,
+                binding,
+            },
+            frame,
+        ))
+    }
+
+    /// The decode's PROOF: the secret it proved it holds, and the PROOF to answer with.
+    pub fn on_proof(&self, keys: &Keys, frame: &Frame) -> Result<(Authenticated, Vec<u8>), String> {
+        let proof = proof_of(frame)?;
+        let index = keys
+            .verify(
+                Prover::Decode,
+                &self.theirs,
+                &self.ours,
+                &self.binding,
+                &proof,
+            )
+            .ok_or("its proof verifies under none of pd.auth_key_file's secrets")?;
+        let answer = proof_frame(&keys.proof(
+            index,
+            Prover::Prefill,
+            &self.theirs,
+            &self.ours,
+            &self.binding,
+        ));
+        Ok((
+            Authenticated {
+                index,
+                keys: keys.frame_keys(index, &self.theirs, &self.ours, Prover::Prefill),
+            },
+            answer,
+        ))
+    }
+}
+
 /// The prefill's side, given the connection's first frame: the secret the decode proved it
 /// holds, or why not (for the log; the peer gets [`refusal`], written here).
 pub fn accept(
     keys: &Keys,
+    binding: &[u8],
     first: Frame,
     read: ReadFrame<'_>,
     write: WriteBytes<'_>,
 ) -> Result<Authenticated, String> {
     let outcome = (|| {
-        let theirs = nonce_of(&first)?;
-        let ours = auth::nonce()?;
-        write(&auth_frame(&ours))?;
-        let proof = proof_of(&read()?)?;
-        let index = keys
-            .verify(Prover::Decode, &theirs, &ours, &proof)
-            .ok_or("its proof verifies under none of pd.auth_key_file's secrets")?;
-        write(&proof_frame(&keys.proof(
-            index,
-            Prover::Prefill,
-            &theirs,
-            &ours,
-        )))?;
-        Ok(Authenticated {
-            index,
-            keys: keys.frame_keys(index, &theirs, &ours, Prover::Prefill),
-        })
+        let (responder, answer) = Responder::on_auth(&first, binding)?;
+        write(&answer)?;
+        let (authenticated, answer) = responder.on_proof(keys, &read()?)?;
+        write(&answer)?;
+        Ok(authenticated)
     })();
     if outcome.is_err() {
         let _ = write(&refusal());
@@ -109,42 +227,15 @@ pub fn accept(
 /// fix where the prefill refused).
 pub fn initiate(
     keys: &Keys,
+    binding: &[u8],
     read: ReadFrame<'_>,
     write: WriteBytes<'_>,
 ) -> Result<Authenticated, String> {
-    let ours = auth::nonce()?;
-    write(&auth_frame(&ours))?;
-    let refused = |f: &Frame| {
-        (f.kind == Kind::Refuse).then(|| {
-            let said = wire::parse::<Refusal>(f).map_or_else(|e| e, |r| r.message);
-            format!(
-                "it refused the connection ({said}): give both engines the same secret in \
-                 pd.auth_key_file (one line of each engine's file must match)"
-            )
-        })
-    };
-    let answer = read()?;
-    if let Some(why) = refused(&answer) {
-        return Err(why);
-    }
-    let theirs = nonce_of(&answer)?;
-    write(&proof_frame(&keys.proof(0, Prover::Decode, &ours, &theirs)))?;
-    let answer = read()?;
-    if let Some(why) = refused(&answer) {
-        return Err(why);
-    }
-    let proof = proof_of(&answer)?;
-    let index = keys
-        .verify(Prover::Prefill, &ours, &theirs, &proof)
-        .ok_or_else(|| {
-            "its proof verifies under none of pd.auth_key_file's secrets: it does not hold \
-             this engine's secret"
-                .to_string()
-        })?;
-    Ok(Authenticated {
-        index,
-        keys: keys.frame_keys(index, &ours, &theirs, Prover::Decode),
-    })
+    let (mut initiator, first) = Initiator::start(binding)?;
+    write(&first)?;
+    let proof = initiator.on_auth(keys, &read()?)?;
+    write(&proof)?;
+    initiator.on_proof(keys, &read()?)
 }
 
 #[cfg(test)]
@@ -175,12 +266,13 @@ mod tests {
                 wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
             };
             let first = read().unwrap();
-            accept(&prefill, first, &mut read, &mut |b: &[u8]| {
+            accept(&prefill, &[], first, &mut read, &mut |b: &[u8]| {
                 to_d.send(b.to_vec()).map_err(|e| e.to_string())
             })
         });
         let d = initiate(
             &decode,
+            &[],
             &mut || {
                 let bytes = from_p.recv().map_err(|e| e.to_string())?;
                 wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
@@ -243,12 +335,13 @@ mod tests {
                 wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
             };
             let first = read().unwrap();
-            accept(&pk, first, &mut read, &mut |b: &[u8]| {
+            accept(&pk, &[], first, &mut read, &mut |b: &[u8]| {
                 to_d.send(b.to_vec()).map_err(|e| e.to_string())
             })
         });
         let d = initiate(
             &keys(&[A]),
+            &[],
             &mut || {
                 let bytes = from_p.recv().map_err(|e| e.to_string())?;
                 wire::read_frame_from(&mut &bytes[..]).map_err(|e| format!("{e:?}"))
@@ -262,6 +355,7 @@ mod tests {
         let mut sent = Vec::new();
         let out = accept(
             &prefill,
+            &[],
             first,
             &mut || {
                 let bytes = replay.pop_front().ok_or("nothing left")?;

@@ -31,6 +31,8 @@ pub(super) struct Incoming {
     pub(super) header: Option<StateHeader>,
     /// CRC-32C of the STATE payload.
     header_crc: u32,
+    /// The STATE payload (a few hundred bytes): the MAC of an RMA-written room covers it.
+    state_payload: Vec<u8>,
     /// CRC-32C of bytes `..crc_upto`, taken as bytes arrive in offset order (a DATA frame
     /// extends it when it starts where it stops): the reader does it while the next frame is
     /// on its way instead of ~25 µs after the last. Seeded with `header_crc` when the STATE
@@ -60,6 +62,7 @@ impl Incoming {
         Self {
             header: None,
             header_crc: 0,
+            state_payload: Vec::new(),
             bytes_crc: 0,
             crc_upto: 0,
             seeded: false,
@@ -215,10 +218,34 @@ impl Incoming {
     /// Takes the STATE payload's CRC (before any byte was folded in: as the running CRC's seed).
     pub(super) fn set_header_crc(&mut self, payload: &[u8]) {
         self.header_crc = crate::crc::crc32c(payload);
+        self.state_payload = payload.to_vec();
         if self.crc_upto == 0 {
             self.bytes_crc = self.header_crc;
             self.seeded = true;
         }
+    }
+
+    /// Whether `tag` is the MAC of room `room` under `key` over the STATE payload and every
+    /// byte (an authenticated link's room written by RMA); `None` until all are in.
+    pub(super) fn mac_matches(
+        &self,
+        key: &super::seal::Keyed,
+        room: u64,
+        tag: &[u8; super::seal::TAG],
+    ) -> Option<bool> {
+        if self.received != self.len {
+            return None;
+        }
+        let mut m = key.begin(room);
+        m.update(&self.state_payload);
+        match &self.store {
+            Store::Buffer(b) => m.update(&b[..self.len]),
+            // SAFETY: the destination is reserved (as in `put`) and every byte is in: nothing
+            // writes it while it is read.
+            Store::Direct(l) => unsafe { l.read(0, self.len, |b| m.update(b)) },
+            Store::Released => return None,
+        }
+        Some(super::seal::verify(m, tag))
     }
 
     /// CRC-32C of the STATE payload followed by every byte, once all are in.

@@ -241,6 +241,7 @@ pub(crate) mod tests {
         let done = Done {
             bytes: MAX_STATE_BYTES + 1,
             crc32c: 0,
+            mac: None,
         };
         let e = through_the_wire(Kind::Done, &done).unwrap_err();
         assert!(e.contains("out of bounds"), "{e}");

@@ -320,7 +320,8 @@ impl Out {
         }
     }
 
-    /// UCX: the frame's header and body (UCX links carry no MAC).
+    /// UCX: the frame's header and body (a UCX message's MAC goes in its header: the UCX
+    /// thread seals messages in the order it sends them, `ucx_port`).
     pub(super) fn parts(&self) -> (&[u8], &[u8]) {
         let [a, b, _] = self.wire_parts();
         (a, b)

@@ -24,7 +24,7 @@ use super::incoming::{Incoming, Lent};
 use super::link::{spawn, Bulk, Handler, Link, Segment};
 use super::rma::{self, Target};
 use super::room::{FailReason, RoomState};
-use super::ucx_port::{self, Accepted, Acceptor, Port};
+use super::ucx_port::{self, Accepted, Acceptor, NotConnected, Port};
 use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
 use crate::config::params::{Endpoint, PdTransport};
 use crate::engine::{Histogram, BYTE_BUCKETS, LATENCY_BUCKETS};
@@ -175,6 +175,20 @@ struct Outgoing {
     /// Taken by the one start_sending.
     state_frame: Vec<u8>,
     crc: u32,
+    /// The MAC of the state's bytes for RMA writes on an authenticated link, where the room
+    /// was claimed so when the state was computed (made then, outside the table's lock): the
+    /// link and the MAC.
+    rma_mac: Option<(u64, [u8; super::seal::TAG])>,
+}
+
+/// The MAC a DONE carries over an RMA-written room's STATE payload and bytes.
+fn rma_mac(
+    key: &super::seal::Keyed,
+    room: u64,
+    state_frame: &[u8],
+    bytes: &[u8],
+) -> [u8; super::seal::TAG] {
+    key.tag(room, &[&state_frame[wire::HEADER..], bytes])
 }
 
 impl Room {
@@ -268,8 +282,8 @@ struct Table {
     /// Decode: UCX links whose endpoint has no RMA lane (its puts would be emulated with
     /// messages, see `ucx::lanes`): their claims go without `rma_spans`, the state as DATA.
     no_rma: HashSet<u64>,
-    /// The key of each authenticated link's request digests.
-    digest_keys: HashMap<u64, auth::DigestKey>,
+    /// Each authenticated link's keys for its rooms (request digests, RMA-written bytes).
+    link_keys: HashMap<u64, auth::LinkKeys>,
     next_link: u64,
     stats: PdStats,
 }
@@ -323,20 +337,20 @@ struct Inner {
     handshakes: Arc<AtomicUsize>,
 }
 
-/// An authenticated connection's keys: its request digests' and its frames' MAC sequences
-/// (this side's sending and receiving), which seal the HELLOs and then every frame.
+/// An authenticated connection's keys: its rooms' and its frames' MAC sequences (this side's
+/// sending and receiving), which seal the HELLOs and then every frame.
 struct Sealed {
-    digest: auth::DigestKey,
+    rooms: auth::LinkKeys,
     send: super::seal::Sequence,
     recv: super::seal::Sequence,
 }
 
 impl Sealed {
-    fn new(digest: auth::DigestKey, keys: super::seal::FrameKeys) -> Self {
+    fn new(secrets: &auth::Keys, a: handshake::Authenticated) -> Self {
         Self {
-            digest,
-            send: super::seal::Sequence::new(keys.send),
-            recv: super::seal::Sequence::new(keys.recv),
+            rooms: secrets.link_keys(a.index, &a.keys),
+            send: super::seal::Sequence::new(a.keys.send),
+            recv: super::seal::Sequence::new(a.keys.recv),
         }
     }
 
@@ -413,7 +427,12 @@ impl Handler for LinkHandler {
 struct UcxAcceptor(std::sync::OnceLock<Weak<Inner>>);
 
 impl Acceptor for UcxAcceptor {
-    fn accept(&self, port: &Port, first: Frame) -> std::result::Result<Accepted, Vec<u8>> {
+    fn accept(
+        &self,
+        port: &Port,
+        first: Frame,
+        authenticated: Option<&handshake::Authenticated>,
+    ) -> std::result::Result<Accepted, Vec<u8>> {
         let refuse = |reason: FailReason, message: String| {
             wire::encode_json(Kind::Refuse, 0, &Refusal { reason, message })
         };
@@ -423,6 +442,11 @@ impl Acceptor for UcxAcceptor {
                 "the engine is starting or shutting down".into(),
             ));
         };
+        if first.kind == Kind::Auth {
+            let message = inner.no_key_here();
+            log::warn!("PD: refused a UCX connection: {message}");
+            return Err(refuse(FailReason::Mismatch, message));
+        }
         if first.kind != Kind::Hello {
             log::warn!(
                 "PD: a UCX connection began with {:?}, not HELLO",
@@ -439,8 +463,14 @@ impl Acceptor for UcxAcceptor {
             return Err(refuse(reason, message));
         }
         let peer_interval = super::bounds::peer_interval(hello.heartbeat_interval_ms);
+        let keys = inner
+            .cfg
+            .auth
+            .as_ref()
+            .zip(authenticated)
+            .map(|(secrets, a)| secrets.link_keys(a.index, &a.keys));
         let (link, handler) = inner
-            .add_link_with(hello.endpoint.clone(), None, |id, peer, _| {
+            .add_link_with(hello.endpoint.clone(), keys, |id, peer, _| {
                 Ok(inner.start_ucx_link(id, peer, port.clone(), peer_interval))
             })
             .map_err(|m| refuse(FailReason::Capacity, m))?;
@@ -566,9 +596,13 @@ impl Node {
             })
             .collect();
         let acceptor = Arc::new(UcxAcceptor(std::sync::OnceLock::new()));
-        let handshake = cfg.bounds.handshake_timeout;
-        let started =
-            ucx_port::start(ctx, Some(addr), Some(acceptor.clone()), handshake).map_err(|e| {
+        let handshakes = ucx_port::Handshakes {
+            secrets: cfg.auth.clone(),
+            timeout: cfg.bounds.handshake_timeout,
+            max: cfg.bounds.max_handshakes,
+        };
+        let started = ucx_port::start(ctx, Some(addr), Some(acceptor.clone()), handshakes)
+            .map_err(|e| {
                 Error::config(format!(
                     "pd.listen = {listen_text}: {e} (another process holds the port, or the \
                  address is not on this host): pick another port, or 0 for any free one"
@@ -765,11 +799,23 @@ impl Node {
         let state_frame = wire::encode_json(Kind::State, room, &header);
         // Over the STATE payload and every byte in offset order, however they are sent.
         let crc = crate::crc::append(crate::crc::crc32c(&state_frame[wire::HEADER..]), &bytes);
+        // Claimed for RMA writes on an authenticated link already (the usual case): the MAC
+        // its DONE carries is made here rather than under the lock.
+        let keyed = {
+            let t = inner.table();
+            t.rooms
+                .get(&room)
+                .filter(|r| r.target.is_some())
+                .and_then(|r| r.link)
+                .and_then(|l| Some((l, t.link_keys.get(&l)?.rma.clone())))
+        };
+        let rma_mac = keyed.map(|(l, k)| (l, rma_mac(&k, room, &state_frame, &bytes)));
         let outgoing = Outgoing {
             header,
             bytes: Arc::new(bytes),
             state_frame,
             crc,
+            rma_mac,
         };
         let result = {
             let mut t = inner.table();
@@ -1269,7 +1315,10 @@ impl Inner {
         }
         // Keyed by the link's secret where it is authenticated: the digests shown are no
         // oracle for prompt guesses.
-        let expected = auth::keyed_digest(r.link.and_then(|l| t.digest_keys.get(&l)), r.hash);
+        let expected = auth::keyed_digest(
+            r.link.and_then(|l| t.link_keys.get(&l)).map(|k| &k.digest),
+            r.hash,
+        );
         if claim.request_hash != expected {
             let msg = format!(
                 "the decode's request differs from the prefill's (request hash {:#018x} vs \
@@ -1362,12 +1411,22 @@ impl Inner {
             return;
         }
         let state_frame = std::mem::take(&mut out.state_frame);
+        let key = r
+            .target
+            .as_ref()
+            .and(r.link)
+            .and_then(|l| Some((l, t.link_keys.get(&l)?)));
+        let mac = key.map(|(l, k)| match out.rma_mac {
+            Some((made_for, mac)) if made_for == l => mac,
+            _ => rma_mac(&k.rma, room, &state_frame, bytes),
+        });
         let done = wire::encode_json(
             Kind::Done,
             room,
             &Done {
                 bytes: bytes.len() as u64,
                 crc32c: out.crc,
+                mac: mac.map(|m| auth::hex(&m)),
             },
         );
         // The bytes not sent early, in offset order.
@@ -1407,7 +1466,7 @@ impl Inner {
 
     /// Decode: sends the claim of `room` on `link`.
     fn send_claim(&self, t: &mut Table, room: u64, link: &Arc<Link>, notices: &mut Vec<Notice>) {
-        let key = t.digest_keys.get(&link.id).cloned();
+        let key = t.link_keys.get(&link.id).map(|k| k.digest.clone());
         let Some(r) = t.rooms.get_mut(&room) else {
             return;
         };
@@ -1576,6 +1635,7 @@ impl Inner {
             };
             let index = handshake::accept(
                 keys,
+                &[],
                 first,
                 &mut || {
                     self.read_handshake(&mut stream, deadline)
@@ -1584,7 +1644,7 @@ impl Inner {
                 &mut |b: &[u8]| wire::write_all(&mut out, b).map_err(|e| e.to_string()),
             );
             match index {
-                Ok(a) => sealed = Some(Sealed::new(keys.digest_key(a.index), a.keys)),
+                Ok(a) => sealed = Some(Sealed::new(keys, a)),
                 Err(why) => {
                     log::warn!(
                         "PD: refused a connection from {addr}: it did not authenticate: {why}"
@@ -1600,11 +1660,7 @@ impl Inner {
                 }
             };
         } else if first.kind == Kind::Auth {
-            let message = format!(
-                "the prefill {} holds no pd.auth_key_file but the decode does: give both \
-                 engines the same one, or neither",
-                self.endpoint
-            );
+            let message = self.no_key_here();
             log::warn!("PD: refused a connection from {addr}: {message}");
             let _ = wire::write_all(
                 &mut stream,
@@ -1649,6 +1705,15 @@ impl Inner {
         }
         let peer_interval = super::bounds::peer_interval(hello.heartbeat_interval_ms);
         let _ = self.add_link(stream, hello.endpoint, peer_interval, sealed);
+    }
+
+    /// Why a decode that began with AUTH is refused by a prefill without keys.
+    fn no_key_here(&self) -> String {
+        format!(
+            "the prefill {} holds no pd.auth_key_file but the decode does: give both engines \
+             the same one, or neither",
+            self.endpoint
+        )
     }
 
     /// Why no link can be added to `t` now, if none can: `pd.max_links` are open.
@@ -1705,10 +1770,10 @@ impl Inner {
         peer_interval: Duration,
         sealed: Option<Sealed>,
     ) -> std::result::Result<Arc<Link>, String> {
-        let (digest, sequences) = sealed.map(|s| (s.digest, (s.send, s.recv))).unzip();
+        let (rooms, sequences) = sealed.map(|s| (s.rooms, (s.send, s.recv))).unzip();
         let (interval, misses) = (self.cfg.heartbeat_interval, self.cfg.heartbeat_misses);
         let max_queued = self.cfg.bounds.max_outbox_bytes;
-        self.add_link_with(peer, digest, |id, peer, handler| {
+        self.add_link_with(peer, rooms, |id, peer, handler| {
             let mut threads = Vec::new();
             let link = Link::start(
                 id,
@@ -1732,7 +1797,7 @@ impl Inner {
     fn add_link_with(
         self: &Arc<Self>,
         peer: String,
-        digest: Option<auth::DigestKey>,
+        keys: Option<auth::LinkKeys>,
         start: impl FnOnce(u64, String, Arc<dyn Handler>) -> std::io::Result<Arc<Link>>,
     ) -> std::result::Result<(Arc<Link>, Arc<dyn Handler>), String> {
         // The table stays locked until the link is in it: its reader may hand over a claim
@@ -1753,8 +1818,8 @@ impl Inner {
         match start(id, peer.clone(), handler.clone()) {
             Ok(link) => {
                 t.links.insert(id, link.clone());
-                if let Some(k) = digest {
-                    t.digest_keys.insert(id, k);
+                if let Some(k) = keys {
+                    t.link_keys.insert(id, k);
                 }
                 log::info!("PD: connected to {peer} (link {id})");
                 Ok((link, handler))
@@ -1853,6 +1918,7 @@ impl Inner {
                 let mut out = stream.try_clone().map_err(io)?;
                 let authenticated = handshake::initiate(
                     keys,
+                    &[],
                     &mut || {
                         self.read_handshake(&mut stream, deadline)
                             .map_err(|e| format!("{e:?}"))
@@ -1865,10 +1931,7 @@ impl Inner {
                         format!("the prefill {peer} did not authenticate: {m}"),
                     )
                 })?;
-                Some(Sealed::new(
-                    keys.digest_key(authenticated.index),
-                    authenticated.keys,
-                ))
+                Some(Sealed::new(keys, authenticated))
             }
             None => None,
         };
@@ -1899,11 +1962,15 @@ impl Inner {
             .first()
             .ok_or_else(|| dead(format!("the prefill {peer} has no address")))?;
         let hello = wire::encode_json(Kind::Hello, 0, &self.hello());
-        let c = port.connect(addr, hello, deadline).map_err(|e| {
-            dead(format!(
+        let c = port.connect(addr, hello, deadline).map_err(|e| match e {
+            NotConnected::Unauthenticated(m) => (
+                FailReason::Mismatch,
+                format!("the prefill {peer} did not authenticate: {m}"),
+            ),
+            NotConnected::Lost(e) => dead(format!(
                 "cannot connect to the prefill {peer}: {e}: check pd_peer (what \
                  dsv4_pd_endpoint returned on the prefill engine) and that it is running"
-            ))
+            )),
         })?;
         let peer_interval = match self.answer(peer, &c.answer) {
             Ok(i) => i,
@@ -1912,7 +1979,13 @@ impl Inner {
                 return Err(e);
             }
         };
-        let added = self.add_link_with(peer.to_string(), None, |id, p, _| {
+        let keys = self
+            .cfg
+            .auth
+            .as_ref()
+            .zip(c.authenticated.as_ref())
+            .map(|(secrets, a)| secrets.link_keys(a.index, &a.keys));
+        let added = self.add_link_with(peer.to_string(), keys, |id, p, _| {
             Ok(self.start_ucx_link(id, p, port.clone(), peer_interval))
         });
         match added {
@@ -2038,7 +2111,7 @@ impl Inner {
         {
             let mut t = self.table();
             t.links.remove(&link.id);
-            t.digest_keys.remove(&link.id);
+            t.link_keys.remove(&link.id);
             t.peer_regions.remove(&link.id);
             t.no_rma.remove(&link.id);
             if t.by_peer.get(&link.peer) == Some(&link.id) {
@@ -2372,6 +2445,14 @@ impl Inner {
         notices: &mut Vec<Notice>,
     ) -> std::result::Result<(), (FailReason, String)> {
         let room = frame.room;
+        // An authenticated link's RMA key: a room it writes by RMA ends with a DONE whose MAC
+        // covers the bytes.
+        let rma_key = t
+            .rooms
+            .get(&room)
+            .and_then(|r| r.link)
+            .and_then(|l| t.link_keys.get(&l))
+            .map(|k| k.rma.clone());
         let r = t.rooms.get_mut(&room).expect("checked by the caller");
         let mismatch = |m: String| (FailReason::Mismatch, m);
         match frame.kind {
@@ -2461,23 +2542,51 @@ impl Inner {
                         inc.len()
                     )));
                 }
-                // Disjoint ranges adding up to the length cover every byte once, so the
-                // running CRC has reached the end.
-                let crc = inc.crc().ok_or_else(|| {
-                    mismatch(format!(
-                        "the bytes are in but their CRC stopped at byte {} of {} (a dsv4 bug)",
-                        inc.crc_upto,
-                        inc.len()
-                    ))
-                })?;
-                if done.crc32c != crc {
-                    return Err((
-                        FailReason::Checksum,
-                        format!(
-                            "the bytes arrived with CRC-32C {crc:#010x}, the prefill sent {:#010x}",
-                            done.crc32c
-                        ),
-                    ));
+                if let Some(key) = rma_key.filter(|_| r.by_rma) {
+                    // Written by RMA on an authenticated link: anyone holding the decode's
+                    // remote keys could have written the bytes (and matched a CRC), so the
+                    // link's keyed MAC checks them instead.
+                    let tag = done
+                        .mac
+                        .as_deref()
+                        .and_then(|h| auth::unhex(h, super::seal::TAG))
+                        .and_then(|v| <[u8; super::seal::TAG]>::try_from(v).ok());
+                    let Some(tag) = tag else {
+                        return Err((
+                            FailReason::Checksum,
+                            "the DONE of a room written by RMA on an authenticated link \
+                             carries no MAC over the bytes"
+                                .into(),
+                        ));
+                    };
+                    if inc.mac_matches(&key, room, &tag) != Some(true) {
+                        return Err((
+                            FailReason::Checksum,
+                            "the bytes written by RMA do not verify under the link's key (MAC): \
+                             they are not the ones the prefill sent"
+                                .into(),
+                        ));
+                    }
+                } else {
+                    // Disjoint ranges adding up to the length cover every byte once, so the
+                    // running CRC has reached the end.
+                    let crc = inc.crc().ok_or_else(|| {
+                        mismatch(format!(
+                            "the bytes are in but their CRC stopped at byte {} of {} (a dsv4 bug)",
+                            inc.crc_upto,
+                            inc.len()
+                        ))
+                    })?;
+                    if done.crc32c != crc {
+                        return Err((
+                            FailReason::Checksum,
+                            format!(
+                                "the bytes arrived with CRC-32C {crc:#010x}, the prefill sent \
+                                 {:#010x}",
+                                done.crc32c
+                            ),
+                        ));
+                    }
                 }
                 let header = inc.header.take().expect("checked");
                 let bytes = inc.take_bytes();

@@ -14,6 +14,8 @@
 //! - `lose_room=R` (may repeat): the first message of room R this thread receives vanishes,
 //!   as with `lose` (each side's thread loses its own first one of the room);
 //! - `flip_room=R` (may repeat): the first RMA write of room R carries its first byte inverted;
+//! - `flip_message_room=R` (may repeat): the first message of room R this thread receives
+//!   with data has its last byte inverted (a message changed on the way);
 //! - `close=1` (through [`set`] only): every connection the thread holds is closed by force,
 //!   once, when it takes the setting (a peer that died: UCX reports nothing more from it);
 //! - `seed=N`: the random delays' seed (default 1).
@@ -39,6 +41,8 @@ pub enum Applied {
     Lost { nth: u64, room: Option<u64> },
     /// An RMA write of this room carried a flipped byte.
     Flipped { room: u64 },
+    /// A message of this room was received with a flipped byte.
+    FlippedMessage { room: u64 },
     /// This many connections were closed by force.
     Closed(usize),
 }
@@ -91,6 +95,7 @@ pub struct Faults {
     flip_put: Option<u64>,
     flip_rooms: HashSet<u64>,
     lose_rooms: HashSet<u64>,
+    flip_message_rooms: HashSet<u64>,
     close: bool,
     received: u64,
     puts: u64,
@@ -123,6 +128,7 @@ impl Faults {
             flip_put: None,
             flip_rooms: HashSet::new(),
             lose_rooms: HashSet::new(),
+            flip_message_rooms: HashSet::new(),
             close: false,
             received: 0,
             puts: 0,
@@ -145,12 +151,15 @@ impl Faults {
                 "lose_room" => {
                     f.lose_rooms.insert(n);
                 }
+                "flip_message_room" => {
+                    f.flip_message_rooms.insert(n);
+                }
                 "close" => f.close = n != 0,
                 "seed" => f.rng = fastrand::Rng::with_seed(n),
                 _ => {
                     return Err(format!(
                         "unknown fault `{key}` (known: delay_ms, lose, lose_room, flip_put, \
-                         flip_room, close, seed)"
+                         flip_room, flip_message_room, close, seed)"
                     ))
                 }
             }
@@ -159,7 +168,7 @@ impl Faults {
     }
 
     /// A message received on connection `conn`: passed on now, or held (delayed), or lost.
-    pub fn receive(&mut self, conn: u64, m: Message) -> Option<(u64, Message)> {
+    pub fn receive(&mut self, conn: u64, mut m: Message) -> Option<(u64, Message)> {
         self.received += 1;
         // The message header: a sequence number, then the frame's header (room at 8..16).
         let room = m
@@ -174,6 +183,13 @@ impl Faults {
                 room,
             });
             return None;
+        }
+        if let Some(r) = room.filter(|r| !m.data.is_empty() && self.flip_message_rooms.remove(r)) {
+            log::warn!("PD: {ENV}: flipped a byte of a message of room {r} on purpose");
+            if let Some(b) = m.data.last_mut() {
+                *b ^= 0xff;
+            }
+            record(Applied::FlippedMessage { room: r });
         }
         if self.delay.is_zero() {
             return Some((conn, m));

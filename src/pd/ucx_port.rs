@@ -10,8 +10,14 @@
 //! so the receiver puts them back in order by sequence number before handing them on: the
 //! protocol needs DONE after the last DATA.
 //!
-//! A connection begins with the HELLO exchange, as over TCP: the decode connects and sends its
-//! HELLO; the prefill's [`Acceptor`] answers with its HELLO (and starts the link) or a REFUSE.
+//! A connection begins as over TCP: where the engines hold a `pd.auth_key_file`, first the
+//! challenge-response of [`super::handshake`] (AUTH, AUTH, PROOF, PROOF), run here a message
+//! at a time; then the HELLO exchange: the decode sends its HELLO; the prefill's [`Acceptor`]
+//! answers with its HELLO (and starts the link) or a REFUSE. The decode's remote keys are in
+//! its HELLO, so they reach only a prefill that proved it holds the secret. From the HELLOs
+//! on, every message of an authenticated connection carries a MAC in its header
+//! ([`super::seal::Keyed`], over its sequence number, frame header and data), checked as it
+//! arrives: a message that does not verify ends the connection before it is acted on.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
@@ -21,17 +27,20 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::auth::Keys as Secrets;
+use super::handshake::{self, Authenticated, Initiator, Responder};
 use super::in_order::InOrder;
 use super::link::{spawn, Handler, Link, Out};
 use super::rma;
+use super::seal::{self, Keyed};
 use super::ucx::{self, Context, Endpoint, EpKey, Listener, Message, RemoteKey, Request, Worker};
 use super::ucx_faults::{self, Faults};
 use super::wire::{self, Frame, Kind};
 
 /// The one active-message id: every frame.
 const FRAME: u32 = 0;
-/// Sequence number, frame header, a DATA frame's offset.
-pub const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8;
+/// Sequence number, frame header, a DATA frame's offset, an authenticated connection's MAC.
+pub const MAX_AM_HEADER: usize = 8 + wire::HEADER + 8 + seal::TAG;
 /// Bytes in flight per link before its outbox waits for completions (UCX copies nothing of a
 /// DATA frame; this bounds how much of the rooms' buffers UCX holds at once).
 const INFLIGHT_BYTES: usize = 8 << 20;
@@ -52,9 +61,15 @@ const STUCK_TICK: Duration = Duration::from_millis(1);
 
 /// The prefill side's answer to a connection's first frame.
 pub trait Acceptor: Send + Sync + 'static {
-    /// `first` is the connection's first frame (a HELLO from a well-behaved peer): the reply
-    /// to send and the link it starts, or the frame to refuse it with.
-    fn accept(&self, port: &Port, first: Frame) -> Result<Accepted, Vec<u8>>;
+    /// `first` is the connection's first frame after the challenge-response (a HELLO from a
+    /// well-behaved peer), `authenticated` what the challenge-response gave where the engine
+    /// holds keys: the reply to send and the link it starts, or the frame to refuse it with.
+    fn accept(
+        &self,
+        port: &Port,
+        first: Frame,
+        authenticated: Option<&Authenticated>,
+    ) -> Result<Accepted, Vec<u8>>;
 }
 
 /// A connection the acceptor took: its HELLO reply and its link.
@@ -67,6 +82,24 @@ pub struct Accepted {
     pub rma_keys: Vec<wire::RmaKey>,
 }
 
+/// Why [`Port::connect`] gave no connection.
+#[derive(Debug)]
+pub enum NotConnected {
+    /// No connection, or it ended (or timed out) before its handshake did.
+    Lost(String),
+    /// The challenge-response failed: the prefill refused this engine's proof, or its own
+    /// did not verify.
+    Unauthenticated(String),
+}
+
+impl std::fmt::Display for NotConnected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotConnected::Lost(m) | NotConnected::Unauthenticated(m) => f.write_str(m),
+        }
+    }
+}
+
 /// A connection made by [`Port::connect`]: the peer's answer to our HELLO; bind it to a link
 /// with [`Port::bind`] or drop it with [`Port::drop_conn`].
 pub struct Connected {
@@ -76,6 +109,8 @@ pub struct Connected {
     /// messages: see [`super::ucx::lanes`]), and its lanes' transports, as UCX describes them.
     pub rma_lane: bool,
     pub transports: Vec<String>,
+    /// What the challenge-response gave, where the engine holds keys.
+    pub authenticated: Option<Authenticated>,
 }
 
 enum Cmd {
@@ -83,7 +118,7 @@ enum Cmd {
         addr: SocketAddr,
         hello: Vec<u8>,
         deadline: Instant,
-        reply: Sender<Result<Connected, String>>,
+        reply: Sender<Result<Connected, NotConnected>>,
     },
     Bind {
         conn: u64,
@@ -141,7 +176,7 @@ impl Port {
         addr: SocketAddr,
         hello: Vec<u8>,
         deadline: Instant,
-    ) -> Result<Connected, String> {
+    ) -> Result<Connected, NotConnected> {
         let (reply, answer) = crossbeam_channel::bounded(1);
         let cmd = Cmd::Connect {
             addr,
@@ -150,12 +185,14 @@ impl Port {
             reply,
         };
         if !self.command(cmd) {
-            return Err("the UCX thread has stopped (the engine is shutting down)".into());
+            return Err(NotConnected::Lost(
+                "the UCX thread has stopped (the engine is shutting down)".into(),
+            ));
         }
         let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
         answer
             .recv_timeout(wait)
-            .unwrap_or_else(|_| Err("the UCX thread did not answer".into()))
+            .unwrap_or_else(|_| Err(NotConnected::Lost("the UCX thread did not answer".into())))
     }
 
     /// Hands a connected endpoint to its link: frames flow from now on.
@@ -186,13 +223,24 @@ pub struct Started {
     pub thread: JoinHandle<()>,
 }
 
+/// How the thread's connections begin.
+pub struct Handshakes {
+    /// The secrets both sides of a connection must prove they hold (`pd.auth_key_file`).
+    pub secrets: Option<Secrets>,
+    /// How long an accepted connection has to finish its handshake (`pd.handshake_timeout_ms`).
+    pub timeout: Duration,
+    /// Accepted connections still in their handshake at most; more are closed at once
+    /// (`pd.max_handshakes`).
+    pub max: usize,
+}
+
 /// Starts the UCX thread over `ctx`: listening on `listen` (with `acceptor` answering
-/// connections, which must send their HELLO within `handshake`) when given.
+/// connections, which must finish their handshake within `handshakes.timeout`) when given.
 pub fn start(
     ctx: Arc<Context>,
     listen: Option<SocketAddr>,
     acceptor: Option<Arc<dyn Acceptor>>,
-    handshake: Duration,
+    handshakes: Handshakes,
 ) -> Result<Started, String> {
     let (cmds, rx) = crossbeam_channel::unbounded();
     let port = Port {
@@ -233,7 +281,7 @@ pub fn start(
             worker: &worker,
             listener: listener.as_ref(),
             acceptor,
-            handshake,
+            handshakes,
             conns: HashMap::new(),
             by_ep: HashMap::new(),
             next_conn: 0,
@@ -341,12 +389,21 @@ struct Closing {
 }
 
 enum State {
-    /// Accepted: waiting for the peer's HELLO until the deadline.
+    /// Accepted: waiting for the peer's first frame (its AUTH where the engine holds keys,
+    /// else its HELLO) until the deadline.
     Accepting(Instant),
-    /// Connected by us: waiting for the peer's answer to our HELLO.
+    /// Accepted, keys held: the peer's AUTH answered, its PROOF due.
+    Proving(Box<Responder>, Instant),
+    /// Accepted and authenticated: the peer's HELLO due (sealed).
+    Proven(Box<Authenticated>, Instant),
+    /// Connected by us: the handshake's next step due.
     Connecting {
         deadline: Instant,
-        reply: Sender<Result<Connected, String>>,
+        reply: Sender<Result<Connected, NotConnected>>,
+        /// Our HELLO: sent at once without keys, else once the prefill proved it holds the
+        /// secret.
+        hello: Vec<u8>,
+        step: Dialing,
     },
     /// Answered: waiting for [`Port::bind`] until the deadline; frames that arrive meanwhile
     /// are held.
@@ -357,8 +414,22 @@ enum State {
     },
 }
 
+/// Where a connection we made stands in its handshake.
+enum Dialing {
+    /// Our AUTH went: the prefill's AUTH due.
+    Auth(Box<Initiator>),
+    /// Our PROOF went: the prefill's PROOF due.
+    Proof(Box<Initiator>),
+    /// Our HELLO went: the prefill's answer due (what the challenge-response gave, if it ran).
+    Hello(Option<Box<Authenticated>>),
+}
+
 struct Conn {
     ep: Endpoint,
+    /// On an authenticated connection (after the challenge-response): the key each message
+    /// sent is sealed with, and the one each message received must verify under.
+    sealer: Option<Keyed>,
+    opener: Option<Keyed>,
     /// The peer's registered regions (`(address, length)`) and their keys unpacked on `ep`;
     /// dropped only after `ep`'s close completed ([`Thread::remove`]), since the puts in
     /// flight read them (declared after `ep`, should a `Conn` ever be dropped whole).
@@ -407,6 +478,8 @@ impl Conn {
     fn new(ep: Endpoint, state: State) -> Conn {
         Conn {
             keys: Vec::new(),
+            sealer: None,
+            opener: None,
             ep,
             state,
             next_out: 0,
@@ -587,11 +660,18 @@ impl Conn {
         Ok(())
     }
 
-    /// Sends one frame (its parts as [`Out::parts`] gives them) as the next active message.
+    /// Starts sealing what it sends and checking what it receives with `keys`.
+    fn authenticated(&mut self, keys: &seal::FrameKeys) {
+        self.sealer = Some(Keyed::new(&keys.send));
+        self.opener = Some(Keyed::new(&keys.recv));
+    }
+
+    /// Sends one frame (its parts as [`Out::parts`] gives them) as the next active message,
+    /// sealed where the connection is authenticated.
     fn send(&mut self, out: Out) -> Result<(), String> {
         let (head, body) = out.parts();
         let (head_len, body_len) = (head.len(), body.len());
-        let mut header = Vec::with_capacity(8 + wire::HEADER + 8);
+        let mut header = Vec::with_capacity(MAX_AM_HEADER);
         header.extend_from_slice(&self.next_out.to_le_bytes());
         // A whole frame's header goes in the message's header, its payload in the data; a
         // DATA frame's prefix (header and offset) in the header, its slice in the data.
@@ -602,6 +682,10 @@ impl Conn {
         };
         header.extend_from_slice(&head[..split]);
         let data = Payload { out, skip: split };
+        if let Some(k) = &self.sealer {
+            let tag = k.tag(self.next_out, &[&header[8..], data.as_ref()]);
+            header.extend_from_slice(&tag);
+        }
         let req = self.ep.send(FRAME, header, data)?;
         self.next_out += 1;
         let bytes = head_len + body_len;
@@ -648,9 +732,28 @@ impl AsRef<[u8]> for Payload {
 pub type Parsed = (Kind, u64, Option<u64>, Vec<u8>);
 
 /// Checks one message against the frame format: sequence number, then a frame's header (and
-/// a DATA frame's offset) whose length matches the data. Public for the fuzz target
+/// a DATA frame's offset) whose length matches the data, then, where the connection is
+/// authenticated (`opener`), the MAC over them, verified. Public for the fuzz target
 /// (`fuzz/src/bin/ucx_messages.rs`).
-pub fn parse(m: Message) -> Result<(u64, Parsed), String> {
+pub fn parse(mut m: Message, opener: Option<&Keyed>) -> Result<(u64, Parsed), String> {
+    if let Some(k) = opener {
+        let len = m.header.len();
+        if len < 8 + wire::HEADER + seal::TAG {
+            return Err(format!(
+                "a message without its MAC (a header of {len} bytes) on an authenticated \
+                 connection"
+            ));
+        }
+        let mut tag = [0u8; seal::TAG];
+        tag.copy_from_slice(&m.header[len - seal::TAG..]);
+        m.header.truncate(len - seal::TAG);
+        let seq = u64::from_le_bytes(m.header[..8].try_into().unwrap_or_default());
+        if !k.check(seq, &[&m.header[8..], &m.data], &tag) {
+            return Err(format!(
+                "message {seq} does not verify under the connection's key"
+            ));
+        }
+    }
     let h = &m.header;
     if h.len() < 8 + wire::HEADER {
         return Err(format!("an active message header of {} bytes", h.len()));
@@ -695,7 +798,7 @@ struct Thread<'w> {
     worker: &'w Worker,
     listener: Option<&'w Listener>,
     acceptor: Option<Arc<dyn Acceptor>>,
-    handshake: Duration,
+    handshakes: Handshakes,
     conns: HashMap<u64, Conn>,
     by_ep: HashMap<EpKey, u64>,
     next_conn: u64,
@@ -914,17 +1017,31 @@ impl Thread<'_> {
                 reply,
             } => match self.worker.connect(addr) {
                 Ok(ep) => {
-                    let id = self.add(ep, State::Connecting { deadline, reply });
+                    // With keys the AUTH goes first, the HELLO once the prefill proved itself.
+                    let (first, step) = match &self.handshakes.secrets {
+                        None => (Ok(hello.clone()), Dialing::Hello(None)),
+                        Some(_) => match Initiator::start(&[]) {
+                            Ok((i, auth)) => (Ok(auth), Dialing::Auth(Box::new(i))),
+                            Err(e) => (Err(e), Dialing::Hello(None)),
+                        },
+                    };
+                    let state = State::Connecting {
+                        deadline,
+                        reply,
+                        hello,
+                        step,
+                    };
+                    let id = self.add(ep, state);
                     let c = self.conns.get_mut(&id).expect("just added");
-                    if let Err(e) = c.send(Out::Frame(hello)) {
+                    if let Err(e) = first.and_then(|f| c.send(Out::Frame(f))) {
                         if let State::Connecting { reply, .. } = &c.state {
-                            let _ = reply.send(Err(e));
+                            let _ = reply.send(Err(NotConnected::Lost(e)));
                         }
                         self.remove(id, false);
                     }
                 }
                 Err(e) => {
-                    let _ = reply.send(Err(e));
+                    let _ = reply.send(Err(NotConnected::Lost(e)));
                 }
             },
             Cmd::Bind {
@@ -991,7 +1108,17 @@ impl Thread<'_> {
             busy = true;
             match ep {
                 Ok(ep) if self.acceptor.is_some() && self.stopping.is_none() => {
-                    let deadline = Instant::now() + self.handshake;
+                    if self.handshaking() >= self.handshakes.max {
+                        // Dropped: its endpoint closes (by force) with nothing said.
+                        log::warn!(
+                            "PD: closed a UCX connection at once: pd.max_handshakes = {} \
+                             connections are in their handshake already",
+                            self.handshakes.max
+                        );
+                        drop(ep);
+                        continue;
+                    }
+                    let deadline = Instant::now() + self.handshakes.timeout;
                     self.add(ep, State::Accepting(deadline));
                 }
                 Ok(_) => {}
@@ -1003,7 +1130,10 @@ impl Thread<'_> {
             .conns
             .iter()
             .filter(|(_, c)| match &c.state {
-                State::Accepting(d) | State::Answered(_, d) => now >= *d,
+                State::Accepting(d)
+                | State::Proving(_, d)
+                | State::Proven(_, d)
+                | State::Answered(_, d) => now >= *d,
                 State::Connecting { deadline, .. } => now >= *deadline,
                 _ => false,
             })
@@ -1011,11 +1141,26 @@ impl Thread<'_> {
             .collect();
         for id in late {
             if let Some(State::Connecting { reply, .. }) = self.conns.get(&id).map(|c| &c.state) {
-                let _ = reply.send(Err("no answer to the HELLO in time".into()));
+                let _ = reply.send(Err(NotConnected::Lost(
+                    "no answer to the handshake in time".into(),
+                )));
             }
             self.remove(id, false);
         }
         busy
+    }
+
+    /// Accepted connections still in their handshake.
+    fn handshaking(&self) -> usize {
+        self.conns
+            .values()
+            .filter(|c| {
+                matches!(
+                    c.state,
+                    State::Accepting(_) | State::Proving(..) | State::Proven(..)
+                )
+            })
+            .count()
     }
 
     /// Failed endpoints: their links go down, their handshakes fail.
@@ -1037,7 +1182,7 @@ impl Thread<'_> {
     fn fail(&mut self, id: u64, why: String) {
         let bound = self.conns.get(&id).and_then(Conn::bound);
         if let Some(State::Connecting { reply, .. }) = self.conns.get(&id).map(|c| &c.state) {
-            let _ = reply.send(Err(why.clone()));
+            let _ = reply.send(Err(NotConnected::Lost(why.clone())));
         }
         self.remove(id, false);
         if let Some((link, handler)) = bound {
@@ -1081,7 +1226,7 @@ impl Thread<'_> {
             held.push(m);
             return;
         }
-        let (seq, frame) = match parse(m) {
+        let (seq, frame) = match parse(m, c.opener.as_ref()) {
             Ok(x) => x,
             Err(e) => {
                 self.fail(id, format!("the peer broke the protocol: {e}"));
@@ -1106,68 +1251,154 @@ impl Thread<'_> {
 
     /// A frame in its turn, by the connection's state.
     fn handle(&mut self, id: u64, (kind, room, offset, data): Parsed) {
-        // An answered connection waits this long for its link.
-        let deadline = Instant::now() + self.handshake;
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        match &c.state {
-            State::Bound { link, handler } => {
-                let (link, handler) = (link.clone(), handler.clone());
-                if let Some(buf) = link.deliver(&handler, kind, room, offset, data) {
-                    self.worker.recycle(buf);
+        if let State::Bound { link, handler } = &c.state {
+            let (link, handler) = (link.clone(), handler.clone());
+            if let Some(buf) = link.deliver(&handler, kind, room, offset, data) {
+                self.worker.recycle(buf);
+            }
+            return;
+        }
+        let frame = Frame {
+            kind,
+            room,
+            payload: data,
+        };
+        // Each arm below puts the connection's next state back, or ends it.
+        let now = Instant::now();
+        match std::mem::replace(&mut c.state, State::Accepting(now)) {
+            State::Accepting(deadline) => match &self.handshakes.secrets {
+                None => self.welcome(id, frame, None),
+                Some(_) => match Responder::on_auth(&frame, &[]) {
+                    Ok((r, answer)) => {
+                        c.state = State::Proving(Box::new(r), deadline);
+                        self.say(id, answer);
+                    }
+                    Err(why) => self.refuse(id, &why),
+                },
+            },
+            State::Proving(r, deadline) => {
+                let secrets = self
+                    .handshakes
+                    .secrets
+                    .as_ref()
+                    .expect("proving needs keys");
+                match r.on_proof(secrets, &frame) {
+                    Ok((a, answer)) => {
+                        // The PROOF goes as it is; every message after it is sealed, both
+                        // ways (the decode seals its HELLO once this PROOF verified).
+                        if self.say(id, answer) {
+                            let c = self.conns.get_mut(&id).expect("said on it");
+                            c.authenticated(&a.keys);
+                            c.state = State::Proven(Box::new(a), deadline);
+                        }
+                    }
+                    Err(why) => self.refuse(id, &why),
                 }
             }
-            State::Accepting(_) => {
-                let frame = Frame {
-                    kind,
-                    room,
-                    payload: data,
-                };
-                let Some(acceptor) = self.acceptor.clone() else {
+            State::Proven(a, _) => self.welcome(id, frame, Some(&a)),
+            State::Connecting {
+                deadline,
+                reply,
+                hello,
+                step,
+            } => self.dial(id, frame, deadline, reply, hello, step),
+            State::Answered(..) | State::Bound { .. } => unreachable!("handled above"),
+        }
+    }
+
+    /// Sends a handshake frame on connection `id`; whether it went (else the connection is
+    /// closed).
+    fn say(&mut self, id: u64, frame: Vec<u8>) -> bool {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        match c.send(Out::Frame(frame)) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!("PD: a UCX connection in its handshake: {e}");
+                self.remove(id, false);
+                false
+            }
+        }
+    }
+
+    /// An accepted connection that did not authenticate: told only [`handshake::REFUSED`],
+    /// why goes to the log.
+    fn refuse(&mut self, id: u64, why: &str) {
+        log::warn!("PD: refused a UCX connection: it did not authenticate: {why}");
+        if let Some(c) = self.conns.get_mut(&id) {
+            let _ = c.send(Out::Frame(handshake::refusal()));
+        }
+        // Closed gracefully: the refusal goes out first.
+        self.remove(id, true);
+    }
+
+    /// An accepted connection's HELLO (after the challenge-response, where it ran): the
+    /// acceptor starts its link, or refuses it.
+    fn welcome(&mut self, id: u64, frame: Frame, authenticated: Option<&Authenticated>) {
+        let Some(acceptor) = self.acceptor.clone() else {
+            self.remove(id, false);
+            return;
+        };
+        match acceptor.accept(&self.port, frame, authenticated) {
+            Ok(a) => {
+                let c = self.conns.get_mut(&id).expect("looked up by the caller");
+                if let Err(e) = c.unpack(&a.rma_keys) {
+                    c.state = State::Bound {
+                        link: a.link,
+                        handler: a.handler,
+                    };
+                    self.fail(id, format!("the decode's remote keys: {e}"));
                     return;
-                };
-                match acceptor.accept(&self.port, frame) {
-                    Ok(a) => {
-                        let c = self.conns.get_mut(&id).expect("looked up above");
-                        if let Err(e) = c.unpack(&a.rma_keys) {
-                            c.state = State::Bound {
-                                link: a.link,
-                                handler: a.handler,
-                            };
-                            self.fail(id, format!("the decode's remote keys: {e}"));
-                            return;
-                        }
-                        if let Err(e) = c.send(Out::Frame(a.reply)) {
-                            a.link.go_down(&a.handler, format!("connection lost: {e}"));
-                            self.remove(id, false);
-                            return;
-                        }
-                        a.link.heard();
-                        c.state = State::Bound {
-                            link: a.link,
-                            handler: a.handler,
-                        };
-                    }
-                    Err(refusal) => {
-                        let c = self.conns.get_mut(&id).expect("looked up above");
-                        let _ = c.send(Out::Frame(refusal));
-                        // Closed gracefully: the refusal goes out first.
-                        self.remove(id, true);
-                    }
                 }
+                if let Err(e) = c.send(Out::Frame(a.reply)) {
+                    a.link.go_down(&a.handler, format!("connection lost: {e}"));
+                    self.remove(id, false);
+                    return;
+                }
+                a.link.heard();
+                c.state = State::Bound {
+                    link: a.link,
+                    handler: a.handler,
+                };
             }
-            State::Connecting { .. } => {
-                let answer = Frame {
-                    kind,
-                    room,
-                    payload: data,
-                };
-                let State::Connecting { reply, .. } =
-                    std::mem::replace(&mut c.state, State::Answered(Vec::new(), deadline))
-                else {
-                    unreachable!("matched above")
-                };
+            Err(refusal) => {
+                let c = self.conns.get_mut(&id).expect("looked up by the caller");
+                let _ = c.send(Out::Frame(refusal));
+                // Closed gracefully: the refusal goes out first.
+                self.remove(id, true);
+            }
+        }
+    }
+
+    /// The prefill's next frame on a connection we made, by the handshake's step.
+    fn dial(
+        &mut self,
+        id: u64,
+        frame: Frame,
+        deadline: Instant,
+        reply: Sender<Result<Connected, NotConnected>>,
+        hello: Vec<u8>,
+        step: Dialing,
+    ) {
+        let secrets = self.handshakes.secrets.clone();
+        let c = self.conns.get_mut(&id).expect("looked up by the caller");
+        let next = match (step, &secrets) {
+            (Dialing::Auth(mut i), Some(secrets)) => i
+                .on_auth(secrets, &frame)
+                .map(|proof| (proof, Dialing::Proof(i))),
+            (Dialing::Proof(i), Some(secrets)) => i.on_proof(secrets, &frame).map(|a| {
+                // Proven: our HELLO (and everything after it) goes sealed.
+                c.authenticated(&a.keys);
+                (hello.clone(), Dialing::Hello(Some(Box::new(a))))
+            }),
+            (Dialing::Hello(authenticated), _) => {
+                // An answered connection waits this long for its link.
+                let wait = Instant::now() + self.handshakes.timeout;
+                c.state = State::Answered(Vec::new(), wait);
                 // The answer came over the endpoint: its wire-up is done, its lanes final.
                 let described = c.ep.describe().unwrap_or_else(|e| {
                     log::warn!("PD: cannot describe a UCX endpoint: {e}");
@@ -1176,15 +1407,32 @@ impl Thread<'_> {
                 log::debug!("PD: UCX endpoint {id}:\n{described}");
                 let connected = Connected {
                     conn: id,
-                    answer,
+                    answer: frame,
                     rma_lane: ucx::lanes::has_rma_lane(&described),
                     transports: ucx::lanes::transports(&described),
+                    authenticated: authenticated.map(|a| *a),
                 };
                 if reply.send(Ok(connected)).is_err() {
                     self.remove(id, false);
                 }
+                return;
             }
-            State::Answered(..) => unreachable!("held before parsing"),
+            (_, None) => unreachable!("no challenge-response without keys"),
+        };
+        match next {
+            Ok((frame, step)) => {
+                c.state = State::Connecting {
+                    deadline,
+                    reply,
+                    hello,
+                    step,
+                };
+                self.say(id, frame);
+            }
+            Err(why) => {
+                let _ = reply.send(Err(NotConnected::Unauthenticated(why)));
+                self.remove(id, false);
+            }
         }
     }
 
@@ -1304,10 +1552,10 @@ mod tests {
     #[test]
     fn messages_parse_back_into_the_frames_sent() {
         let f = wire::encode(Kind::Fail, 7, b"{}");
-        let (seq, (kind, room, offset, data)) = parse(message(
-            header(3, &f[..wire::HEADER]),
-            f[wire::HEADER..].to_vec(),
-        ))
+        let (seq, (kind, room, offset, data)) = parse(
+            message(header(3, &f[..wire::HEADER]), f[wire::HEADER..].to_vec()),
+            None,
+        )
         .unwrap();
         assert_eq!(
             (seq, kind, room, offset, data),
@@ -1316,7 +1564,7 @@ mod tests {
         let bytes = vec![9u8; 1000];
         let prefix = wire::data_prefix(5, 4096, bytes.len());
         let (seq, (kind, room, offset, data)) =
-            parse(message(header(4, &prefix), bytes.clone())).unwrap();
+            parse(message(header(4, &prefix), bytes.clone()), None).unwrap();
         assert_eq!((seq, kind, room, offset), (4, Kind::Data, 5, Some(4096)));
         assert_eq!(data, bytes);
     }
@@ -1348,7 +1596,7 @@ mod tests {
                 h
             };
             let data = vec![0u8; len];
-            if let Ok((_, (kind, _, offset, bytes))) = parse(message(h, data)) {
+            if let Ok((_, (kind, _, offset, bytes))) = parse(message(h, data), None) {
                 proptest::prop_assert_eq!(bytes.len(), len);
                 proptest::prop_assert_eq!(offset.is_some(), kind == Kind::Data);
             }
@@ -1375,7 +1623,8 @@ mod tests {
                 );
                 let m = message(input[3..3 + h].to_vec(), input[3 + h..3 + h + d].to_vec());
                 input = &input[3 + h + d..];
-                let (seq, frame) = parse(m).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let (seq, frame) =
+                    parse(m, None).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
                 out.extend(order.accept(seq, (seq, frame.0)).unwrap());
                 messages += 1;
             }
@@ -1428,8 +1677,44 @@ mod tests {
             ),
         ];
         for (h, d, says) in cases {
-            let e = parse(message(h, d)).unwrap_err();
+            let e = parse(message(h, d), None).unwrap_err();
             assert!(e.contains(says), "{says}: {e}");
         }
+    }
+
+    #[test]
+    fn on_an_authenticated_connection_only_messages_sealed_under_the_key_for_their_number_parse() {
+        use crate::pd::seal::FrameKey;
+        let key = Keyed::new(&FrameKey::new([7u8; 16]));
+        let f = wire::encode(Kind::Fail, 9, b"{\"x\":1}");
+        // The MAC over the sequence number, the frame's header and its data (computed here
+        // from the parts, as the sender must), after the header.
+        let sealed = |seq: u64, key: &Keyed| {
+            let mut h = header(seq, &f[..wire::HEADER]);
+            let tag = key.tag(seq, &[&f[..wire::HEADER], &f[wire::HEADER..]]);
+            h.extend_from_slice(&tag);
+            message(h, f[wire::HEADER..].to_vec())
+        };
+        let (seq, (kind, room, _, data)) = parse(sealed(5, &key), Some(&key)).unwrap();
+        assert_eq!(
+            (seq, kind, room, &data[..]),
+            (5, Kind::Fail, 9, &f[wire::HEADER..])
+        );
+        // Its number changed (moved or repeated elsewhere), a byte of the data flipped,
+        // another key, no MAC at all: refused before it is parsed further.
+        let mut moved = sealed(5, &key);
+        moved.header[..8].copy_from_slice(&6u64.to_le_bytes());
+        let mut flipped = sealed(5, &key);
+        flipped.data[0] ^= 1;
+        let other = sealed(5, &Keyed::new(&FrameKey::new([8u8; 16])));
+        for m in [moved, flipped, other] {
+            let e = parse(m, Some(&key)).unwrap_err();
+            assert!(e.contains("does not verify"), "{e}");
+        }
+        let bare = message(header(5, &f[..wire::HEADER]), f[wire::HEADER..].to_vec());
+        let e = parse(bare, Some(&key)).unwrap_err();
+        assert!(e.contains("without its MAC"), "{e}");
+        // A sealed message where none is expected is malformed.
+        assert!(parse(sealed(5, &key), None).is_err());
     }
 }

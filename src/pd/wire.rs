@@ -372,10 +372,14 @@ pub struct StateHeader {
 
 /// The end of a room's data: its length and a CRC-32C over the STATE payload and every state
 /// byte, in the order sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Done {
     pub bytes: u64,
     pub crc32c: u32,
+    /// On an authenticated link, for a room written by RMA: the MAC (hex) over the STATE
+    /// payload and every byte, under the link's RMA key ([`super::seal`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 /// Why a room failed, as its sender saw it.

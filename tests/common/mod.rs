@@ -214,6 +214,16 @@ pub fn pd_doc(role: &str, transport: &str) -> Value {
     json!({"role": role, "pd": {"transport": transport, "listen": format!("{transport}://127.0.0.1:0")}})
 }
 
+/// A `pd.auth_key_file` holding `secrets`, a line each, named `name` in a directory of this
+/// test process's own.
+pub fn key_file(name: &str, secrets: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!("dsv4-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, secrets.join("\n") + "\n").unwrap();
+    path.to_str().unwrap().to_string()
+}
+
 /// `doc` with `pd.ucx_rma_emulated` set: over UCX a decode takes states by RMA even where UCX
 /// emulates puts with messages (its tcp transport: the only RMA these machines have), so the
 /// RMA path is what runs. Ignored over TCP.

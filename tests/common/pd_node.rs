@@ -419,7 +419,21 @@ pub fn rooms_match(
     max_new: u32,
     want: &HashMap<usize, Vec<u32>>,
 ) {
-    let rooms: Vec<u64> = (1..=lens.len() as u64).collect();
+    rooms_match_from(1, p, d, ids, lens, max_new, want);
+}
+
+/// [`rooms_match`] with rooms numbered from `first` (a prefill remembers the rooms it ended
+/// for a while: another decode's rooms take new numbers).
+pub fn rooms_match_from(
+    first: u64,
+    p: &mut Node,
+    d: &mut Node,
+    ids: &[u32],
+    lens: &[usize],
+    max_new: u32,
+    want: &HashMap<usize, Vec<u32>>,
+) {
+    let rooms: Vec<u64> = (first..first + lens.len() as u64).collect();
     for (&room, &n) in rooms.iter().zip(lens) {
         p.submit(room, max_new, &ids[..n]);
         d.submit(room, max_new, &ids[..n]);

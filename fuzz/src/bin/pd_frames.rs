@@ -69,6 +69,12 @@ fn main() {
                 Kind::Fail => {
                     check::<Failure>(&frame);
                 }
+                Kind::Auth => {
+                    check::<wire::Auth>(&frame);
+                }
+                Kind::Proof => {
+                    check::<wire::Proof>(&frame);
+                }
                 Kind::Ack | Kind::Heartbeat | Kind::Flushed => {}
             }
         }

@@ -33,7 +33,7 @@ fn main() {
                 data: body.to_vec(),
                 from: None,
             };
-            match parse(m) {
+            match parse(m, None) {
                 Ok((seq, (kind, _room, offset, bytes))) => {
                     assert_eq!(offset.is_some(), kind == Kind::Data);
                     assert_eq!(bytes.len(), dlen);
