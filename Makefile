@@ -228,8 +228,9 @@ bench-transfer: deps
 	$(CARGO) run --release --example bench_transfer
 
 # PD room transfer over the ucx transport against ucx_perftest (same UCX_TLS, same bytes in
-# 256 KiB puts and active messages: ucp_put_bw, ucp_am_bw) and against the tcp transport;
-# last line `ratios ucx_rma_vs_put_perftest=… ucx_am_vs_am_perftest=… ucx_vs_tcp_transport=…`.
+# 256 KiB puts and active messages: ucp_put_bw, ucp_am_bw), against the tcp transport, and
+# with a pd.auth_key_file against without; last line `ratios ucx_rma_vs_put_perftest=…
+# ucx_am_vs_am_perftest=… ucx_vs_tcp_transport=… ucx_rma_auth_vs_plain=… ucx_am_auth_vs_plain=…`.
 bench-ucx: deps
 	$(CARGO) run --release --example bench_ucx
 

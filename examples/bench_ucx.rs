@@ -3,10 +3,10 @@
 //!
 //! A prefill engine computes R rooms of one long prompt and holds them; the decode claims them
 //! all at once (1 new token: landing the state ends the request) and the wall time from the
-//! first decode submit to the last room landed is one round. Each round is run on three pairs:
+//! first decode submit to the last room landed is one round. Each round is run on five pairs:
 //! ucx with state bytes written by RMA into the decode's pools (the default; checked: every
-//! byte counts as RMA bytes), ucx with them sent as active messages (`pd.ucx_rma = false`), and
-//! tcp. `ucx_perftest` moves the same bytes in the same 256 KiB pieces (wire::DATA_CHUNK)
+//! byte counts as RMA bytes), ucx with them sent as active messages (`pd.ucx_rma = false`),
+//! tcp, and the two ucx pairs again between engines that authenticate (`pd.auth_key_file`). `ucx_perftest` moves the same bytes in the same 256 KiB pieces (wire::DATA_CHUNK)
 //! between two processes over the same UCX transports, as puts (`ucp_put_bw`, the baseline of
 //! the RMA pair) and as active messages (`ucp_am_bw`, that of the AM pair). Each ratio is the
 //! median round's.
@@ -15,8 +15,10 @@
 //! live in this one process, where UCX would otherwise pick shared memory between its two
 //! workers; `tcp` measures the network path a prefill and a decode on two hosts take.
 //!
-//! Last line: `ratios ucx_rma_vs_put_perftest=… ucx_am_vs_am_perftest=… ucx_vs_tcp_transport=…`
-//! (goal: ≥ 0.8 against perftest).
+//! Last line: `ratios ucx_rma_vs_put_perftest=… ucx_am_vs_am_perftest=… ucx_vs_tcp_transport=…
+//! ucx_rma_auth_vs_plain=… ucx_am_auth_vs_plain=…` (the last two: the same transfers between
+//! engines holding a `pd.auth_key_file`, against the pairs without; goal ≥ 0.9) (goal: ≥ 0.8
+//! against perftest).
 //!
 //!   cargo run --release --example bench_ucx [-- --rooms 32 --prompt 8000 --rounds 9 --tls tcp]
 
@@ -136,6 +138,7 @@ fn main() {
         .expect("pair")
     };
     let (rma, am, tcp) = (pair_on("ucx"), pair_on("ucx-am"), pair_on("tcp"));
+    let (rma_auth, am_auth) = (pair_on("ucx-auth"), pair_on("ucx-am-auth"));
     let vocab = rma.prefill.vocab_size() as u32;
     let mut rng = fastrand::Rng::with_seed(3);
     let prompt = random_prompt(&mut rng, vocab, long);
@@ -145,7 +148,7 @@ fn main() {
     // One room first: the rooms of a round then hit the prefix cache instead of all computing
     // the prompt at once.
     let mut warm = KvTransfer::default();
-    for pair in [&rma, &am, &tcp] {
+    for pair in [&rma, &am, &tcp, &rma_auth, &am_auth] {
         round(pair, &prompt, 1, &mut next, &mut KvTransfer::default());
         round(pair, &prompt, rooms, &mut next, &mut warm);
     }
@@ -154,22 +157,29 @@ fn main() {
     perftest("ucp_put_bw", messages, DATA_CHUNK);
     perftest("ucp_am_bw", messages, DATA_CHUNK);
 
-    // Per round: seconds of the rma, am and tcp pairs, then of ucp_put_bw and ucp_am_bw.
-    let mut t: Vec<[f64; 5]> = Vec::new();
-    let mut d = [KvTransfer::default(); 3];
+    // Per round: seconds of the rma, am and tcp pairs, then of ucp_put_bw and ucp_am_bw,
+    // then of the authenticated rma and am pairs.
+    let mut t: Vec<[f64; 7]> = Vec::new();
+    let mut d = [KvTransfer::default(); 5];
     for _ in 0..rounds {
         let r = round(&rma, &prompt, rooms, &mut next, &mut d[0]);
         let a = round(&am, &prompt, rooms, &mut next, &mut d[1]);
         let c = round(&tcp, &prompt, rooms, &mut next, &mut d[2]);
         let put = perftest("ucp_put_bw", messages, DATA_CHUNK);
         let amp = perftest("ucp_am_bw", messages, DATA_CHUNK);
-        t.push([r, a, c, put, amp]);
+        let ra = round(&rma_auth, &prompt, rooms, &mut next, &mut d[3]);
+        let aa = round(&am_auth, &prompt, rooms, &mut next, &mut d[4]);
+        t.push([r, a, c, put, amp, ra, aa]);
     }
-    assert_eq!(
-        d[0].rma_bytes, d[0].bytes,
-        "the rma pair writes every byte by RMA"
-    );
-    assert_eq!(d[1].rma_bytes, 0, "the am pair writes nothing by RMA");
+    for (i, what) in [(0, "rma"), (3, "authenticated rma")] {
+        assert_eq!(
+            d[i].rma_bytes, d[i].bytes,
+            "the {what} pair writes every byte by RMA"
+        );
+    }
+    for (i, what) in [(1, "am"), (4, "authenticated am")] {
+        assert_eq!(d[i].rma_bytes, 0, "the {what} pair writes nothing by RMA");
+    }
     // The median round's ratio of column `base` to column `of` (> 1: `of` is faster).
     let ratio = |of: usize, base: usize| {
         let mut r: Vec<f64> = t.iter().map(|x| x[base] / x[of]).collect();
@@ -202,6 +212,8 @@ fn main() {
     line("PD over tcp", 2);
     line("ucx_perftest ucp_put_bw", 3);
     line("ucx_perftest ucp_am_bw", 4);
+    line("PD over ucx, RMA, with a key", 5);
+    line("PD over ucx, AM, with a key", 6);
     println!(
         "  ({messages} puts / messages of {} KiB a round, two processes)",
         DATA_CHUNK / 1024
@@ -211,9 +223,14 @@ fn main() {
     let (vs_tcp, l3) = ratio(0, 2);
     println!("  ucx RMA vs ucp_put_bw: {rma_vs_put:.2}× (rounds: {l1}; goal ≥ 0.8)");
     println!("  ucx AM vs ucp_am_bw:   {am_vs_am:.2}× (rounds: {l2}; goal ≥ 0.8)");
+    let (rma_auth_vs_plain, l4) = ratio(5, 0);
+    let (am_auth_vs_plain, l5) = ratio(6, 1);
     println!("  ucx RMA vs tcp transport: {vs_tcp:.2}× (rounds: {l3})");
+    println!("  ucx RMA with a key vs without: {rma_auth_vs_plain:.2}× (rounds: {l4}; goal ≥ 0.9)");
+    println!("  ucx AM with a key vs without:  {am_auth_vs_plain:.2}× (rounds: {l5}; goal ≥ 0.9)");
     println!(
         "ratios ucx_rma_vs_put_perftest={rma_vs_put:.2} ucx_am_vs_am_perftest={am_vs_am:.2} \
-         ucx_vs_tcp_transport={vs_tcp:.2}"
+         ucx_vs_tcp_transport={vs_tcp:.2} ucx_rma_auth_vs_plain={rma_auth_vs_plain:.2} \
+         ucx_am_auth_vs_plain={am_auth_vs_plain:.2}"
     );
 }

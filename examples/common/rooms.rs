@@ -28,12 +28,12 @@ pub fn engine(
     });
     if role != "unified" {
         // `ucx-am`: UCX with state bytes as active messages (`pd.ucx_rma = false`); `ucx`:
-        // by RMA, even where UCX emulates puts with messages (its tcp transport); `tcp-auth`:
-        // TCP between engines that authenticate (`pd.auth_key_file`; every frame MACed).
-        let auth = transport == "tcp-auth";
-        let (transport, rma) = match transport {
+        // by RMA, even where UCX emulates puts with messages (its tcp transport); `-auth`
+        // after any of them: between engines that authenticate (`pd.auth_key_file`; every
+        // frame MACed, and an RMA-written room's bytes by the MAC in its DONE).
+        let auth = transport.ends_with("-auth");
+        let (transport, rma) = match transport.trim_end_matches("-auth") {
             "ucx-am" => ("ucx", false),
-            "tcp-auth" => ("tcp", true),
             t => (t, true),
         };
         doc["pd"] = json!({"transport": transport, "ucx_rma": rma, "ucx_rma_emulated": rma,
