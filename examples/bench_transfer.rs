@@ -25,9 +25,12 @@
 //!
 //! The throughput rounds also run a second pair that authenticates (`pd.auth_key_file`: the
 //! handshake, then a MAC on every frame), alternating with the first: `auth_vs_plain` is the
-//! median round's wall time of the plain pair over the authenticated one (goal ≥ 0.9).
+//! median round's wall time of the plain pair over the authenticated one (goal ≥ 0.9). A third
+//! pair runs its links in TLS (`pd.tls`, with the key too): `tls_vs_plain`, `tls_vs_auth` and
+//! `tls_vs_tcp` are the plain pair's, the authenticated pair's and raw TCP's round over its.
 //!
-//! Last line: `ratios transfer_vs_tcp=… auth_vs_plain=… auth_vs_tcp=… ttft_p99_pd_vs_unified=…`
+//! Last line: `ratios transfer_vs_tcp=… auth_vs_plain=… auth_vs_tcp=… tls_vs_plain=…
+//! tls_vs_auth=… tls_vs_tcp=… ttft_p99_pd_vs_unified=…`
 //! (goal: transfer ≥ 0.8).
 //!
 //! Both engines run with `kv.prefault` (`--prefault 0`: lazily mapped pools, whose first
@@ -387,6 +390,13 @@ fn main() {
     )
     .expect("authenticated pair");
     let sealed_peer = sealed.prefill.pd_endpoint().unwrap();
+    // And in TLS (`pd.tls`, with the key: the handshake bound to the session).
+    let tls = Pair::new(
+        engine(&dir, "prefill", "tcp-tls", running, "256MiB", 4096),
+        engine(&dir, "decode", "tcp-tls", running, "256MiB", 4096),
+    )
+    .expect("TLS pair");
+    let tls_peer = tls.prefill.pd_endpoint().unwrap();
     let vocab = pair.prefill.vocab_size() as u32;
     let mut rng = fastrand::Rng::with_seed(3);
     let (long_prompt, short_prompt) = (
@@ -403,17 +413,15 @@ fn main() {
         claim(&pair, p, ids[0], &peer);
         assert_eq!(wait_decode(&pair, 1), 1, "the warm-up room failed");
     }
-    for p in [&long_prompt, &short_prompt] {
-        let ids = prefill_rooms(&sealed, p, 1, &mut next_room);
-        claim(&sealed, p, ids[0], &sealed_peer);
-        assert_eq!(
-            wait_decode(&sealed, 1),
-            1,
-            "the authenticated warm-up room failed"
-        );
+    for (other, other_peer) in [(&sealed, &sealed_peer), (&tls, &tls_peer)] {
+        for p in [&long_prompt, &short_prompt] {
+            let ids = prefill_rooms(other, p, 1, &mut next_room);
+            claim(other, p, ids[0], other_peer);
+            assert_eq!(wait_decode(other, 1), 1, "a warm-up room failed");
+        }
+        let ids = prefill_rooms(other, &long_prompt, rooms, &mut next_room);
+        at_once(other, &long_prompt, &ids, other_peer);
     }
-    let ids = prefill_rooms(&sealed, &long_prompt, rooms, &mut next_room);
-    at_once(&sealed, &long_prompt, &ids, &sealed_peer);
     let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
     let (_, warm) = at_once(&pair, &long_prompt, &ids, &peer);
     let room_bytes = (warm.bytes / warm.requests) as usize;
@@ -437,6 +445,8 @@ fn main() {
     let mut by_thread = Some(BTreeMap::new());
     let mut d_batch = KvTransfer::default();
     let (mut sealed_ratios, mut sealed_vs_raw, mut t_sealed) = (Vec::new(), Vec::new(), 0.0);
+    let (mut tls_ratios, mut tls_vs_sealed, mut tls_vs_raw, mut t_tls) =
+        (Vec::new(), Vec::new(), Vec::new(), 0.0);
     for _ in 0..rounds {
         let ids = prefill_rooms(&pair, &long_prompt, rooms, &mut next_room);
         let threads_before = thread_cpu();
@@ -460,6 +470,13 @@ fn main() {
         sealed_ratios.push(wall / wall_sealed);
         sealed_vs_raw.push(raw / wall_sealed);
         t_sealed += wall_sealed;
+        let ids = prefill_rooms(&tls, &long_prompt, rooms, &mut next_room);
+        let (wall_tls, dt) = at_once(&tls, &long_prompt, &ids, &tls_peer);
+        assert_eq!(dt.failures, 0, "a room over TLS failed");
+        tls_ratios.push(wall / wall_tls);
+        tls_vs_sealed.push(wall_sealed / wall_tls);
+        tls_vs_raw.push(raw / wall_tls);
+        t_tls += wall_tls;
         batch_ratios.push(raw / wall);
         warm_ratios.push(warm / wall);
         add(&mut d_batch, d);
@@ -490,9 +507,14 @@ fn main() {
     let dm = pair.decode.metrics();
     drop(pair);
     drop(sealed);
+    drop(tls);
     let sealed_list = listed_ratios(&sealed_ratios);
     let auth_vs_plain = agentic::quantile(&mut sealed_ratios, 0.5);
     let auth_vs_tcp = agentic::quantile(&mut sealed_vs_raw, 0.5);
+    let tls_list = listed_ratios(&tls_ratios);
+    let tls_vs_plain = agentic::quantile(&mut tls_ratios, 0.5);
+    let tls_vs_auth = agentic::quantile(&mut tls_vs_sealed, 0.5);
+    let tls_vs_tcp = agentic::quantile(&mut tls_vs_raw, 0.5);
 
     let gb = |k: &KvTransfer| pd::gbps(k.bytes, k.seconds);
     let raw_gbps = pd::gbps(d_long.bytes, t_raw);
@@ -598,6 +620,12 @@ fn main() {
          {sealed_list}); authenticated vs raw TCP {auth_vs_tcp:.2}×",
         1e3 * t_sealed / rounds as f64
     );
+    println!(
+        "  in TLS (pd.tls: TLS 1.3, AES-128-GCM; the key's handshake inside, bound to the session): \
+         {:.2} ms a round; unauthenticated vs TLS {tls_vs_plain:.2}× (median of the rounds: \
+         {tls_list}); authenticated vs TLS {tls_vs_auth:.2}×; TLS vs raw TCP {tls_vs_tcp:.2}×",
+        1e3 * t_tls / rounds as f64
+    );
     println!("  one room at a time (claim → landed: a claim round trip and an engine wake-up per room that a stream does not pay):");
     println!(
         "    decode  claim → landed {:8.2} ms per room  {:7.3} GB/s",
@@ -657,7 +685,8 @@ fn main() {
     if transfer_only {
         println!(
             "ratios transfer_vs_tcp={transfer_vs_tcp:.2} auth_vs_plain={auth_vs_plain:.2} \
-             auth_vs_tcp={auth_vs_tcp:.2}"
+             auth_vs_tcp={auth_vs_tcp:.2} tls_vs_plain={tls_vs_plain:.2} \
+             tls_vs_auth={tls_vs_auth:.2} tls_vs_tcp={tls_vs_tcp:.2}"
         );
         return;
     }
@@ -796,7 +825,8 @@ fn main() {
     println!("total {:.0} s", t_all.elapsed().as_secs_f64());
     println!(
         "ratios transfer_vs_tcp={transfer_vs_tcp:.2} auth_vs_plain={auth_vs_plain:.2} \
-         auth_vs_tcp={auth_vs_tcp:.2} ttft_p99_pd_vs_unified={:.2}",
+         auth_vs_tcp={auth_vs_tcp:.2} tls_vs_plain={tls_vs_plain:.2} tls_vs_auth={tls_vs_auth:.2} \
+         tls_vs_tcp={tls_vs_tcp:.2} ttft_p99_pd_vs_unified={:.2}",
         pd_p99 / uni_p99
     );
 }

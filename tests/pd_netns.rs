@@ -7,7 +7,8 @@
 //! and leaves its pools empty. Delay, loss and reordering come from the fault-injecting
 //! wrappers (`tc netem` is not available here): over tcp the fault proxy
 //! (tests/common/fault_proxy.rs) runs on the decode's host as a middlebox, over ucx each
-//! process's UCX thread injects them (`DSV4_UCX_FAULTS`).
+//! process's UCX thread injects them (`DSV4_UCX_FAULTS`). Engines hold a `pd.auth_key_file`
+//! (beyond loopback they need one) except behind the reordering proxy; one TCP pair runs in TLS.
 //!
 //! Creating namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2, so the tests are
 //! ignored in a plain `cargo test`; `make test-netns` (part of `make test`) runs them with
@@ -531,4 +532,34 @@ fn cutting_the_wire_between_the_hosts_ends_every_room_on_both_by_missed_heartbea
     );
 }
 
+}
+
+/// A pair on two hosts in TLS (`pd.tls`, the test certificates, which name the prefill host's
+/// address), with the key: the decode checks the prefill's certificate for the address its
+/// `pd_peer` names, and the rooms are bit-equal to a unified engine's. TCP only (TLS is).
+#[test]
+#[ignore = "needs root to make network namespaces: run by `make test-netns`"]
+fn in_tls_a_pair_on_two_hosts_is_bit_equal_to_a_unified_engine() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ids = common::ids("flash-like");
+    let lens = [64usize, 300];
+    let want = unified_tokens(common::pd_node::base(), &ids, &lens, 6);
+    let hosts = Hosts::new("tlst");
+    let tls = |f: &str| format!("{}/tests/fixtures/tls/{f}", env!("CARGO_MANIFEST_DIR"));
+    let mut prefill = common::pd_node::base();
+    common::requests::merge(
+        &mut prefill,
+        json!({"pd": {"tls": true, "tls_cert_file": tls("prefill.pem"),
+                      "tls_key_file": tls("prefill.key")}}),
+    );
+    let mut decode = common::pd_node::base();
+    common::requests::merge(
+        &mut decode,
+        json!({"pd": {"tls": true, "tls_ca_file": tls("ca.pem")}}),
+    );
+    let (mut p, mut d) = hosts.pair("tcp", prefill, decode);
+    rooms_match(&mut p, &mut d, &ids, &lens, 6, &want);
+    assert_eq!(d.metrics()["failures"], 0);
+    d.quit();
+    p.quit();
 }

@@ -30,9 +30,12 @@ pub fn engine(
         // `ucx-am`: UCX with state bytes as active messages (`pd.ucx_rma = false`); `ucx`:
         // by RMA, even where UCX emulates puts with messages (its tcp transport); `-auth`
         // after any of them: between engines that authenticate (`pd.auth_key_file`; every
-        // frame MACed, and an RMA-written room's bytes by the MAC in its DONE).
-        let auth = transport.ends_with("-auth");
-        let (transport, rma) = match transport.trim_end_matches("-auth") {
+        // frame MACed, and an RMA-written room's bytes by the MAC in its DONE); `tcp-tls`:
+        // TCP in TLS (`pd.tls`, the test certificates of tests/fixtures/tls) between engines
+        // that also authenticate, bound to the session.
+        let tls = transport.ends_with("-tls");
+        let auth = transport.ends_with("-auth") || tls;
+        let (transport, rma) = match transport.trim_end_matches("-auth").trim_end_matches("-tls") {
             "ucx-am" => ("ucx", false),
             t => (t, true),
         };
@@ -40,6 +43,17 @@ pub fn engine(
                            "listen": format!("{transport}://127.0.0.1:0")});
         if auth {
             doc["pd"]["auth_key_file"] = json!(bench_key_file());
+        }
+        if tls {
+            let fixture =
+                |f: &str| format!("{}/tests/fixtures/tls/{f}", env!("CARGO_MANIFEST_DIR"));
+            doc["pd"]["tls"] = json!(true);
+            if role == "prefill" {
+                doc["pd"]["tls_cert_file"] = json!(fixture("prefill.pem"));
+                doc["pd"]["tls_key_file"] = json!(fixture("prefill.key"));
+            } else {
+                doc["pd"]["tls_ca_file"] = json!(fixture("ca.pem"));
+            }
         }
     }
     Engine::create(Params::from_value(&doc).expect("valid params")).expect("engine")

@@ -187,12 +187,14 @@ fn start<B: Backend>(
             let auth =
                 pd::auth::for_listen(p.auth_key_file.as_deref(), p.insecure_no_auth, &listen)
                     .map_err(Error::config)?;
+            let side = if role == Role::Prefill {
+                Side::Prefill
+            } else {
+                Side::Decode
+            };
+            let tls = pd::tls::for_engine(p, side).map_err(Error::config)?;
             let cfg = pd::Config {
-                side: if role == Role::Prefill {
-                    Side::Prefill
-                } else {
-                    Side::Decode
-                },
+                side,
                 listen,
                 ucx_library: p.ucx_library.as_ref().map(std::path::PathBuf::from),
                 advertise: p.advertise.as_deref().map(endpoint).transpose()?,
@@ -208,6 +210,7 @@ fn start<B: Backend>(
                     max_outbox_bytes: usize::try_from(p.max_outbox_bytes).unwrap_or(usize::MAX),
                 },
                 auth,
+                tls,
                 allowed_peers: p.allowed_peers.clone(),
                 layout: cache.pools().layout().fingerprint().clone(),
                 // Host-memory pools may be written by a prefill's RMA (UCX); the engine thread

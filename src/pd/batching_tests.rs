@@ -73,6 +73,7 @@ fn config(side: Side) -> Config {
         max_rooms: 16,
         bounds: crate::pd::PeerBounds::default(),
         auth: None,
+        tls: None,
         allowed_peers: Vec::new(),
         layout: fingerprint(),
         rma_regions: Vec::new(),

@@ -141,6 +141,10 @@ fn refused(f: &Frame) -> Result<(), String> {
         return Ok(());
     }
     let said = wire::parse::<Refusal>(f).map_or_else(|e| e, |r| r.message);
+    if said != REFUSED {
+        // A refusal that names its own fix (a prefill without a key, or with pd.tls).
+        return Err(format!("it refused the connection: {said}"));
+    }
     Err(format!(
         "it refused the connection ({said}): give both engines the same secret in \
          pd.auth_key_file (one line of each engine's file must match)"

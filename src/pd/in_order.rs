@@ -22,6 +22,11 @@ impl<T> InOrder<T> {
         }
     }
 
+    /// The number of the item due next.
+    pub fn next(&self) -> u64 {
+        self.next
+    }
+
     /// Item `seq`: the items now in turn, in order (none while an earlier one is missing). An
     /// item numbered twice, or too far ahead, is the sender's error.
     pub fn accept(&mut self, seq: u64, item: T) -> Result<Vec<T>, String> {

@@ -41,6 +41,7 @@ use super::buffers::StateBuf;
 use super::incoming::Lent;
 use super::rma::Target;
 use super::seal::{self, Sequence};
+use super::tls::Stream;
 use super::wire::{self, Frame, Kind, ReadError};
 
 /// At most this many bytes are written by a caller directly (without blocking) before the rest
@@ -61,7 +62,7 @@ const STARVED_AFTER: Duration = Duration::from_millis(250);
 const READ_AHEAD: usize = 8 << 10;
 
 /// The reader's end of a TCP link.
-type Reader = BufReader<TcpStream>;
+type Reader = BufReader<Stream>;
 
 /// Consecutive control frames are written together up to this many bytes.
 const COALESCE_BYTES: usize = 64 << 10;
@@ -361,6 +362,18 @@ impl Out {
     }
 }
 
+/// In TLS, `out` as the records that carry it (made now, in wire order: the caller holds the
+/// wire lock); the rest of a frame the socket took part of is records already. `None` when
+/// the session failed.
+fn encrypted(tls: Option<&Arc<super::tls::Session>>, out: Out) -> Option<Out> {
+    match (tls, out) {
+        (Some(s), out @ (Out::Frame(_) | Out::Data { .. })) => {
+            s.encrypt(&out.wire_parts()).ok().map(Out::Frame)
+        }
+        (_, out) => Some(out),
+    }
+}
+
 /// `parts` without their first `n` bytes (in order across the parts).
 fn advance(parts: &mut [&[u8]; 3], mut n: usize) {
     for p in parts.iter_mut() {
@@ -541,8 +554,9 @@ enum Next {
 
 /// How a link's frames travel.
 enum Conn {
-    /// A TCP connection, with the link's own reader and writer threads.
-    Tcp(TcpStream),
+    /// A TCP connection (encrypted with `pd.tls`), with the link's own reader and writer
+    /// threads.
+    Tcp(Stream),
     /// An endpoint of the node's UCX thread, which sends and receives for every UCX link.
     Ucx(super::ucx_port::Port),
 }
@@ -577,7 +591,7 @@ impl Link {
     pub fn start(
         id: u64,
         peer: String,
-        stream: TcpStream,
+        stream: Stream,
         interval: Duration,
         peer_interval: Duration,
         misses: u32,
@@ -588,11 +602,12 @@ impl Link {
     ) -> io::Result<Arc<Link>> {
         let peer_interval = peer_interval.max(Duration::from_millis(1));
         let dead_after = peer_interval * misses;
-        stream.set_nodelay(true)?;
+        let tcp = stream.tcp();
+        tcp.set_nodelay(true)?;
         // The reader wakes every peer interval to check for silence; a write blocked that long
         // on a peer that stopped reading means the peer is gone.
-        stream.set_read_timeout(Some(peer_interval))?;
-        stream.set_write_timeout(Some(dead_after))?;
+        tcp.set_read_timeout(Some(peer_interval))?;
+        tcp.set_write_timeout(Some(dead_after))?;
         let (send, opener) = sequences.unzip();
         let link = Arc::new(Link::new(
             id,
@@ -783,7 +798,7 @@ impl Link {
         let Conn::Tcp(stream) = &self.conn else {
             return;
         };
-        let fd = stream.as_raw_fd();
+        let (fd, tls) = (stream.tcp().as_raw_fd(), stream.session());
         let mut budget = DIRECT_BYTES;
         let mut o = self.outbox();
         while budget > 0 {
@@ -791,6 +806,11 @@ impl Link {
                 break;
             };
             drop(o);
+            let Some(out) = encrypted(tls, out) else {
+                // The session failed: the writer's next write reports why.
+                o = self.outbox();
+                break;
+            };
             let sent = loop {
                 match send_parts(fd, out.wire_parts(), libc::MSG_DONTWAIT) {
                     Err(e) if e.kind() == IoKind::Interrupted => continue,
@@ -842,7 +862,7 @@ impl Link {
         self.ready.notify_all();
         match &self.conn {
             Conn::Tcp(stream) => {
-                let _ = stream.shutdown(Shutdown::Both);
+                let _ = stream.tcp().shutdown(Shutdown::Both);
             }
             Conn::Ucx(port) => port.wake(),
         }
@@ -888,9 +908,9 @@ impl Link {
         }
     }
 
-    fn write_loop(self: Arc<Self>, stream: TcpStream, handler: Arc<dyn Handler>) {
+    fn write_loop(self: Arc<Self>, stream: Stream, handler: Arc<dyn Handler>) {
         crate::threads::mark_internal();
-        let fd = stream.as_raw_fd();
+        let fd = stream.tcp().as_raw_fd();
         // Ends when closed (the link went down) or finished (its last frames are out).
         loop {
             let next = self.wait_for_work();
@@ -902,11 +922,22 @@ impl Link {
                     Some(f) => f,
                     None => continue,
                 },
+                // Unless a caller left the rest of a frame (or queued one) since: that goes
+                // first, and it is no less a sign of life than a heartbeat.
                 Next::Heartbeat => {
-                    Out::Frame(self.outbox().sealed(wire::encode(Kind::Heartbeat, 0, &[])))
+                    let mut o = self.outbox();
+                    match o.pop_stream() {
+                        Some(f) => f,
+                        None => Out::Frame(o.sealed(wire::encode(Kind::Heartbeat, 0, &[]))),
+                    }
                 }
             };
-            if let Err(e) = frame.write_blocking(fd) {
+            let written = match (stream.session(), &frame) {
+                // What the socket did not take of a frame's records is written as it is.
+                (Some(tls), Out::Frame(_) | Out::Data { .. }) => tls.send(&frame.wire_parts()),
+                _ => frame.write_blocking(fd),
+            };
+            if let Err(e) = written {
                 let why = match e.kind() {
                     IoKind::WouldBlock | IoKind::TimedOut => format!(
                         "the peer accepted no data for {} ms (it stopped reading)",
@@ -1225,7 +1256,7 @@ impl Link {
 
     fn read_loop(
         self: Arc<Self>,
-        stream: TcpStream,
+        stream: Stream,
         handler: Arc<dyn Handler>,
         mut opener: Option<Sequence>,
     ) {
@@ -1233,7 +1264,7 @@ impl Link {
         let mut stream = BufReader::with_capacity(READ_AHEAD, stream);
         loop {
             handler.between_frames(&self, &mut || {
-                !stream.buffer().is_empty() || readable(stream.get_ref())
+                !stream.buffer().is_empty() || readable(stream.get_ref().tcp())
             });
             match self.read_one(&mut stream, &handler, &mut opener) {
                 Ok(()) => {}
@@ -1318,7 +1349,7 @@ mod tests {
         let link = Link::start(
             1,
             "peer".into(),
-            ours,
+            Stream::Tcp(ours),
             ms,
             ms,
             3,

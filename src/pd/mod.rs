@@ -14,8 +14,9 @@
 //! `ucx_port`: the UCX thread, with `rma`: the state written straight into the decode's memory;
 //! `wake`: the listener's wait, which a shutdown ends. Who may be a peer (docs/security.md):
 //! `auth` (the key file, proofs, keyed digests), `handshake` (the challenge-response as
-//! frames), `seal` (every frame's MAC on an authenticated link), `bounds` (what a peer may
-//! hold: links, handshakes, queued bytes, time).
+//! frames), `seal` (every frame's MAC on an authenticated link), `tls` (TCP links encrypted,
+//! the handshake bound to the session), `bounds` (what a peer may hold: links, handshakes,
+//! queued bytes, time).
 
 pub mod auth;
 #[cfg(test)]
@@ -36,6 +37,7 @@ pub mod room;
 pub mod seal;
 #[cfg(test)]
 mod test_rooms;
+pub mod tls;
 pub mod ucx;
 pub mod ucx_faults;
 pub mod ucx_port;

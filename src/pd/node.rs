@@ -24,6 +24,7 @@ use super::incoming::{Incoming, Lent};
 use super::link::{spawn, Bulk, Handler, Link, Segment};
 use super::rma::{self, Target};
 use super::room::{FailReason, RoomState};
+use super::tls::Stream;
 use super::ucx_port::{self, Accepted, Acceptor, NotConnected, Port};
 use super::wire::{self, Claim, Done, Failure, Frame, Hello, Kind, Refusal, Side, StateHeader};
 use crate::config::params::{Endpoint, PdTransport};
@@ -99,6 +100,8 @@ pub struct Config {
     pub bounds: super::PeerBounds,
     /// `pd.auth_key_file`'s secrets: links authenticate with them before anything else.
     pub auth: Option<auth::Keys>,
+    /// `pd.tls`: TCP links are encrypted (a prefill's certificate, a decode's trust anchors).
+    pub tls: Option<super::tls::Tls>,
     /// Decode: the prefills `pd_peer` may name (`pd.allowed_peers`); empty: any.
     pub allowed_peers: Vec<String>,
     pub layout: LayoutFingerprint,
@@ -337,26 +340,36 @@ struct Inner {
     handshakes: Arc<AtomicUsize>,
 }
 
-/// An authenticated connection's keys: its rooms' and its frames' MAC sequences (this side's
-/// sending and receiving), which seal the HELLOs and then every frame.
+/// An authenticated connection's keys: its rooms', and its frames' MAC sequences (this
+/// side's sending and receiving), which seal the HELLOs and then every frame. In TLS the
+/// frames carry no MAC of their own: the session protects every byte, and the
+/// challenge-response that keyed the link is bound to it.
 struct Sealed {
     rooms: auth::LinkKeys,
-    send: super::seal::Sequence,
-    recv: super::seal::Sequence,
+    frames: Option<(super::seal::Sequence, super::seal::Sequence)>,
 }
 
 impl Sealed {
-    fn new(secrets: &auth::Keys, a: handshake::Authenticated) -> Self {
+    fn new(secrets: &auth::Keys, a: handshake::Authenticated, stream: &Stream) -> Self {
+        let frames = stream.session().is_none().then(|| {
+            (
+                super::seal::Sequence::new(a.keys.send.clone()),
+                super::seal::Sequence::new(a.keys.recv.clone()),
+            )
+        });
         Self {
             rooms: secrets.link_keys(a.index, &a.keys),
-            send: super::seal::Sequence::new(a.keys.send),
-            recv: super::seal::Sequence::new(a.keys.recv),
+            frames,
         }
     }
 
-    /// `frame` with its MAC where the connection is authenticated.
+    /// `frame` with its MAC where the connection's frames carry one.
     fn seal(sealed: &mut Option<Sealed>, frame: Vec<u8>) -> Vec<u8> {
-        super::seal::sealed(sealed.as_mut().map(|s| &mut s.send), frame)
+        let send = sealed
+            .as_mut()
+            .and_then(|s| s.frames.as_mut())
+            .map(|f| &mut f.0);
+        super::seal::sealed(send, frame)
     }
 }
 
@@ -1609,7 +1622,7 @@ impl Inner {
 
     /// The accepting side of a connection: reads the peer's HELLO, refuses it or answers
     /// with ours and starts the link.
-    fn handshake(self: Arc<Self>, mut stream: TcpStream, addr: SocketAddr) {
+    fn handshake(self: Arc<Self>, stream: TcpStream, addr: SocketAddr) {
         crate::threads::mark_internal();
         let setup = stream
             .set_nonblocking(false)
@@ -1619,6 +1632,38 @@ impl Inner {
             return;
         }
         let deadline = Instant::now() + self.cfg.bounds.handshake_timeout;
+        // With pd.tls everything from here on is inside the session; a peer that does not
+        // begin one (a decode without pd.tls) is told so, in a frame it can read.
+        if self.cfg.tls.is_some() && !self.begins_tls(&stream, deadline) {
+            let message = format!(
+                "the prefill {} encrypts its links (pd.tls): set pd.tls and pd.tls_ca_file on \
+                 the decode too",
+                self.endpoint
+            );
+            log::warn!("PD: refused a connection from {addr}: it did not begin TLS");
+            let refusal = wire::encode_json(
+                Kind::Refuse,
+                0,
+                &Refusal {
+                    reason: FailReason::Mismatch,
+                    message,
+                },
+            );
+            let _ = wire::write_all(&mut &stream, &refusal);
+            return;
+        }
+        let mut stream = match &self.cfg.tls {
+            None => Stream::Tcp(stream),
+            Some(tls) => {
+                match tls.accept(stream, deadline, &|| self.closing.load(Ordering::SeqCst)) {
+                    Ok(session) => Stream::Tls(session),
+                    Err(e) => {
+                        log::warn!("PD: connection from {addr}: {e}");
+                        return;
+                    }
+                }
+            }
+        };
         let mut first = match self.read_handshake(&mut stream, deadline) {
             Ok(f) => f,
             Err(e) => {
@@ -1633,9 +1678,10 @@ impl Inner {
             let Ok(mut out) = stream.try_clone() else {
                 return;
             };
+            let binding = stream.binding().to_vec();
             let index = handshake::accept(
                 keys,
-                &[],
+                &binding,
                 first,
                 &mut || {
                     self.read_handshake(&mut stream, deadline)
@@ -1644,7 +1690,7 @@ impl Inner {
                 &mut |b: &[u8]| wire::write_all(&mut out, b).map_err(|e| e.to_string()),
             );
             match index {
-                Ok(a) => sealed = Some(Sealed::new(keys, a)),
+                Ok(a) => sealed = Some(Sealed::new(keys, a, &stream)),
                 Err(why) => {
                     log::warn!(
                         "PD: refused a connection from {addr}: it did not authenticate: {why}"
@@ -1707,6 +1753,31 @@ impl Inner {
         let _ = self.add_link(stream, hello.endpoint, peer_interval, sealed);
     }
 
+    /// Whether the connection's first byte (waited for until `deadline`) begins a TLS
+    /// handshake record (22).
+    fn begins_tls(&self, stream: &TcpStream, deadline: Instant) -> bool {
+        let mut first = [0u8; 1];
+        loop {
+            match stream.peek(&mut first) {
+                Ok(0) => return false,
+                Ok(_) => return first[0] == 22,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    if self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline {
+                        return false;
+                    }
+                }
+                Err(_) => return false,
+            }
+        }
+    }
+
     /// Why a decode that began with AUTH is refused by a prefill without keys.
     fn no_key_here(&self) -> String {
         format!(
@@ -1765,12 +1836,13 @@ impl Inner {
     /// Starts a link over a connection whose HELLOs were exchanged.
     fn add_link(
         self: &Arc<Self>,
-        stream: TcpStream,
+        stream: Stream,
         peer: String,
         peer_interval: Duration,
         sealed: Option<Sealed>,
     ) -> std::result::Result<Arc<Link>, String> {
-        let (rooms, sequences) = sealed.map(|s| (s.rooms, (s.send, s.recv))).unzip();
+        let (rooms, sequences) = sealed.map(|s| (s.rooms, s.frames)).unzip();
+        let sequences = sequences.flatten();
         let (interval, misses) = (self.cfg.heartbeat_interval, self.cfg.heartbeat_misses);
         let max_queued = self.cfg.bounds.max_outbox_bytes;
         self.add_link_with(peer, rooms, |id, peer, handler| {
@@ -1902,7 +1974,7 @@ impl Inner {
                 }
             }
         }
-        let mut stream = stream.ok_or_else(|| {
+        let stream = stream.ok_or_else(|| {
             dead(format!(
                 "cannot connect to the prefill {peer}: {}: check pd_peer (what \
                  dsv4_pd_endpoint returned on the prefill engine) and that it is running",
@@ -1913,12 +1985,29 @@ impl Inner {
             |e: std::io::Error| dead(format!("the handshake with the prefill {peer} failed: {e}"));
         stream.set_read_timeout(Some(POLL)).map_err(io)?;
         let deadline = deadline.min(Instant::now() + self.cfg.bounds.handshake_timeout);
+        let mut stream = match &self.cfg.tls {
+            None => Stream::Tcp(stream),
+            Some(tls) => {
+                let stop = || self.closing.load(Ordering::SeqCst);
+                let session = tls.connect(stream, &endpoint.host, deadline, &stop);
+                Stream::Tls(session.map_err(|m| {
+                    (
+                        FailReason::Mismatch,
+                        format!(
+                            "the prefill {peer}: {m}: give both engines pd.tls, this one a \
+                             pd.tls_ca_file that signed the prefill's pd.tls_cert_file"
+                        ),
+                    )
+                })?)
+            }
+        };
         let mut sealed = match &self.cfg.auth {
             Some(keys) => {
                 let mut out = stream.try_clone().map_err(io)?;
+                let binding = stream.binding().to_vec();
                 let authenticated = handshake::initiate(
                     keys,
-                    &[],
+                    &binding,
                     &mut || {
                         self.read_handshake(&mut stream, deadline)
                             .map_err(|e| format!("{e:?}"))
@@ -1931,7 +2020,7 @@ impl Inner {
                         format!("the prefill {peer} did not authenticate: {m}"),
                     )
                 })?;
-                Some(Sealed::new(keys, authenticated))
+                Some(Sealed::new(keys, authenticated, &stream))
             }
             None => None,
         };
@@ -2052,26 +2141,26 @@ impl Inner {
     /// stream's read timeout is [`POLL`]).
     fn read_handshake(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut Stream,
         deadline: Instant,
     ) -> std::result::Result<Frame, wire::ReadError> {
         wire::read_frame(&mut |buf| self.handshake_fill(stream, deadline, buf))
     }
 
-    /// [`Self::read_handshake`], then, on an authenticated connection, the frame's MAC,
-    /// checked.
+    /// [`Self::read_handshake`], then, on an authenticated connection outside TLS, the frame's
+    /// MAC, checked.
     fn read_sealed(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut Stream,
         deadline: Instant,
         sealed: &mut Option<Sealed>,
     ) -> std::result::Result<Frame, wire::ReadError> {
         let frame = self.read_handshake(stream, deadline)?;
-        if let Some(s) = sealed {
+        if let Some((_, recv)) = sealed.as_mut().and_then(|s| s.frames.as_mut()) {
             let mut tag = [0u8; super::seal::TAG];
             self.handshake_fill(stream, deadline, &mut tag)?;
             let header = wire::header(frame.kind, frame.payload.len(), frame.room);
-            if !s.recv.check(&[&header, &frame.payload], &tag) {
+            if !recv.check(&[&header, &frame.payload], &tag) {
                 return Err(wire::ReadError::Protocol(format!(
                     "a {:?} frame does not verify under the link's key",
                     frame.kind
@@ -2085,21 +2174,22 @@ impl Inner {
     /// unless the node shuts down.
     fn handshake_fill(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut Stream,
         deadline: Instant,
         buf: &mut [u8],
     ) -> std::io::Result<()> {
         use std::io::{ErrorKind as K, Read};
         let mut at = 0;
         while at < buf.len() {
+            // Checked at every turn, not only when a read times out: a peer that sends a byte
+            // at a time gets no more time.
+            if self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline {
+                return Err(std::io::Error::new(K::TimedOut, "no handshake in time"));
+            }
             match stream.read(&mut buf[at..]) {
                 Ok(0) => return Err(std::io::Error::new(K::UnexpectedEof, "connection closed")),
                 Ok(n) => at += n,
-                Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut | K::Interrupted) => {
-                    if self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline {
-                        return Err(std::io::Error::new(K::TimedOut, "no handshake in time"));
-                    }
-                }
+                Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut | K::Interrupted) => {}
                 Err(e) => return Err(e),
             }
         }

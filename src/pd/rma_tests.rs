@@ -128,6 +128,7 @@ fn config(side: Side, transfer_timeout: Duration, rma_regions: Vec<PoolRegion>) 
         max_rooms: 16,
         bounds: crate::pd::PeerBounds::default(),
         auth: None,
+        tls: None,
         allowed_peers: Vec::new(),
         layout: fingerprint(),
         rma_regions,

@@ -405,9 +405,9 @@ enum State {
         hello: Vec<u8>,
         step: Dialing,
     },
-    /// Answered: waiting for [`Port::bind`] until the deadline; frames that arrive meanwhile
-    /// are held.
-    Answered(Vec<Message>, Instant),
+    /// Answered: waiting for [`Port::bind`] until the deadline; frames that come in turn
+    /// meanwhile (checked, in order) are held for the link, at most [`MAX_HELD`].
+    Answered(Vec<Parsed>, Instant),
     Bound {
         link: Arc<Link>,
         handler: Arc<dyn Handler>,
@@ -1070,8 +1070,12 @@ impl Thread<'_> {
                     _ => Vec::new(),
                 };
                 link.heard();
-                for m in held {
-                    self.deliver(conn, m);
+                for frame in held {
+                    // A frame may end the connection: the rest go with it.
+                    if !self.conns.contains_key(&conn) {
+                        break;
+                    }
+                    self.handle(conn, frame);
                 }
             }
             Cmd::Drop(conn) => self.remove(conn, true),
@@ -1222,10 +1226,6 @@ impl Thread<'_> {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        if let State::Answered(held, _) = &mut c.state {
-            held.push(m);
-            return;
-        }
         let (seq, frame) = match parse(m, c.opener.as_ref()) {
             Ok(x) => x,
             Err(e) => {
@@ -1233,6 +1233,17 @@ impl Thread<'_> {
                 return;
             }
         };
+        // Before the keys are in, nothing is held ahead of its turn: a message parked early
+        // would be handed on after the keys came, never checked against them. The
+        // challenge-response goes one message at a time each way, so a peer that follows it
+        // sends nothing early.
+        let due = c.incoming.next();
+        if self.handshakes.secrets.is_some() && c.opener.is_none() && seq != due {
+            let why = format!("message {seq} arrived before message {due} of its handshake");
+            log::warn!("PD: closed a UCX connection in its handshake: {why}");
+            self.fail(id, format!("the peer broke the protocol: {why}"));
+            return;
+        }
         let frames = match c.incoming.accept(seq, frame) {
             Ok(f) => f,
             Err(e) => {
@@ -1305,7 +1316,20 @@ impl Thread<'_> {
                 hello,
                 step,
             } => self.dial(id, frame, deadline, reply, hello, step),
-            State::Answered(..) | State::Bound { .. } => unreachable!("handled above"),
+            State::Answered(mut held, deadline) => {
+                // In turn after the answer, before the link is bound: kept for it.
+                if held.len() >= MAX_HELD {
+                    self.fail(
+                        id,
+                        format!("{MAX_HELD} frames arrived before the link was ready"),
+                    );
+                    return;
+                }
+                held.push((frame.kind, frame.room, offset, frame.payload));
+                let c = self.conns.get_mut(&id).expect("looked up above");
+                c.state = State::Answered(held, deadline);
+            }
+            State::Bound { .. } => unreachable!("handled above"),
         }
     }
 

@@ -300,6 +300,15 @@ pub struct PdParams {
     pub auth_key_file: Option<String>,
     /// Lets an engine listening beyond loopback run without `auth_key_file`.
     pub insecure_no_auth: bool,
+    /// Encrypts TCP links with TLS 1.3: a prefill presents `tls_cert_file` (with
+    /// `tls_key_file`), a decode checks it against `tls_ca_file`.
+    pub tls: bool,
+    /// Prefill: its certificate chain (PEM).
+    pub tls_cert_file: Option<String>,
+    /// Prefill: the certificate's private key (PEM).
+    pub tls_key_file: Option<String>,
+    /// Decode: the CA certificates a prefill's certificate must chain to (PEM).
+    pub tls_ca_file: Option<String>,
     /// Decode: the prefills `pd_peer` may name (hosts or host:port); empty: any.
     pub allowed_peers: Vec<String>,
 }

@@ -258,6 +258,10 @@ pub const KEYS: &[KeySpec] = &[
     key("pd.max_outbox_bytes", int(1 << 20, 1 << 40), "67108864").unit("bytes"),
     key("pd.auth_key_file", Kind::Text { nullable: true }, "null"),
     key("pd.insecure_no_auth", Kind::Bool, "false"),
+    key("pd.tls", Kind::Bool, "false"),
+    key("pd.tls_cert_file", Kind::Text { nullable: true }, "null"),
+    key("pd.tls_key_file", Kind::Text { nullable: true }, "null"),
+    key("pd.tls_ca_file", Kind::Text { nullable: true }, "null"),
     key("pd.allowed_peers", Kind::Hosts, "[]"),
 ];
 
