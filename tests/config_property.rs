@@ -163,9 +163,15 @@ fn valid_value(spec: &KeySpec) -> BoxedStrategy<Value> {
         Kind::Hosts => prop::collection::vec("[a-z][a-z0-9.-]{0,8}(:[1-9][0-9]{0,3})?", 0..3)
             .prop_map(|h| json!(h))
             .boxed(),
-        Kind::Labels => prop::collection::btree_map("[a-z][a-z0-9_]{0,8}", "[a-z0-9-]{0,8}", 0..3)
-            .prop_map(|labels| json!(labels))
-            .boxed(),
+        // Names the exposition puts on its own series are refused: not valid params.
+        Kind::Labels => {
+            let name = "[a-z][a-z0-9_]{0,8}".prop_filter("a reserved label", |n: &String| {
+                !dsv4::config::params::RESERVED_LABELS.contains(&n.as_str())
+            });
+            prop::collection::btree_map(name, "[a-z0-9-]{0,8}", 0..3)
+                .prop_map(|labels| json!(labels))
+                .boxed()
+        }
         Kind::NumaNode => {
             prop_oneof![Just(json!("auto")), (0u64..=4096).prop_map(Value::from)].boxed()
         }
