@@ -112,8 +112,12 @@ int64_t int_field(const json &j, const char *name, int64_t lo, int64_t hi, int64
     const std::string range = "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
     if (!v.is_number_integer())
         throw bad_request(std::string(name) + " must be an integer in " + range + ", got " + v.dump());
-    if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi) : (v.get<int64_t>() < lo || v.get<int64_t>() > hi))
-        throw bad_request(std::string(name) + " = " + v.dump() + " is outside " + range);
+    // JSON parses a non-negative number as unsigned: both bounds apply to it too.
+    const bool inside = v.is_number_unsigned()
+                            ? v.get<uint64_t>() <= static_cast<uint64_t>(hi) &&
+                                  (lo <= 0 || v.get<uint64_t>() >= static_cast<uint64_t>(lo))
+                            : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+    if (!inside) throw bad_request(std::string(name) + " = " + v.dump() + " is outside " + range);
     return v.get<int64_t>();
 }
 
@@ -265,13 +269,25 @@ void refuse_pd_fields(const json &j, const std::string &why_untrusted) {
 
 // The PD and request-id fields every generation API takes (SGLang's names): "bootstrap_room"
 // (or "pd_room"), the prefill's endpoint as "bootstrap_host" + "bootstrap_port" (or "pd_peer",
-// tcp://host:port), and "rid", the caller's id for POST /abort_request.
-void routing_fields(const json &j, job &jb) {
+// tcp://host:port), and "rid", the caller's id for POST /abort_request. SGLang's router sends
+// one body to both halves of a pair: on a prefill (`prefill`) the bootstrap host and port name
+// this very engine and are ignored; a decode needs both, or its room would wait out its
+// timeout on a peer that cannot be.
+void routing_fields(const json &j, job &jb, bool prefill) {
     if (auto room = u64_field(j, "bootstrap_room")) jb.request.pd_room(*room);
     else if (auto pd_room = u64_field(j, "pd_room")) jb.request.pd_room(*pd_room);
+    const bool host = !absent(j, "bootstrap_host"), port = !absent(j, "bootstrap_port");
     if (!absent(j, "pd_peer")) {
         jb.request.pd_peer(string_field(j, "pd_peer", 1024));
-    } else if (!absent(j, "bootstrap_host")) {
+    } else if (prefill) {
+        // Checked for shape only: a bad value is still the caller's error.
+        if (host) string_field(j, "bootstrap_host", 1024);
+        if (port) int_field(j, "bootstrap_port", 1, 65535, 0);
+    } else if (host != port) {
+        throw bad_request(std::string(host ? "bootstrap_host without bootstrap_port" : "bootstrap_port without bootstrap_host") +
+                          ": a decode needs both to reach its prefill (bootstrap_host and bootstrap_port in the prefill "
+                          "server's /server_info)");
+    } else if (host) {
         jb.request.pd_peer("tcp://" + string_field(j, "bootstrap_host", 1024) + ":" +
                            std::to_string(int_field(j, "bootstrap_port", 1, 65535, 0)));
     }
@@ -322,6 +338,7 @@ public:
         limits_.vocab = info.value("vocab_size", int64_t{1});
         limits_.max_text_bytes = max_text_bytes ? max_text_bytes : static_cast<size_t>(limits_.context) * 8;
         limits_.max_messages = max_messages;
+        prefill_ = json::parse(engine_.params_resolved()).value("role", std::string()) == "prefill";
     }
 
     const field_limits &limits() const { return limits_; }
@@ -540,7 +557,7 @@ private:
         job jb;
         jb.prompt_tokens = static_cast<uint32_t>(prompt.size());
         jb.request = build(engine_, std::move(prompt), s);
-        routing_fields(j, jb);
+        routing_fields(j, jb, prefill_);
         jb.stream = bool_field(j, "stream", false);
         run(std::move(jb), res, a);
     }
@@ -729,6 +746,7 @@ private:
     std::atomic<int> in_flight_{0};
     std::atomic<bool> draining_{false};
     bool has_tokenizer_ = false;
+    bool prefill_ = false;  // the engine's role is prefill
     std::string model_name_;
 };
 

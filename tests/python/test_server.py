@@ -457,6 +457,54 @@ def test_pd_fields_are_honoured_only_from_the_router(tmp_path, engine):
             s.stop()
 
 
+def test_sglangs_router_body_goes_to_both_halves_of_a_pair(tmp_path, engine):
+    """SGLang's router in PD mode sends one body, with bootstrap_host, bootstrap_port and
+    bootstrap_room, to the prefill and the decode (both run with --trust-pd-fields): the prefill
+    ignores the host and port (they name it), the decode connects to them, and the decode's
+    tokens are a unified engine's. A decode given a host without a port (null or missing), or a
+    port of 0, refuses at once with 400 naming the field, instead of waiting out its timeout."""
+    pd = {"listen": "tcp://127.0.0.1:0"}
+    for d in ("p", "d"):
+        (tmp_path / d).mkdir()
+    prefill = Server(tmp_path / "p", args=["--trust-pd-fields"], role="prefill", pd=pd)
+    decode = Server(tmp_path / "d", args=["--trust-pd-fields"], role="decode", pd=pd)
+    try:
+        info = prefill.json("/server_info")[2]
+        want = list(engine.generate(PROMPT, max_new_tokens=4, **GREEDY))
+        for room, path in ((21, "/generate"), (22, "/v1/completions")):
+            body = {"bootstrap_room": room, "bootstrap_host": info["bootstrap_host"],
+                    "bootstrap_port": info["bootstrap_port"]}
+            if path == "/generate":
+                body.update({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+            else:
+                body.update({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+            got = {}
+            t = threading.Thread(target=lambda: got.update(p=prefill.json(path, body)))
+            t.start()
+            status, _, d = decode.json(path, body)
+            t.join(timeout=60)
+            assert got["p"][0] == 200, got
+            assert status == 200, d
+            if path == "/generate":
+                assert d["output_ids"] == want, d
+            else:
+                assert d["usage"]["completion_tokens"] == 4, d
+        bad = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "bootstrap_room": 30,
+               "bootstrap_host": info["bootstrap_host"]}
+        for extra, says in (({}, "bootstrap_host without bootstrap_port"),
+                            ({"bootstrap_port": None}, "bootstrap_host without bootstrap_port"),
+                            ({"bootstrap_port": 0}, "bootstrap_port = 0 is outside [1, 65535]")):
+            started = time.time()
+            status, _, err = decode.json("/generate", {**bad, **extra})
+            assert status == 400 and says in err["error"]["message"], err
+            assert time.time() - started < 5
+        status, _, err = decode.json("/generate", {**bad, "bootstrap_host": None, "bootstrap_port": 7})
+        assert status == 400 and "bootstrap_port without bootstrap_host" in err["error"]["message"], err
+    finally:
+        for s in (prefill, decode):
+            s.stop()
+
+
 def value(server, name, **labels):
     from prometheus_client.parser import text_string_to_metric_families
     for family in text_string_to_metric_families(server.call("/metrics")[2]):
