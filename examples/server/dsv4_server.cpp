@@ -8,7 +8,9 @@
 // GET  /health                200 when the engine is READY, 503 otherwise; {"state", "reason"}
 // GET  /metrics               the Prometheus exposition (text/plain; version=0.0.4)
 // GET  /server_info           version, role, model facts, resolved params, PD endpoint
-// GET  /v1/models             OpenAI's model list: the checkpoint's name
+// GET  /v1/models             OpenAI's model list: --served-model-name, else the checkpoint's name
+// GET  /model_info, /get_model_info   SGLang's: model_path, tokenizer_path, is_generation
+// GET  /get_server_info       SGLang's name for /server_info
 // POST /generate              SGLang's native API: input_ids or text, sampling_params, stream
 // POST /v1/completions        OpenAI completions: prompt as text or token ids, SSE streaming
 // POST /v1/chat/completions   OpenAI chat: messages through the checkpoint's chat template
@@ -329,11 +331,12 @@ enum class api { sglang, completions, chat };
 
 class server {
 public:
-    server(dsv4::engine &engine, pd_trust trust, std::string router_token, size_t max_text_bytes, size_t max_messages)
+    server(dsv4::engine &engine, pd_trust trust, std::string router_token, size_t max_text_bytes, size_t max_messages,
+           const std::string &served_model_name)
         : engine_(engine), trust_(trust), router_token_(std::move(router_token)) {
         const json info = json::parse(engine_.model_info());
         has_tokenizer_ = info.value("has_tokenizer", false);
-        model_name_ = info.value("name", std::string("dsv4"));
+        model_name_ = served_model_name.empty() ? info.value("name", std::string("dsv4")) : served_model_name;
         limits_.context = info.value("context_limit", int64_t{4096});
         limits_.vocab = info.value("vocab_size", int64_t{1});
         limits_.max_text_bytes = max_text_bytes ? max_text_bytes : static_cast<size_t>(limits_.context) * 8;
@@ -361,24 +364,20 @@ public:
         // "router_token": the router, "refused": no one); with an X-DSV4-Router-Token header,
         // `router_token` says whether it is this server's ("accepted" or "rejected"), so a router
         // checks its token at start instead of at its first request.
-        http.get("/server_info", [this](const web::request &req, web::reply &res) {
-            const json params = json::parse(engine_.params_resolved());
-            const char *trust_names[] = {"refused", "router_token", "trusted"};
-            json out = {{"version", dsv4::version()},
-                        {"role", params.value("role", std::string("unified"))},
-                        {"model", json::parse(engine_.model_info())},
-                        {"params", params},
-                        {"pd_fields", trust_names[static_cast<int>(trust_)]}};
-            if (req.has(serve::kRouterTokenHeader)) out["router_token"] = token_matches(req) ? "accepted" : "rejected";
-            if (out["role"] != "unified") {
-                const std::string endpoint = engine_.pd_endpoint();  // tcp://host:port
-                out["pd_endpoint"] = endpoint;
-                const size_t colon = endpoint.rfind(':');
-                out["bootstrap_host"] = endpoint.substr(6, colon - 6);
-                out["bootstrap_port"] = std::stoi(endpoint.substr(colon + 1));
-            }
-            res.send(200, "application/json", out.dump());
-        });
+        http.get("/server_info", [this](const web::request &req, web::reply &res) { server_info(req, res); });
+        // SGLang's name for it: its router and tools ask there.
+        http.get("/get_server_info", [this](const web::request &req, web::reply &res) { server_info(req, res); });
+        // SGLang's model facts, under both its names: where the weights and the tokenizer are
+        // (the checkpoint directory holds both), and that the model generates.
+        for (const char *path : {"/model_info", "/get_model_info"}) {
+            http.get(path, [this](const web::request &, web::reply &res) {
+                const std::string dir = json::parse(engine_.params_resolved()).value("model_path", std::string());
+                res.send(200, "application/json",
+                         json{{"model_path", dir}, {"tokenizer_path", dir}, {"is_generation", true},
+                              {"served_model_name", model_name_}}
+                             .dump());
+            });
+        }
         http.get("/metrics", [this](const web::request &, web::reply &res) {
             res.send(200, "text/plain; version=0.0.4", engine_.prometheus());
         });
@@ -550,6 +549,26 @@ private:
             else throw bad_request("prompt must be a string or a list of token ids");
         }
         answer(j, std::move(prompt), s, res, chat ? api::chat : api::completions);
+    }
+
+    // What a router needs to know about this server (GET /server_info, /get_server_info).
+    void server_info(const web::request &req, web::reply &res) {
+        const json params = json::parse(engine_.params_resolved());
+        const char *trust_names[] = {"refused", "router_token", "trusted"};
+        json out = {{"version", dsv4::version()},
+                    {"role", params.value("role", std::string("unified"))},
+                    {"model", json::parse(engine_.model_info())},
+                    {"params", params},
+                    {"pd_fields", trust_names[static_cast<int>(trust_)]}};
+        if (req.has(serve::kRouterTokenHeader)) out["router_token"] = token_matches(req) ? "accepted" : "rejected";
+        if (out["role"] != "unified") {
+            const std::string endpoint = engine_.pd_endpoint();  // tcp://host:port
+            out["pd_endpoint"] = endpoint;
+            const size_t colon = endpoint.rfind(':');
+            out["bootstrap_host"] = endpoint.substr(6, colon - 6);
+            out["bootstrap_port"] = std::stoi(endpoint.substr(colon + 1));
+        }
+        res.send(200, "application/json", out.dump());
     }
 
     // A request from its prompt, sampling and the body's routing fields and "stream".
@@ -779,7 +798,8 @@ const char *kUsage =
 
 const char *kHelp =
     "dsv4-server: one dsv4 engine behind HTTP (SGLang's /generate, OpenAI's /v1/completions and\n"
-    "/v1/chat/completions, /health, /metrics, /server_info, /v1/models, /abort_request).\n\n"
+    "/v1/chat/completions, /health, /metrics, /server_info, /v1/models, /abort_request, and SGLang's\n"
+    "/model_info, /get_model_info, /get_server_info).\n\n"
     "  --params FILE            the engine's params (JSON, docs/params.md); a relative model_path\n"
     "                           is looked up next to FILE first, then in the working directory\n"
     "  --host H                 address to listen on (127.0.0.1)\n"
@@ -789,6 +809,8 @@ const char *kHelp =
     "                           token in FILE: give dsv4-router the same file\n"
     "  --trust-pd-fields        honour PD routing fields from every request (only behind a router\n"
     "                           that strips them from its clients, such as SGLang's)\n"
+    "  --served-model-name NAME the model's id in /v1/models, responses and /model_info (the\n"
+    "                           checkpoint's name)\n"
     SERVE_LIMITS_HELP
     "  --max-body-bytes N       a request body (16 x the context's tokens, at least 1 MiB)\n"
     "  --max-text-bytes N       a text to tokenize or chat to render (8 x the context's tokens)\n"
@@ -807,7 +829,7 @@ int usage(const std::string &why) {
 }  // namespace
 
 int main(int argc, char **argv) {
-    std::string params_path, host = "127.0.0.1", token_file;
+    std::string params_path, host = "127.0.0.1", token_file, served_model_name;
     int port = 30000;
     bool trust_pd_fields = false;
     web::limits limits;
@@ -833,6 +855,7 @@ int main(int argc, char **argv) {
         else if (a == "--host") host = v;
         else if (a == "--port") port = std::atoi(v.c_str());
         else if (a == "--router-token-file") token_file = v;
+        else if (a == "--served-model-name") served_model_name = v;
         else if (a == "--http-threads") flags.set("--max-connections", v);  // the name before the limits had flags
         else if (!flags.known(a)) return usage("unknown option " + a);
         else if (std::string why = flags.set(a, v); !why.empty()) return usage(why);
@@ -861,7 +884,7 @@ int main(int argc, char **argv) {
         } catch (const dsv4::error &) {
         }
         dsv4::engine engine(params);
-        server routes(engine, trust, token, max_text, max_messages);
+        server routes(engine, trust, token, max_text, max_messages, served_model_name);
         limits.max_body_bytes =
             max_body ? max_body : std::max<size_t>(1 << 20, static_cast<size_t>(routes.limits().context) * 16);
         web::server http(limits);

@@ -660,3 +660,27 @@ def test_the_open_files_limit_is_raised_to_the_hard_limit(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_sglang_and_openai_model_discovery(tmp_path):
+    """--served-model-name is the model's id in /v1/models and in every response; SGLang's
+    /model_info and /get_model_info name the checkpoint directory (weights and tokenizer) and
+    say the model generates; /get_server_info is /server_info under SGLang's name."""
+    s = Server(tmp_path, args=["--served-model-name", "deepseek-v4-tiny"])
+    try:
+        status, _, models = s.json("/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["deepseek-v4-tiny"], models
+        info = s.json("/server_info")[2]
+        model_path = info["params"]["model_path"]
+        assert Path(model_path).is_dir(), model_path
+        for path in ("/model_info", "/get_model_info"):
+            status, _, got = s.json(path)
+            assert status == 200 and got == {"model_path": model_path, "tokenizer_path": model_path,
+                                             "is_generation": True,
+                                             "served_model_name": "deepseek-v4-tiny"}, got
+        status, _, sglang = s.json("/get_server_info")
+        assert status == 200 and sglang["role"] == info["role"] and sglang["params"] == info["params"]
+        status, _, out = s.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 200 and out["model"] == "deepseek-v4-tiny", out
+    finally:
+        s.stop()
