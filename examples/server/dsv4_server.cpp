@@ -87,8 +87,10 @@ int http_status(dsv4::status s) {
 }
 
 // The body of a refusal: {"error": {"message", "status", "code"}} (also a stream's last event).
+// OpenAI's error object (`type`, `param` as its SDK reads them) with the library's status.
 json error_json(int code, const std::string &status, const std::string &message) {
-    return {{"error", {{"message", message}, {"status", status}, {"code", code}}}};
+    const char *type = code == 429 ? "rate_limit_error" : code < 500 ? "invalid_request_error" : "server_error";
+    return {{"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", code}, {"status", status}}}};
 }
 
 // What the body's fields may hold: the model's context and vocabulary, the text and message
@@ -518,16 +520,34 @@ private:
                                   std::to_string(limits_.max_messages) + " are accepted (--max-messages)",
                               413);
         size_t bytes = 0;
+        json out = json::array();
         for (const json &msg : m) {
             if (!msg.is_object()) throw bad_request("each message must be an object {role, content}");
-            auto c = msg.find("content");
-            if (c != msg.end() && c->is_string()) bytes += c->get_ref<const std::string &>().size();
+            json copy = msg;
+            auto c = copy.find("content");
+            // OpenAI's content parts: the text parts joined by newlines (as vLLM and SGLang
+            // join them); a part of another kind (an image) is refused by name.
+            if (c != copy.end() && c->is_array()) {
+                std::string text;
+                for (const json &part : *c) {
+                    const std::string kind = part.is_object() ? part.value("type", std::string()) : std::string();
+                    if (kind != "text" || !part.contains("text") || !part["text"].is_string())
+                        throw bad_request("a content part of type \"" + kind +
+                                          "\" is not supported: send text parts ({\"type\": \"text\", \"text\": ...})");
+                    if (!text.empty()) text += "\n";
+                    text += part["text"].get<std::string>();
+                    if (text.size() > limits_.max_text_bytes) break;  // refused below
+                }
+                *c = text;
+            }
+            if (c != copy.end() && c->is_string()) bytes += c->get_ref<const std::string &>().size();
+            out.push_back(std::move(copy));
         }
         if (bytes > limits_.max_text_bytes)
             throw bad_request("the messages' contents are " + std::to_string(bytes) + " bytes; at most " +
                                   std::to_string(limits_.max_text_bytes) + " are rendered (--max-text-bytes)",
                               413);
-        return m;
+        return out;
     }
 
     // POST /v1/completions and /v1/chat/completions.
@@ -586,6 +606,7 @@ private:
         std::vector<int32_t> ids;
         std::string text;
         dsv4::event last;
+        std::time_t created = std::time(nullptr);  // OpenAI's `created`, the same on every chunk
     };
 
     json final_json(api a, const outcome &o, const std::string &id) const {
@@ -593,7 +614,8 @@ private:
             json meta = {{"prompt_tokens", o.last.prompt_tokens},
                          {"completion_tokens", o.ids.size()},
                          {"cached_tokens", o.last.cached_tokens_device + o.last.cached_tokens_host},
-                         {"finish_reason", {{"type", dsv4::finish_reason_name(o.last.finish_reason)}}}};
+                         {"finish_reason", {{"type", dsv4::finish_reason_name(o.last.finish_reason)}}},
+                         {"id", id}};
             json out = {{"output_ids", o.ids}, {"meta_info", meta}};
             if (has_tokenizer_) out["text"] = o.text;
             return out;
@@ -606,7 +628,7 @@ private:
         else choice["text"] = o.text;
         return {{"id", id},
                 {"object", a == api::chat ? "chat.completion" : "text_completion"},
-                {"created", std::time(nullptr)},
+                {"created", o.created},
                 {"model", model_name_},
                 {"choices", json::array({choice})},
                 {"usage", usage}};
@@ -638,6 +660,7 @@ private:
         else choice["text"] = "";
         return {{"id", id},
                 {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", o.created},
                 {"model", model_name_},
                 {"choices", json::array({choice})},
                 {"usage", final_json(api::completions, o, id)["usage"]}};
@@ -673,7 +696,8 @@ private:
             return;
         }
         dsv4::stream stream = engine_.submit(jb.request);
-        const std::string id = "cmpl-" + std::to_string(stream.id());
+        // OpenAI's prefixes: chat completions' ids begin chatcmpl-, completions' cmpl-.
+        const std::string id = (a == api::chat ? "chatcmpl-" : "cmpl-") + std::to_string(stream.id());
         std::unique_ptr<rid_entry> rid;
         if (!jb.rid.empty()) {
             switch (rids_.add(jb.rid, stream.id())) {
@@ -738,6 +762,7 @@ private:
                                                 : json{{"index", 0}, {"text", piece}, {"finish_reason", nullptr}};
                     chunk = sse({{"id", id},
                                  {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
+                                 {"created", o.created},
                                  {"model", model_name_},
                                  {"choices", json::array({delta})}});
                 }

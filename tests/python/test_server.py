@@ -193,7 +193,9 @@ def test_generate_matches_the_engine(server, engine):
     assert body["output_ids"] == list(want)
     assert body["text"] == engine.detokenize(list(want))
     assert body["meta_info"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 6,
-                                 "cached_tokens": 0, "finish_reason": {"type": "length"}}
+                                 "cached_tokens": 0, "finish_reason": {"type": "length"},
+                                 "id": body["meta_info"]["id"]}
+    assert body["meta_info"]["id"].startswith("cmpl-")
     # Text in: tokenized with the special tokens (BOS), like SGLang.
     text = "Hello, world!"
     ids = engine.tokenize(text, add_special=True)
@@ -684,3 +686,33 @@ def test_sglang_and_openai_model_discovery(tmp_path):
         assert status == 200 and out["model"] == "deepseek-v4-tiny", out
     finally:
         s.stop()
+
+
+def test_openai_shapes_the_sdk_reads(server, engine):
+    """Chat content as a list of text parts renders as the joined string; a part of another kind
+    is 400 naming it. Ids carry OpenAI's prefixes (chatcmpl-, cmpl-), every stream chunk the
+    same `created`; an error object has OpenAI's `type` and `param`; SGLang's meta_info has the
+    request's `id`."""
+    messages = [{"role": "user", "content": "What is 6 x 7?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                          {"type": "text", "text": "6 x 7?"}]}]
+    joined = [{"role": "user", "content": "What is\n6 x 7?"}]
+    body = {"max_tokens": 3, **GREEDY}
+    status, _, a = server.json("/v1/chat/completions", {"messages": parts, **body})
+    status_b, _, b = server.json("/v1/chat/completions", {"messages": joined, **body})
+    assert status == status_b == 200, (a, b)
+    assert a["choices"] == b["choices"] and a["usage"] == b["usage"], (a, b)
+    assert a["id"].startswith("chatcmpl-") and isinstance(a["created"], int), a
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    status, _, err = server.json("/v1/chat/completions", {"messages": image, **body})
+    assert status == 400 and 'a content part of type "image_url" is not supported' in \
+        err["error"]["message"], err
+    assert err["error"]["type"] == "invalid_request_error" and "param" in err["error"], err
+    status, _, c = server.json("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert status == 200 and c["id"].startswith("cmpl-"), c
+    events = sse_events(server.port, "/v1/chat/completions", {"messages": messages, "stream": True, **body})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["created"] for c in chunks}) == 1 and len({c["id"] for c in chunks}) == 1, chunks
+    assert chunks[0]["id"].startswith("chatcmpl-")
+    status, _, g = server.json("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and g["meta_info"]["id"], g
