@@ -256,6 +256,7 @@ const std::string &text_of(const json &j, const char *name, const field_limits &
 struct job {
     dsv4::request request{std::vector<int32_t>{}};
     bool stream = false;
+    bool include_usage = false;  // OpenAI's stream_options.include_usage: a usage chunk at the end
     std::string rid;
     uint32_t prompt_tokens = 0;
 };
@@ -598,6 +599,11 @@ private:
         jb.request = build(engine_, std::move(prompt), s);
         routing_fields(j, jb, prefill_);
         jb.stream = bool_field(j, "stream", false);
+        if (!absent(j, "stream_options")) {
+            const json &so = j["stream_options"];
+            if (!so.is_object()) throw bad_request("stream_options must be an object {\"include_usage\": bool}");
+            jb.include_usage = bool_field(so, "include_usage", false);
+        }
         run(std::move(jb), res, a);
     }
 
@@ -651,19 +657,30 @@ private:
         return out;
     }
 
-    // A stream's last event: SGLang's final answer, or OpenAI's chunk with the finish reason
-    // and the usage.
-    json last_chunk(api a, const outcome &o, const std::string &id) const {
-        if (a == api::sglang) return final_json(a, o, id);
-        json choice = {{"index", 0}, {"finish_reason", openai_finish(o.last.finish_reason)}};
-        if (a == api::chat) choice["delta"] = json::object();
-        else choice["text"] = "";
+    // An OpenAI stream chunk of request `id` with `choices`.
+    json chunk_json(api a, const outcome &o, const std::string &id, json choices) const {
         return {{"id", id},
                 {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
                 {"created", o.created},
                 {"model", model_name_},
-                {"choices", json::array({choice})},
-                {"usage", final_json(api::completions, o, id)["usage"]}};
+                {"choices", std::move(choices)}};
+    }
+
+    // A stream's last events: SGLang's final answer, or OpenAI's chunk with the finish reason
+    // and, with stream_options.include_usage, a chunk of its own with the usage and no
+    // choices (as OpenAI sends it); then [DONE].
+    std::string last_events(api a, const outcome &o, const std::string &id, bool include_usage) const {
+        if (a == api::sglang) return sse(final_json(a, o, id)) + "data: [DONE]\n\n";
+        json choice = {{"index", 0}, {"finish_reason", openai_finish(o.last.finish_reason)}};
+        if (a == api::chat) choice["delta"] = json::object();
+        else choice["text"] = "";
+        std::string out = sse(chunk_json(a, o, id, json::array({choice})));
+        if (include_usage) {
+            json usage = chunk_json(a, o, id, json::array());
+            usage["usage"] = final_json(api::completions, o, id)["usage"];
+            out += sse(usage);
+        }
+        return out + "data: [DONE]\n\n";
     }
 
     // A request whose rid was aborted before it came: answered as aborted, never submitted (a
@@ -679,7 +696,7 @@ private:
             return;
         }
         res.header("Cache-Control", "no-cache");
-        res.send(200, "text/event-stream", sse(last_chunk(a, o, id)) + "data: [DONE]\n\n");
+        res.send(200, "text/event-stream", last_events(a, o, id, jb.include_usage));
     }
 
     // One token event into `o`: the piece of text it completes.
@@ -744,8 +761,16 @@ private:
         // piece), the final one with the finish reason, then [DONE]. A write that fails (the
         // client went away, or stopped reading for the write timeout) aborts the request.
         res.header("Cache-Control", "no-cache");
-        if (!res.begin(200, "text/event-stream")) {
+        // OpenAI's chat stream opens with the assistant's role.
+        const std::string opening =
+            a == api::chat ? sse(chunk_json(a, o, id, json::array({{{"index", 0},
+                                                                    {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                                                    {"finish_reason", nullptr}}})))
+                           : std::string();
+        if (!res.begin(200, "text/event-stream") || (!opening.empty() && !res.write(opening))) {
             stream.abort();
+            while (stream.next()) {
+            }
             return;
         }
         while (std::optional<dsv4::event> e = stream.next()) {
@@ -757,19 +782,17 @@ private:
                                 {"meta_info", {{"completion_tokens", o.ids.size()}, {"finish_reason", nullptr}}}};
                     if (detok) out["text"] = o.text;
                     chunk = sse(out);
+                } else if (piece.empty()) {
+                    continue;  // a character not complete yet: OpenAI sends no empty pieces
                 } else {
                     json delta = a == api::chat ? json{{"index", 0}, {"delta", {{"content", piece}}}, {"finish_reason", nullptr}}
                                                 : json{{"index", 0}, {"text", piece}, {"finish_reason", nullptr}};
-                    chunk = sse({{"id", id},
-                                 {"object", a == api::chat ? "chat.completion.chunk" : "text_completion"},
-                                 {"created", o.created},
-                                 {"model", model_name_},
-                                 {"choices", json::array({delta})}});
+                    chunk = sse(chunk_json(a, o, id, json::array({delta})));
                 }
             } else {
                 o.last = *e;
-                chunk = sse(e->kind == dsv4::event_kind::error ? error_chunk(a, o) : last_chunk(a, o, id));
-                chunk += "data: [DONE]\n\n";
+                chunk = e->kind == dsv4::event_kind::error ? sse(error_chunk(a, o)) + "data: [DONE]\n\n"
+                                                           : last_events(a, o, id, jb.include_usage);
             }
             if (!res.write(chunk)) {
                 stream.abort();  // gone; the remaining events are drained by the stream's end

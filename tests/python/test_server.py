@@ -396,10 +396,12 @@ def test_abort_request_by_rid(server):
     # Streamed too: one final chunk, then [DONE].
     assert server.json("/abort_request", {"rid": "r3"})[2] == {"aborted": False}
     events = sse_events(server.port, "/v1/completions", {"prompt": PROMPT, "rid": "r3",
-                                                          "stream": True, "max_tokens": 5})
-    assert len(events) == 2 and events[1] == "[DONE]", events
-    last = json.loads(events[0])
-    assert last["choices"][0]["finish_reason"] == "abort" and last["usage"]["completion_tokens"] == 0
+                                                          "stream": True, "max_tokens": 5,
+                                                          "stream_options": {"include_usage": True}})
+    assert len(events) == 3 and events[2] == "[DONE]", events
+    last, usage = json.loads(events[0]), json.loads(events[1])
+    assert last["choices"][0]["finish_reason"] == "abort" and "usage" not in last, last
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 0, usage
     # ... once: the rid's next request runs.
     status, _, got = server.json("/generate", {**body, "rid": "r2", "sampling_params": short})
     assert status == 200 and got["meta_info"]["finish_reason"] == {"type": "length"}, got
@@ -714,5 +716,18 @@ def test_openai_shapes_the_sdk_reads(server, engine):
     chunks = [json.loads(e) for e in events[:-1]]
     assert len({c["created"] for c in chunks}) == 1 and len({c["id"] for c in chunks}) == 1, chunks
     assert chunks[0]["id"].startswith("chatcmpl-")
+    # The stream opens with the assistant's role; no piece is empty; no usage unless asked.
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, chunks[0]
+    assert all(c["choices"][0]["delta"].get("content") for c in chunks[1:-1]), chunks
+    assert all("usage" not in c for c in chunks), chunks
+    status, _, whole = server.json("/v1/chat/completions", {"messages": messages, **body})
+    events = sse_events(server.port, "/v1/chat/completions",
+                        {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                         **body})
+    usage = json.loads(events[-2])
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"], (usage, whole)
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    status, _, err = server.json("/v1/completions", {"prompt": PROMPT, "stream": True, "stream_options": 1})
+    assert status == 400 and "stream_options" in err["error"]["message"], err
     status, _, g = server.json("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and g["meta_info"]["id"], g
