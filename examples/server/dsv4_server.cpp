@@ -272,6 +272,37 @@ void refuse_pd_fields(const json &j, const std::string &why_untrusted) {
         if (!absent(j, name)) throw bad_request(std::string(name) + " is a PD routing field: " + why_untrusted);
 }
 
+// Fields that would change the output and are not supported: a 400 naming them, never a
+// silent answer to another question. Each is refused only at a value that asks for something
+// (n = 1, echo = false, a penalty of 0 are what is done anyway). Inert fields (user, metadata,
+// store, service_tier, parallel_tool_calls, ...) are accepted and ignored.
+void refuse_unsupported(const json &j, const char *where) {
+    auto asks = [&](const char *name, auto &&is_default) {
+        auto it = j.find(name);
+        if (it == j.end() || it->is_null() || is_default(*it)) return;
+        throw bad_request(std::string(name) + " = " + it->dump() + " in " + where +
+                          " is not supported by this server: drop it (docs/serving.md lists what is)");
+    };
+    auto one = [](const json &v) { return v.is_number() && v.get<double>() == 1; };
+    auto zero = [](const json &v) { return v.is_number() && v.get<double>() == 0; };
+    auto no = [](const json &v) { return v.is_boolean() && !v.get<bool>(); };
+    auto empty = [](const json &v) { return (v.is_array() || v.is_object() || v.is_string()) && v.empty(); };
+    asks("n", one);
+    asks("best_of", one);
+    asks("echo", no);
+    asks("suffix", empty);
+    asks("tools", empty);
+    asks("functions", empty);
+    asks("tool_choice", [](const json &v) { return v.is_string() && v.get<std::string>() == "none"; });
+    asks("response_format", [](const json &v) { return v.is_object() && v.value("type", std::string()) == "text"; });
+    asks("logprobs", [&](const json &v) { return no(v) || zero(v); });
+    asks("top_logprobs", zero);
+    asks("return_logprob", no);
+    asks("frequency_penalty", zero);
+    asks("presence_penalty", zero);
+    asks("repetition_penalty", one);
+}
+
 // The PD and request-id fields every generation API takes (SGLang's names): "bootstrap_room"
 // (or "pd_room"), the prefill's endpoint as "bootstrap_host" + "bootstrap_port" (or "pd_peer",
 // tcp://host:port), and "rid", the caller's id for POST /abort_request. SGLang's router sends
@@ -499,6 +530,8 @@ private:
         refuse_pd_fields(j, why_untrusted(http_req));
         const json sp = j.value("sampling_params", json::object());
         if (!sp.is_object()) throw bad_request("sampling_params must be an object");
+        refuse_unsupported(j, "the request");
+        refuse_unsupported(sp, "sampling_params");
         sampling s = sampling_of(sp, limits_, {"max_new_tokens"});
         std::vector<int32_t> prompt;
         if (!absent(j, "input_ids")) {
@@ -555,6 +588,7 @@ private:
     void openai(const web::request &http_req, web::reply &res, bool chat) {
         const json j = body(http_req);
         refuse_pd_fields(j, why_untrusted(http_req));
+        refuse_unsupported(j, "the request");
         sampling s = chat ? sampling_of(j, limits_, {"max_completion_tokens", "max_tokens"})
                           : sampling_of(j, limits_, {"max_tokens"});
         std::vector<int32_t> prompt;

@@ -731,3 +731,33 @@ def test_openai_shapes_the_sdk_reads(server, engine):
     assert status == 400 and "stream_options" in err["error"]["message"], err
     status, _, g = server.json("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and g["meta_info"]["id"], g
+
+
+def test_fields_that_would_change_the_output_are_refused_by_name_and_inert_ones_accepted(server):
+    """A field this server does not do (n > 1, logprobs, penalties, tools, a JSON response
+    format, echo, suffix) is 400 naming it, never an answer to another question; at the value
+    that asks for nothing it is accepted, as are fields that change nothing (user, metadata)."""
+    base = {"prompt": PROMPT, "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    refused = [("n", 2), ("best_of", 3), ("echo", True), ("suffix", "x"), ("logprobs", 2),
+               ("top_logprobs", 3), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+               ("tools", [{"type": "function", "function": {"name": "f"}}]),
+               ("response_format", {"type": "json_object"})]
+    for name, v in refused:
+        for path, body in (("/v1/completions", base), ("/v1/chat/completions", chat)):
+            status, _, err = server.json(path, {**body, name: v})
+            assert status == 400 and err["error"]["message"].startswith(f"{name} = "), (path, name, err)
+            assert "is not supported" in err["error"]["message"], err
+    for name, v in (("n", 2), ("return_logprob", True), ("frequency_penalty", 1)):
+        status, _, err = server.json("/generate", {"input_ids": PROMPT,
+                                                   "sampling_params": {"max_new_tokens": 2, name: v}})
+        assert status == 400 and err["error"]["message"].startswith(f"{name} = "), err
+    status, _, err = server.json("/generate", {"input_ids": PROMPT, "return_logprob": True})
+    assert status == 400 and err["error"]["message"].startswith("return_logprob = "), err
+    asks_nothing = {"n": 1, "echo": False, "frequency_penalty": 0, "presence_penalty": 0,
+                    "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False}
+    inert = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+             "parallel_tool_calls": False}
+    for path, body in (("/v1/completions", base), ("/v1/chat/completions", chat)):
+        status, _, out = server.json(path, {**body, **asks_nothing, **inert})
+        assert status == 200, (path, out)
