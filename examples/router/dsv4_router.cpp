@@ -24,7 +24,8 @@
 // GET  /health         200 when every server answers its /health with 200, else 503; per server
 // GET  /metrics        the router's counters, build info and resident memory
 // GET  /server_info    the router's version and its servers, each with its /server_info model
-// GET  /v1/models      OpenAI's model list (the servers' model)
+// GET  /v1/models      OpenAI's model list (the decode servers' --served-model-name)
+// GET  /model_info, /get_model_info, /get_server_info   SGLang's names (a decode server's model facts)
 // POST /abort_request  {"rid"}: aborts the request the client sent with that rid, on both halves
 // SIGTERM or SIGINT: stop accepting, let the requests in flight end, exit 0.
 // docs/serving.md has the details.
@@ -78,6 +79,7 @@ struct backend {
     std::string bootstrap_host;
     int bootstrap_port = 0;
     json model;  // its /server_info "model"
+    std::string served_model_name;  // its /server_info "served_model_name" (its --served-model-name)
     // Kept-alive connections: reused for 10 s idle, under the servers' 15 s.
     web::connection_pool pool;
     std::atomic<uint64_t> requests{0};
@@ -271,6 +273,11 @@ public:
             res.send(200, "text/plain; version=0.0.4", metrics());
         });
         http.get("/server_info", [this](const web::request &, web::reply &res) { server_info(res); });
+        // SGLang's name for it, and its model facts, which the decode servers hold: SGLang's
+        // router and tools ask there.
+        http.get("/get_server_info", [this](const web::request &, web::reply &res) { server_info(res); });
+        for (const char *path : {"/model_info", "/get_model_info"})
+            http.get(path, [this, path](const web::request &, web::reply &res) { model_info(res, path); });
         http.get("/v1/models", [this](const web::request &, web::reply &res) { models(res); });
         http.post("/abort_request", [this](const web::request &req, web::reply &res) { abort(req, res); });
     }
@@ -803,8 +810,20 @@ private:
 
     json first_model() const { return decodes_.front()->model; }
 
+    // A decode server's answer to `path` (the model facts), from the first that gives one.
+    void model_info(web::reply &res, const char *path) {
+        for (auto &b : decodes_) {
+            const web::call_result r = get(*b, path, kPollTimeoutS);
+            if (r.status == 200) {
+                res.send(200, "application/json", r.body);
+                return;
+            }
+        }
+        send_error(res, 503, "DSV4_ERR_UNAVAILABLE", std::string("no decode server answered ") + path);
+    }
+
     void models(web::reply &res) const {
-        const json model = {{"id", first_model().value("name", std::string("dsv4"))},
+        const json model = {{"id", decodes_.front()->served_model_name},
                             {"object", "model"},
                             {"created", static_cast<int64_t>(started_)},
                             {"owned_by", "dsv4"}};
@@ -903,6 +922,7 @@ std::unique_ptr<backend> discover(const std::string &url, const std::string &rol
                 throw std::runtime_error(url + " rejects the token in --router-token-file " + token_file +
                                          ": give both the same file");
             b->model = info.value("model", json::object());
+            b->served_model_name = info.value("served_model_name", b->model.value("name", std::string("dsv4")));
             if (role == "prefill") {
                 b->bootstrap_host = info.value("bootstrap_host", std::string());
                 b->bootstrap_port = info.value("bootstrap_port", 0);

@@ -614,7 +614,8 @@ private:
                     {"role", params.value("role", std::string("unified"))},
                     {"model", json::parse(engine_.model_info())},
                     {"params", params},
-                    {"pd_fields", trust_names[static_cast<int>(trust_)]}};
+                    {"pd_fields", trust_names[static_cast<int>(trust_)]},
+                    {"served_model_name", model_name_}};
         if (req.has(serve::kRouterTokenHeader)) out["router_token"] = token_matches(req) ? "accepted" : "rejected";
         if (out["role"] != "unified") {
             const std::string endpoint = engine_.pd_endpoint();  // tcp://host:port

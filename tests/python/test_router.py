@@ -467,3 +467,24 @@ def test_a_burst_through_the_router_gets_200_or_429(tmp_path):
     finally:
         for s in (r, d, p):
             s.stop()
+
+
+def test_the_router_answers_model_discovery_as_its_servers_do(tmp_path):
+    """/v1/models names the decode servers' --served-model-name; SGLang's /model_info and
+    /get_model_info are a decode server's own answer; /get_server_info is /server_info."""
+    (p,) = servers(tmp_path, "prefill", 1)
+    d_dir = tmp_path / "decode0"
+    d_dir.mkdir()
+    d = Server(d_dir, args=["--served-model-name", "tiny-v4"], role="decode", pd=PD)
+    r = Router([p], [d])
+    try:
+        status, _, models = r.json("/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["tiny-v4"], models
+        for path in ("/model_info", "/get_model_info"):
+            status, _, got = r.json(path)
+            assert status == 200 and got == d.json(path)[2] and got["served_model_name"] == "tiny-v4", got
+        status, _, info = r.json("/get_server_info")
+        assert status == 200 and info == r.json("/server_info")[2] and info["role"] == "router", info
+    finally:
+        for s in (r, d, p):
+            s.stop()
