@@ -814,14 +814,15 @@ impl Node {
         let crc = crate::crc::append(crate::crc::crc32c(&state_frame[wire::HEADER..]), &bytes);
         // Claimed for RMA writes on an authenticated link already (the usual case): the MAC
         // its DONE carries is made here rather than under the lock.
-        let keyed = {
+        // Without keys there is no MAC: no second look at the table.
+        let keyed = inner.cfg.auth.as_ref().and_then(|_| {
             let t = inner.table();
             t.rooms
                 .get(&room)
                 .filter(|r| r.target.is_some())
                 .and_then(|r| r.link)
                 .and_then(|l| Some((l, t.link_keys.get(&l)?.rma.clone())))
-        };
+        });
         let rma_mac = keyed.map(|(l, k)| (l, rma_mac(&k, room, &state_frame, &bytes)));
         let outgoing = Outgoing {
             header,
@@ -1761,14 +1762,7 @@ impl Inner {
             match stream.peek(&mut first) {
                 Ok(0) => return false,
                 Ok(_) => return first[0] == 22,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock
-                            | std::io::ErrorKind::TimedOut
-                            | std::io::ErrorKind::Interrupted
-                    ) =>
-                {
+                Err(e) if super::tls::is_timeout(&e) => {
                     if self.closing.load(Ordering::SeqCst) || Instant::now() >= deadline {
                         return false;
                     }
@@ -2189,7 +2183,7 @@ impl Inner {
             match stream.read(&mut buf[at..]) {
                 Ok(0) => return Err(std::io::Error::new(K::UnexpectedEof, "connection closed")),
                 Ok(n) => at += n,
-                Err(e) if matches!(e.kind(), K::WouldBlock | K::TimedOut | K::Interrupted) => {}
+                Err(e) if super::tls::is_timeout(&e) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -2536,13 +2530,16 @@ impl Inner {
     ) -> std::result::Result<(), (FailReason, String)> {
         let room = frame.room;
         // An authenticated link's RMA key: a room it writes by RMA ends with a DONE whose MAC
-        // covers the bytes.
-        let rma_key = t
-            .rooms
-            .get(&room)
-            .and_then(|r| r.link)
-            .and_then(|l| t.link_keys.get(&l))
-            .map(|k| k.rma.clone());
+        // covers the bytes (looked up for DONE only: not on every DATA frame's path).
+        let rma_key = (frame.kind == Kind::Done)
+            .then(|| {
+                t.rooms
+                    .get(&room)
+                    .and_then(|r| r.link)
+                    .and_then(|l| t.link_keys.get(&l))
+                    .map(|k| k.rma.clone())
+            })
+            .flatten();
         let r = t.rooms.get_mut(&room).expect("checked by the caller");
         let mismatch = |m: String| (FailReason::Mismatch, m);
         match frame.kind {

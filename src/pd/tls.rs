@@ -291,7 +291,9 @@ fn take_handshake(conn: &mut Connection, bytes: &[u8]) -> Result<usize, rustls::
     Ok(bytes.len() - rest.len())
 }
 
-fn is_timeout(e: &io::Error) -> bool {
+/// Whether a read only ran out of its timeout (or was interrupted): try again, or give up
+/// at a deadline.
+pub(super) fn is_timeout(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
