@@ -545,7 +545,7 @@ fn in_tls_a_pair_on_two_hosts_is_bit_equal_to_a_unified_engine() {
     let lens = [64usize, 300];
     let want = unified_tokens(common::pd_node::base(), &ids, &lens, 6);
     let hosts = Hosts::new("tlst");
-    let tls = |f: &str| format!("{}/tests/fixtures/tls/{f}", env!("CARGO_MANIFEST_DIR"));
+    let tls = common::tls_fixture;
     let mut prefill = common::pd_node::base();
     common::requests::merge(
         &mut prefill,

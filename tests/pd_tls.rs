@@ -25,17 +25,10 @@ use serde_json::{json, Value};
 
 const KEY: &str = "3f1c0d5e9a7b2468ace013579bdf2468ace013579bdf2468ace013579bdf0000";
 
-fn fixture(name: &str) -> String {
-    format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
-}
+use common::tls_fixture as fixture;
 
 fn tcp(extra: Value) -> Value {
-    let mut doc = common::pd_node::with(extra);
-    merge(
-        &mut doc,
-        json!({"pd": {"transport": "tcp", "listen": "tcp://127.0.0.1:0"}}),
-    );
-    doc
+    common::pd_node::over("tcp", extra)
 }
 
 fn prefill_tls(extra: Value) -> Value {

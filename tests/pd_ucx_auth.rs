@@ -33,12 +33,7 @@ const OLD: &str = "3f1c0d5e9a7b2468ace013579bdf2468ace013579bdf2468ace013579bdf0
 const NEW: &str = "77aa11bb22cc33dd44ee55ff6677889900aabbccddeeff001122334455667788";
 
 fn ucx(extra: Value) -> Value {
-    let mut doc = common::pd_node::with(extra);
-    merge(
-        &mut doc,
-        json!({"pd": {"transport": "ucx", "listen": "ucx://127.0.0.1:0"}}),
-    );
-    doc
+    common::pd_node::over("ucx", extra)
 }
 
 fn keyed(file: &str, extra: Value) -> Value {

@@ -17,16 +17,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::pd_node::{assert_lost_peer, rooms_match, unified_tokens, Node, ONE_AT_A_TIME};
-use common::requests::merge;
 use serde_json::{json, Value};
 
 fn ucx(extra: Value) -> Value {
-    let mut doc = common::pd_node::with(extra);
-    merge(
-        &mut doc,
-        json!({"pd": {"transport": "ucx", "listen": "ucx://127.0.0.1:0"}}),
-    );
-    doc
+    common::pd_node::over("ucx", extra)
 }
 
 /// [`ucx`] with RMA over UCX's tcp transport (emulated puts) forced.

@@ -214,6 +214,11 @@ pub fn pd_doc(role: &str, transport: &str) -> Value {
     json!({"role": role, "pd": {"transport": transport, "listen": format!("{transport}://127.0.0.1:0")}})
 }
 
+/// A file of the test certificates for `pd.tls` (tests/fixtures/tls/README.md).
+pub fn tls_fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
 /// A `pd.auth_key_file` holding `secrets`, a line each, named `name` in a directory of this
 /// test process's own.
 pub fn key_file(name: &str, secrets: &[&str]) -> String {

@@ -34,6 +34,17 @@ pub fn with(extra: Value) -> Value {
     doc
 }
 
+/// [`with`] `extra`, PD over `transport` ("tcp" or "ucx") on a free loopback port.
+pub fn over(transport: &str, extra: Value) -> Value {
+    let mut doc = with(extra);
+    super::requests::merge(
+        &mut doc,
+        serde_json::json!({"pd": {"transport": transport,
+                                  "listen": format!("{transport}://127.0.0.1:0")}}),
+    );
+    doc
+}
+
 pub fn pd_node_binary() -> PathBuf {
     let exe = std::env::current_exe().expect("the test executable's path");
     // target/<profile>/deps/pd_processes-<hash> -> target/<profile>/examples/pd_node
